@@ -1,0 +1,56 @@
+# synflux_ros developer entry points. Everything lives in .venv/ (ROS 2 from PyPI wheels, the package
+# installed into the venv prefix by CMake exactly as colcon would install it on a robot).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(abspath $(VENV))/bin/python
+PREFIX := $(abspath $(VENV))
+BUILD := build
+export AMENT_PREFIX_PATH := $(PREFIX)
+export CMAKE_PREFIX_PATH := $(PREFIX)
+# Keep DDS traffic on this machine.
+export ROS_AUTOMATIC_DISCOVERY_RANGE := LOCALHOST
+
+SOURCES := $(shell find synflux_ros msg srv scripts launch config -type f -not -path '*/__pycache__/*') \
+           CMakeLists.txt package.xml
+
+.PHONY: all venv install test unit integration demo bench clean
+
+all: install
+
+venv: $(VENV)/.stamp-deps
+
+$(VENV)/.stamp-deps: requirements-ros.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip>=23"
+	$(PY) -m pip install --quiet -r requirements-ros.txt
+	touch $@
+
+# Configure, build and install the interfaces + Python package into the venv prefix.
+install: $(VENV)/.stamp-install
+
+$(VENV)/.stamp-install: $(VENV)/.stamp-deps $(SOURCES)
+	cmake -S . -B $(BUILD) -DCMAKE_INSTALL_PREFIX=$(PREFIX) -DBUILD_TESTING=OFF \
+	      -DPython3_EXECUTABLE=$(PY) -DCMAKE_BUILD_TYPE=Release > $(BUILD).log 2>&1 \
+	      || { tail -40 $(BUILD).log; exit 1; }
+	cmake --build $(BUILD) -j2 >> $(BUILD).log 2>&1 || { tail -40 $(BUILD).log; exit 1; }
+	cmake --install $(BUILD) >> $(BUILD).log 2>&1 || { tail -40 $(BUILD).log; exit 1; }
+	touch $@
+
+# The tests import the installed package (with its generated messages), not the source tree.
+test: install
+	cd test && $(PY) -m pytest -q -rs unit integration launch
+
+unit: install
+	cd test && $(PY) -m pytest -q unit
+
+integration: install
+	cd test && $(PY) -m pytest -q -rs integration
+
+demo: install
+	$(PY) -m synflux_ros.nodes.demo
+
+bench: install
+	$(PY) -m synflux_ros.nodes.bench
+
+clean:
+	rm -rf $(BUILD) $(BUILD).log $(VENV)

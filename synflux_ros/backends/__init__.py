@@ -1,0 +1,64 @@
+"""Backend registry: a backend name maps to ``module:Class`` plus the packages it needs.
+
+Modules are imported lazily, only when their backend is selected, so a machine without TensorRT can
+still run the mock backend. Two different errors:
+
+* ``UnknownBackendError``: the name is not in the table ("unknown backend 'trt' (choices: ...)");
+* ``BackendUnavailableError``: the name is known but a package it needs is not installed.
+
+Adding a backend = one module implementing the five hooks of :class:`synflux_ros.core.executor.Executor`
+and one row in ``EXECUTORS``.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+from dataclasses import dataclass
+
+
+class UnknownBackendError(ValueError):
+    pass
+
+
+class BackendUnavailableError(ImportError):
+    pass
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    target: str  # "package.module:ClassName"
+    requires: tuple[str, ...] = ()  # importable module names the backend needs
+    install_hint: str = ""
+
+
+EXECUTORS: dict[str, BackendEntry] = {
+    "mock": BackendEntry("synflux_ros.backends.mock:MockExecutor"),
+}
+
+
+def available_backends() -> list[str]:
+    return sorted(EXECUTORS)
+
+
+def resolve_executor_class(name: str):
+    """Return the executor class registered as ``name`` (importing its module now)."""
+    entry = EXECUTORS.get(name)
+    if entry is None:
+        close = difflib.get_close_matches(name, EXECUTORS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise UnknownBackendError(f"unknown backend {name!r} (choices: {', '.join(available_backends())}){hint}")
+    for pkg in entry.requires:
+        if importlib.util.find_spec(pkg) is None:
+            hint = f" ({entry.install_hint})" if entry.install_hint else ""
+            raise BackendUnavailableError(
+                f"backend {name!r} needs the Python package {pkg!r}, which is not installed{hint}")
+    module_name, _, cls_name = entry.target.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, cls_name)
+
+
+def build_executor(name: str, graphs, graph_dir: str = "", options: dict | None = None):
+    """Instantiate (not load) the executor registered as ``name``."""
+    cls = resolve_executor_class(name)
+    return cls(graphs, graph_dir=graph_dir, options=options)

@@ -1,0 +1,295 @@
+"""Executor base class: graph bookkeeping, static device buffers, shape contracts and timing.
+
+A backend (mock, onnxruntime, TensorRT, a vendor NPU SDK) subclasses :class:`Executor` and fills five
+hooks::
+
+    _load_graph(path, meta) -> handle        load one compiled graph
+    _execute(handle, device_inputs, device_outputs, meta)
+                                             run it; inputs and outputs are device buffers that the
+                                             base class allocated once at load time
+    _alloc_device(nbytes) -> device buffer   allocate device memory
+    _h2d(host_array, device_buffer)          host -> device copy
+    _d2h(device_buffer, shape, dtype)        device -> host copy, returns a new numpy array
+
+and may override ``_write_region`` (a strided host -> device copy into part of a tensor, used to append
+new KV entries to a cache slot; the default goes through ``_d2h``/``_h2d``), ``_free_device`` and
+``_unload_graph``.
+
+Everything a graph consumes or produces is declared by its :class:`GraphMeta`; :meth:`Executor.run`
+checks every feed against it, so a wrong shape fails with the graph and tensor named instead of
+producing garbage on the device.
+"""
+from __future__ import annotations
+
+import abc
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .memory import StaticMemoryPool
+
+
+class ShapeError(ValueError):
+    """A tensor does not match the graph's declared shape or dtype."""
+
+
+class GraphNotFoundError(KeyError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    resident: bool = False
+    """Inputs only: always bound to a caller-owned device tensor (e.g. a KV-cache slot), so the executor
+    allocates no staging buffer for it."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        if self.resident:
+            d["resident"] = True
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TensorSpec":
+        return cls(d["name"], tuple(int(x) for x in d["shape"]), str(d["dtype"]), bool(d.get("resident", False)))
+
+
+@dataclass(frozen=True)
+class GraphMeta:
+    """Static description of one graph: what goes in, what comes out, which kind of computation."""
+
+    name: str
+    kind: str  # vision_encoder | embed | prefill | decode | action_expert
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    group: str = ""
+    """Graphs of one group never run at the same time and share staging buffers (e.g. all prefill
+    buckets), so memory is sized by the largest member instead of the sum."""
+    file: str = ""
+    attrs: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self):
+        if not self.group:
+            object.__setattr__(self, "group", self.name)
+
+    def input(self, name: str) -> TensorSpec:
+        for t in self.inputs:
+            if t.name == name:
+                return t
+        raise KeyError(f"graph {self.name!r} has no input {name!r}")
+
+    def output(self, name: str) -> TensorSpec:
+        for t in self.outputs:
+            if t.name == name:
+                return t
+        raise KeyError(f"graph {self.name!r} has no output {name!r}")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "group": self.group, "file": self.file,
+                "inputs": [t.to_dict() for t in self.inputs],
+                "outputs": [t.to_dict() for t in self.outputs], "attrs": dict(self.attrs)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GraphMeta":
+        return cls(d["name"], d["kind"], tuple(TensorSpec.from_dict(t) for t in d["inputs"]),
+                   tuple(TensorSpec.from_dict(t) for t in d["outputs"]), d.get("group", ""),
+                   d.get("file", ""), dict(d.get("attrs", {})))
+
+
+@dataclass(frozen=True)
+class DeviceTensor:
+    """A caller-owned tensor that lives in device memory (KV-cache slots)."""
+
+    name: str
+    handle: object
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class GraphStats:
+    calls: int = 0
+    total_ms: float = 0.0
+    last_ms: float = 0.0
+
+    @property
+    def mean_ms(self) -> float:
+        return self.total_ms / self.calls if self.calls else 0.0
+
+
+class Executor(abc.ABC):
+    """Base class of every backend. Subclasses set ``name`` and implement the five hooks."""
+
+    name = "base"
+
+    def __init__(self, graphs: list[GraphMeta], graph_dir: str = "", options: dict | None = None):
+        names = [g.name for g in graphs]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate graph names: {sorted(dup)}")
+        self.graphs: dict[str, GraphMeta] = {g.name: g for g in graphs}
+        self.graph_dir = graph_dir
+        self.options = dict(options or {})
+        self.pool: StaticMemoryPool | None = None
+        self._handles: dict[str, object] = {}
+        self._staging: dict[tuple[str, str], object] = {}
+        self._group_locks: dict[str, threading.Lock] = {}
+        self.stats: dict[str, GraphStats] = {n: GraphStats() for n in self.graphs}
+        self._loaded = False
+
+    # ------------------------------------------------------------------ hooks
+    @abc.abstractmethod
+    def _load_graph(self, path: str, meta: GraphMeta) -> object:
+        """Load one compiled graph from ``path`` (empty for backends that need no files)."""
+
+    @abc.abstractmethod
+    def _execute(self, graph_handle: object, device_inputs: dict, device_outputs: dict, meta: GraphMeta) -> None:
+        """Run a graph. ``device_inputs``/``device_outputs`` map tensor names to device buffers."""
+
+    @abc.abstractmethod
+    def _alloc_device(self, nbytes: int) -> object:
+        """Allocate ``nbytes`` of device memory and return a handle to it."""
+
+    @abc.abstractmethod
+    def _h2d(self, data: np.ndarray, device_buffer: object) -> None:
+        """Copy a C-contiguous host array into a device buffer."""
+
+    @abc.abstractmethod
+    def _d2h(self, device_buffer: object, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        """Copy ``prod(shape)`` elements from a device buffer into a new host array."""
+
+    def _write_region(self, device_buffer: object, shape, dtype: str, index: tuple, data: np.ndarray) -> None:
+        """Write ``data`` into ``tensor[index]``. Backends with strided copies should override this."""
+        full = self._d2h(device_buffer, shape, dtype)
+        full[index] = data
+        self._h2d(np.ascontiguousarray(full), device_buffer)
+
+    def _free_device(self, device_buffer: object) -> None:  # noqa: B027 - optional hook
+        """Release device memory (optional: process exit frees it too)."""
+
+    def _unload_graph(self, graph_handle: object) -> None:  # noqa: B027 - optional hook
+        """Release a loaded graph (optional)."""
+
+    # ------------------------------------------------------------------ lifecycle
+    def graph_path(self, meta: GraphMeta) -> str:
+        if not meta.file:
+            return ""
+        return meta.file if os.path.isabs(meta.file) else os.path.join(self.graph_dir, meta.file)
+
+    def load(self) -> "Executor":
+        """Load every graph and allocate every staging buffer. Idempotent."""
+        if self._loaded:
+            return self
+        self.pool = StaticMemoryPool(self._alloc_device, self._free_device)
+        sizes: dict[tuple[str, str], int] = {}
+        for meta in self.graphs.values():
+            self._handles[meta.name] = self._load_graph(self.graph_path(meta), meta)
+            self._group_locks.setdefault(meta.group, threading.Lock())
+            for spec in meta.inputs + meta.outputs:
+                if spec.resident:
+                    continue
+                key = (meta.group, spec.name)
+                sizes[key] = max(sizes.get(key, 0), spec.nbytes)
+        for (group, tensor), nbytes in sizes.items():
+            self._staging[(group, tensor)] = self.pool.allocate(f"{group}/{tensor}", nbytes)
+        self._loaded = True
+        return self
+
+    def alloc_tensor(self, name: str, shape: tuple[int, ...], dtype: str, zero: bool = True) -> DeviceTensor:
+        """Allocate a caller-owned device tensor (before :meth:`freeze`)."""
+        self._require_loaded()
+        shape = tuple(int(s) for s in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        handle = self.pool.allocate(name, nbytes)
+        if zero:
+            self._h2d(np.zeros(shape, dtype), handle)
+        return DeviceTensor(name, handle, shape, dtype)
+
+    def freeze(self) -> None:
+        """End of load: from now on any device allocation is an error."""
+        self._require_loaded()
+        self.pool.freeze()
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            self._unload_graph(h)
+        self._handles.clear()
+        self._staging.clear()
+        if self.pool is not None:
+            self.pool.release_all()
+        self._loaded = False
+
+    @property
+    def loaded(self) -> bool:
+        return self._loaded
+
+    @property
+    def device_bytes(self) -> int:
+        return self.pool.allocated_bytes if self.pool else 0
+
+    def _require_loaded(self):
+        if not self._loaded:
+            raise RuntimeError(f"{self.name} executor: call load() first")
+
+    # ------------------------------------------------------------------ running
+    def check_feeds(self, meta: GraphMeta, feeds: dict) -> None:
+        expected = {t.name for t in meta.inputs}
+        missing = expected - feeds.keys()
+        extra = feeds.keys() - expected
+        if missing or extra:
+            raise ShapeError(f"graph {meta.name!r}: missing inputs {sorted(missing)}, unexpected {sorted(extra)}"
+                             f" (expects {sorted(expected)})")
+        for spec in meta.inputs:
+            value = feeds[spec.name]
+            if spec.resident and not isinstance(value, DeviceTensor):
+                raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} must be a device tensor")
+            shape = tuple(value.shape)
+            dtype = np.dtype(value.dtype).name
+            if shape != spec.shape or dtype != spec.dtype:
+                raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} expects {spec.dtype}{list(spec.shape)}, "
+                                 f"got {dtype}{list(shape)}")
+
+    def run(self, graph: str, feeds: dict) -> dict[str, np.ndarray]:
+        """Run ``graph`` on ``feeds`` (numpy arrays or :class:`DeviceTensor`), return host outputs."""
+        self._require_loaded()
+        meta = self.graphs.get(graph)
+        if meta is None:
+            raise GraphNotFoundError(f"no graph {graph!r} (have: {', '.join(sorted(self.graphs))})")
+        self.check_feeds(meta, feeds)
+        with self._group_locks[meta.group]:
+            device_inputs = {}
+            for spec in meta.inputs:
+                value = feeds[spec.name]
+                if isinstance(value, DeviceTensor):
+                    device_inputs[spec.name] = value.handle
+                else:
+                    buf = self._staging[(meta.group, spec.name)]
+                    self._h2d(np.ascontiguousarray(value), buf)
+                    device_inputs[spec.name] = buf
+            device_outputs = {spec.name: self._staging[(meta.group, spec.name)] for spec in meta.outputs}
+            t0 = time.perf_counter()
+            self._execute(self._handles[graph], device_inputs, device_outputs, meta)
+            ms = (time.perf_counter() - t0) * 1e3
+            out = {spec.name: self._d2h(device_outputs[spec.name], spec.shape, spec.dtype) for spec in meta.outputs}
+        st = self.stats[graph]
+        st.calls += 1
+        st.total_ms += ms
+        st.last_ms = ms
+        return out
+
+    def write(self, tensor: DeviceTensor, index: tuple, data: np.ndarray) -> None:
+        """Write host ``data`` into ``tensor[index]`` on the device."""
+        self._write_region(tensor.handle, tensor.shape, tensor.dtype, index, np.asarray(data, tensor.dtype))
+
+    def read(self, tensor: DeviceTensor) -> np.ndarray:
+        return self._d2h(tensor.handle, tensor.shape, tensor.dtype)

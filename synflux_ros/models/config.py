@@ -1,0 +1,344 @@
+"""Model configuration: one YAML file per model, loaded into validated dataclasses.
+
+A bad value fails at load time with its field path and what is allowed, e.g.::
+
+    ConfigError: vla_pi0.yaml: action.head_type: 'flow' is not allowed (choices: flow_matching, autoregressive)
+    ConfigError: vlm_demo.yaml: llm.num_layerz: unknown field (did you mean 'num_layers'?)
+
+Switching models means switching the YAML file; nothing in the code branches on file names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+def _spec(default=dataclasses.MISSING, *, choices=None, min=None, max=None, doc="", default_factory=None):
+    meta = {"choices": choices, "min": min, "max": max, "doc": doc}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionConfig:
+    resolution: tuple[int, int] = _spec((448, 448), min=1, doc="fixed input size [H, W] of the vision encoder")
+    tile_size: tuple[int, int] = _spec((224, 224), min=1, doc="tile size [h, w]; must divide resolution")
+    tokens_per_tile: int = _spec(256, min=1, doc="vision tokens produced per tile")
+    resize: str = _spec("letterbox", choices=("letterbox", "stretch"))
+    pad_value: int = _spec(0, min=0, max=255)
+    mean: tuple[float, float, float] = _spec((0.5, 0.5, 0.5))
+    std: tuple[float, float, float] = _spec((0.5, 0.5, 0.5))
+
+    def __post_init__(self):
+        for i, axis in enumerate(("height", "width")):
+            if self.resolution[i] % self.tile_size[i]:
+                raise ConfigError(
+                    f"vision.tile_size: {self.tile_size[i]} does not divide the resolution {axis} "
+                    f"{self.resolution[i]}")
+        if any(s <= 0 for s in self.std):
+            raise ConfigError(f"vision.std: values must be > 0, got {list(self.std)}")
+
+    @property
+    def num_tiles(self) -> int:
+        return (self.resolution[0] // self.tile_size[0]) * (self.resolution[1] // self.tile_size[1])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_tiles * self.tokens_per_tile
+
+
+@dataclass(frozen=True, kw_only=True)
+class LLMConfig:
+    num_layers: int = _spec(min=1)
+    hidden_dim: int = _spec(min=1)
+    num_heads: int = _spec(min=1)
+    num_kv_heads: int = _spec(0, min=0, doc="0 = num_heads (multi-head attention)")
+    head_dim: int = _spec(0, min=0, doc="0 = hidden_dim / num_heads")
+    vocab_size: int = _spec(min=1)
+    prefill_buckets: tuple[int, ...] = _spec(min=1, doc="new-token counts of the prefill graphs")
+    decode_buckets: tuple[int, ...] = _spec(min=1, doc="attention spans of the decode graphs")
+    max_seq_len: int = _spec(min=1, doc="KV-cache positions per session")
+    kv_dtype: str = _spec("float32", choices=DTYPES)
+
+    def __post_init__(self):
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim == 0:
+            if self.hidden_dim % self.num_heads:
+                raise ConfigError(f"llm.head_dim: hidden_dim {self.hidden_dim} is not divisible by "
+                                  f"num_heads {self.num_heads}; set head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.hidden_dim // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"llm.num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        for name in ("prefill_buckets", "decode_buckets"):
+            buckets = getattr(self, name)
+            if not buckets:
+                raise ConfigError(f"llm.{name}: at least one bucket is required")
+            if list(buckets) != sorted(set(buckets)):
+                raise ConfigError(f"llm.{name}: buckets must be strictly increasing, got {list(buckets)}")
+            if buckets[-1] > self.max_seq_len:
+                raise ConfigError(f"llm.{name}: bucket {buckets[-1]} exceeds max_seq_len {self.max_seq_len}")
+        if self.decode_buckets[-1] != self.max_seq_len:
+            raise ConfigError(f"llm.decode_buckets: the largest bucket must equal max_seq_len "
+                              f"({self.max_seq_len}) so every cache position can be decoded, "
+                              f"got {list(self.decode_buckets)}")
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of one session's KV cache: [layers, 2, kv_heads, max_seq, head_dim]."""
+        return (self.num_layers, 2, self.num_kv_heads, self.max_seq_len, self.head_dim)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActionConfig:
+    head_type: str = _spec(choices=("flow_matching", "autoregressive"))
+    action_dim: int = _spec(min=1)
+    action_horizon: int = _spec(min=1, doc="steps per chunk")
+    step_period: float = _spec(0.02, min=1e-6, doc="seconds between two steps of a chunk")
+    num_denoise_steps: int = _spec(10, min=1, doc="flow matching: Euler steps")
+    seed: int = _spec(0, min=0, doc="flow matching: base seed of the initial noise")
+    num_bins: int = _spec(256, min=2, doc="autoregressive: uniform bins over [-1, 1]")
+    token_vocab_size: int = _spec(0, min=0, doc="autoregressive: vocabulary whose last num_bins ids are the "
+                                                "action tokens (0 = llm.vocab_size; OpenVLA: 32000)")
+    norm_q01: tuple[float, ...] = _spec(default_factory=tuple, doc="per-dimension 1st percentile")
+    norm_q99: tuple[float, ...] = _spec(default_factory=tuple, doc="per-dimension 99th percentile")
+    norm_mask: tuple[bool, ...] = _spec(default_factory=tuple, doc="False = keep the dimension as predicted")
+
+    def __post_init__(self):
+        for name in ("norm_q01", "norm_q99", "norm_mask"):
+            v = getattr(self, name)
+            if v and len(v) != self.action_dim:
+                raise ConfigError(f"action.{name}: {len(v)} values given, action_dim is {self.action_dim}")
+        if bool(self.norm_q01) != bool(self.norm_q99):
+            raise ConfigError("action.norm_q01 / action.norm_q99: give both or neither")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextConfig:
+    max_new_tokens: int = _spec(256, min=1)
+    do_sample: bool = _spec(False)
+    temperature: float = _spec(0.7, min=0.0, max=100.0)
+    top_p: float = _spec(0.9, min=1e-6, max=1.0)
+    eos_token_ids: tuple[int, ...] = _spec(default_factory=tuple, doc="empty = the tokenizer's eos")
+    seed: int = _spec(0, min=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerConfig:
+    path: str = _spec("", doc="tokenizer.json; empty = byte-level tokenizer")
+    prompt_template: str = _spec("{instruction}\n", doc="VLA: how an instruction becomes the text prompt")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionConfig:
+    max_sessions: int = _spec(4, min=1, doc="KV-cache slots = concurrent chat sessions")
+    eviction: str = _spec("lru", choices=("lru", "refuse"), doc="when all slots are taken")
+    reuse_kv_cache: bool = _spec(True, doc="False recomputes the whole history every turn")
+    max_images_per_turn: int = _spec(4, min=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorConfig:
+    backend: str = _spec("mock")
+    graph_dir: str = _spec("", doc="directory of compiled graphs (manifest.json)")
+    latency_ms: dict[str, float] = _spec(
+        default_factory=dict, doc="mock: simulated device latency per graph name or prefix")
+    options: dict[str, Any] = _spec(default_factory=dict, doc="backend-specific options")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    queue_depth: int = _spec(1, min=1, max=64, doc="frames waiting between two stages")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str = _spec()
+    mode: str = _spec(choices=("vla", "vlm"))
+    vision: VisionConfig = _spec(default_factory=VisionConfig)
+    llm: LLMConfig = _spec()
+    action: ActionConfig | None = _spec(None)
+    text: TextConfig = _spec(default_factory=TextConfig)
+    tokenizer: TokenizerConfig = _spec(default_factory=TokenizerConfig)
+    session: SessionConfig = _spec(default_factory=SessionConfig)
+    executor: ExecutorConfig = _spec(default_factory=ExecutorConfig)
+    pipeline: PipelineConfig = _spec(default_factory=PipelineConfig)
+    default_instruction: str = _spec("pick up the object")
+    source: str = _spec("", doc="file the config was loaded from (set by the loader)")
+
+    def __post_init__(self):
+        if self.mode == "vla" and self.action is None:
+            raise ConfigError("action: required when mode is 'vla'")
+        if self.action is not None and self.action.head_type == "autoregressive":
+            vocab = self.action.token_vocab_size or self.llm.vocab_size
+            if not self.action.num_bins <= vocab <= self.llm.vocab_size:
+                raise ConfigError(f"action.token_vocab_size: {vocab} must lie between action.num_bins "
+                                  f"({self.action.num_bins}) and llm.vocab_size ({self.llm.vocab_size})")
+        if self.mode == "vla" and self.vision.num_tokens >= self.llm.max_seq_len:
+            raise ConfigError(f"llm.max_seq_len: {self.llm.max_seq_len} leaves no room after "
+                              f"{self.vision.num_tokens} vision tokens")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    def hash(self) -> str:
+        """Hash of everything that shapes the graphs (not the file name)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def with_overrides(self, **sections) -> "ModelConfig":
+        """Return a copy with some fields replaced, e.g. ``executor={'backend': 'mock'}``."""
+        raw = self.to_dict()
+        for key, value in sections.items():
+            if isinstance(value, dict) and isinstance(raw.get(key), dict):
+                raw[key] = {**raw[key], **value}
+            else:
+                raw[key] = value
+        return from_dict(raw, source=self.source)
+
+
+# ----------------------------------------------------------------------------------------------
+# Generic loader: dict -> dataclass with type, choice and range checks and field paths in errors.
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value, tp, path: str, meta: dict):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], path, meta)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return _build(tp, value, path + ".")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            items = [_convert(v, args[0], f"{path}[{i}]", meta) for i, v in enumerate(value)]
+        else:
+            if len(value) != len(args):
+                raise ConfigError(f"{path}: expected {len(args)} values, got {len(value)} ({list(value)})")
+            items = [_convert(v, a, f"{path}[{i}]", meta) for i, (v, a) in enumerate(zip(value, args))]
+        return tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return {str(k): (_convert(v, args[1], f"{path}.{k}", {}) if args[1] is not Any else v)
+                for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        value = float(value)
+    elif tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise ConfigError(f"{path}: {value!r} is not allowed (choices: {', '.join(meta['choices'])})")
+    if isinstance(value, (int, float)):
+        if meta.get("min") is not None and value < meta["min"]:
+            raise ConfigError(f"{path}: {value!r} is below the minimum {meta['min']}")
+        if meta.get("max") is not None and value > meta["max"]:
+            raise ConfigError(f"{path}: {value!r} is above the maximum {meta['max']}")
+    return value
+
+
+def _build(cls, raw: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(fields)})"
+            raise ConfigError(f"{prefix}{key}: unknown field{hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        path = prefix + name
+        if name in raw:
+            kwargs[name] = _convert(raw[name], hints[name], path, dict(f.metadata))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{path}: required field is missing")
+    # __post_init__ checks raise ConfigError with their own field paths.
+    return cls(**kwargs)
+
+
+def from_dict(raw: dict, source: str = "") -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source or 'config'}: top level must be a mapping, got {type(raw).__name__}")
+    raw = dict(raw)
+    raw.pop("source", None)
+    try:
+        cfg = _build(ModelConfig, raw, "")
+    except ConfigError as exc:
+        raise ConfigError(f"{os.path.basename(source)}: {exc}" if source else str(exc)) from None
+    object.__setattr__(cfg, "source", source)
+    return cfg
+
+
+def load_config(path: str) -> ModelConfig:
+    """Load and validate a model YAML file."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    with open(path, encoding="utf-8") as fh:
+        try:
+            raw = yaml.safe_load(fh)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return from_dict(raw or {}, source=os.path.abspath(path))
+
+
+def describe_fields(cls=ModelConfig, prefix: str = "") -> list[str]:
+    """One line per field: path, type, default, constraints (used by the docs and `--help`)."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name == "source":
+            continue
+        tp = hints[f.name]
+        inner = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+        if dataclasses.is_dataclass(inner[0]):
+            lines.extend(describe_fields(inner[0], prefix + f.name + "."))
+            continue
+        meta = f.metadata
+        extra = []
+        if meta.get("choices"):
+            extra.append("choices: " + ", ".join(meta["choices"]))
+        if meta.get("min") is not None:
+            extra.append(f"min {meta['min']}")
+        if meta.get("max") is not None:
+            extra.append(f"max {meta['max']}")
+        default = "required" if (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING) \
+            else repr(f.default if f.default is not dataclasses.MISSING else f.default_factory())
+        doc = meta.get("doc", "")
+        lines.append(f"{prefix}{f.name} ({_type_name(tp)}; {default}{'; ' + '; '.join(extra) if extra else ''})"
+                     f"{': ' + doc if doc else ''}")
+    return lines

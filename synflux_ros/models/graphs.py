@@ -1,0 +1,73 @@
+"""The static graph set of a model: one spec that drives the mock backend, the build tool and the tests.
+
+For a config with prefill buckets P and decode buckets D (S = max_seq_len, H = hidden, V = vocab,
+L/KV/Dh = layers / kv heads / head dim, T = vision tiles)::
+
+    vision_encoder      pixel_values [T,3,th,tw] f32                  -> vision_embeds [T*tokens_per_tile, H]
+    embed_<p>           input_ids [1,p] i64                           -> inputs_embeds [1,p,H]
+    prefill_<p>         inputs_embeds [1,p,H], num_tokens [1], cache_position [1], past_kv [L,2,KV,S,Dh]
+                                                                      -> logits [1,V], new_kv [L,2,KV,p,Dh]
+    decode_<d>          input_ids [1,1], cache_position [1], past_kv  -> logits [1,V], new_kv [L,2,KV,1,Dh]
+    action_expert_<d>   noisy_actions [1,h,a], timestep [1], prefix_len [1], past_kv
+                                                                      -> velocity [1,h,a]   (flow matching)
+
+``past_kv`` is the session's whole cache slot, bound in place (``resident``); a graph reads only the
+positions below its bucket (decode / action-expert buckets are attention spans) and returns the new
+entries, which the runtime appends at ``cache_position``. ``logits`` are those of the last valid token.
+"""
+from __future__ import annotations
+
+from ..core.executor import GraphMeta, TensorSpec
+from .config import ModelConfig
+
+F32, I64 = "float32", "int64"
+
+
+def select_bucket(buckets, needed: int) -> int:
+    """Smallest bucket >= needed."""
+    for b in buckets:
+        if b >= needed:
+            return b
+    raise ValueError(f"{needed} exceeds the largest bucket {buckets[-1]}")
+
+
+def kv_spec(cfg: ModelConfig) -> TensorSpec:
+    return TensorSpec("past_kv", cfg.llm.kv_shape, cfg.llm.kv_dtype, resident=True)
+
+
+def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
+    llm, vis = cfg.llm, cfg.vision
+    L, KV, Dh, H, V = llm.num_layers, llm.num_kv_heads, llm.head_dim, llm.hidden_dim, llm.vocab_size
+    kv = kv_spec(cfg)
+    graphs = [GraphMeta(
+        "vision_encoder", "vision_encoder",
+        (TensorSpec("pixel_values", (vis.num_tiles, 3, *vis.tile_size), F32),),
+        (TensorSpec("vision_embeds", (vis.num_tokens, H), F32),),
+        file="vision_encoder.onnx")]
+    for p in llm.prefill_buckets:
+        graphs.append(GraphMeta(
+            f"embed_{p}", "embed", (TensorSpec("input_ids", (1, p), I64),),
+            (TensorSpec("inputs_embeds", (1, p, H), F32),), group="embed", file=f"embed_{p}.onnx",
+            attrs={"bucket": p}))
+        graphs.append(GraphMeta(
+            f"prefill_{p}", "prefill",
+            (TensorSpec("inputs_embeds", (1, p, H), F32), TensorSpec("num_tokens", (1,), I64),
+             TensorSpec("cache_position", (1,), I64), kv),
+            (TensorSpec("logits", (1, V), F32), TensorSpec("new_kv", (L, 2, KV, p, Dh), llm.kv_dtype)),
+            group="prefill", file=f"prefill_{p}.onnx", attrs={"bucket": p}))
+    for d in llm.decode_buckets:
+        graphs.append(GraphMeta(
+            f"decode_{d}", "decode",
+            (TensorSpec("input_ids", (1, 1), I64), TensorSpec("cache_position", (1,), I64), kv),
+            (TensorSpec("logits", (1, V), F32), TensorSpec("new_kv", (L, 2, KV, 1, Dh), llm.kv_dtype)),
+            group="decode", file=f"decode_{d}.onnx", attrs={"bucket": d, "hidden_dim": H}))
+    act = cfg.action
+    if cfg.mode == "vla" and act.head_type == "flow_matching":
+        for d in llm.decode_buckets:
+            graphs.append(GraphMeta(
+                f"action_expert_{d}", "action_expert",
+                (TensorSpec("noisy_actions", (1, act.action_horizon, act.action_dim), F32),
+                 TensorSpec("timestep", (1,), F32), TensorSpec("prefix_len", (1,), I64), kv),
+                (TensorSpec("velocity", (1, act.action_horizon, act.action_dim), F32),),
+                group="action_expert", file=f"action_expert_{d}.onnx", attrs={"bucket": d}))
+    return graphs

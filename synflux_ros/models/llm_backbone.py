@@ -1,0 +1,76 @@
+"""LLM backbone over static bucket graphs: token embedding, chunked prefill, single-token decode.
+
+Prefill of ``n`` new tokens at cache position ``start`` runs the smallest prefill bucket that fits (in
+chunks of the largest bucket when ``n`` is larger) and appends the returned KV entries to the slot.
+Decode runs the smallest decode bucket whose attention span covers the position.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.executor import DeviceTensor, Executor
+from .config import ModelConfig
+from .graphs import select_bucket
+
+
+class ContextOverflowError(ValueError):
+    pass
+
+
+class LLMBackbone:
+    def __init__(self, cfg: ModelConfig, executor: Executor):
+        self.cfg = cfg
+        self.ex = executor
+        self.prefill_buckets = cfg.llm.prefill_buckets
+        self.decode_buckets = cfg.llm.decode_buckets
+        self.max_seq = cfg.llm.max_seq_len
+        self.hidden = cfg.llm.hidden_dim
+
+    def _chunks(self, n: int):
+        """(offset, length, bucket) covering n tokens: full largest buckets, then the smallest fit."""
+        big = self.prefill_buckets[-1]
+        off = 0
+        while off < n:
+            m = min(big, n - off)
+            yield off, m, select_bucket(self.prefill_buckets, m)
+            off += m
+
+    def embed(self, ids) -> np.ndarray:
+        """Token ids -> embeddings [n, H] through the embed graphs."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        out = np.empty((ids.size, self.hidden), np.float32)
+        for off, m, b in self._chunks(ids.size):
+            padded = np.zeros((1, b), np.int64)
+            padded[0, :m] = ids[off:off + m]
+            out[off:off + m] = self.ex.run(f"embed_{b}", {"input_ids": padded})["inputs_embeds"][0, :m]
+        return out
+
+    def prefill(self, slot: DeviceTensor, start: int, embeds: np.ndarray) -> np.ndarray:
+        """Append ``embeds`` [n, H] at cache position ``start``; return the last token's logits [V]."""
+        n = embeds.shape[0]
+        if n < 1:
+            raise ValueError("prefill needs at least one token")
+        if start + n > self.max_seq:
+            raise ContextOverflowError(f"{start} cached + {n} new tokens exceed the context of {self.max_seq}")
+        logits = None
+        for off, m, b in self._chunks(n):
+            x = np.zeros((1, b, self.hidden), np.float32)
+            x[0, :m] = embeds[off:off + m]
+            pos = start + off
+            out = self.ex.run(f"prefill_{b}", {
+                "inputs_embeds": x, "num_tokens": np.array([m], np.int64),
+                "cache_position": np.array([pos], np.int64), "past_kv": slot})
+            self.ex.write(slot, np.s_[:, :, :, pos:pos + m], out["new_kv"][:, :, :, :m])
+            logits = out["logits"][0]
+        return logits
+
+    def decode(self, slot: DeviceTensor, pos: int, token: int) -> np.ndarray:
+        """Feed one token at cache position ``pos``; return its logits [V]."""
+        if pos >= self.max_seq:
+            raise ContextOverflowError(f"cache position {pos} is beyond the context of {self.max_seq}")
+        d = select_bucket(self.decode_buckets, pos + 1)
+        out = self.ex.run(f"decode_{d}", {
+            "input_ids": np.array([[token]], np.int64), "cache_position": np.array([pos], np.int64),
+            "past_kv": slot})
+        self.ex.write(slot, np.s_[:, :, :, pos:pos + 1], out["new_kv"])
+        return out["logits"][0]

@@ -1,0 +1,99 @@
+"""Tokenizers: a Hugging Face ``tokenizer.json`` when the config names one, byte-level otherwise.
+
+The runtimes need, besides encode/decode, a few special tokens of the chat template
+(``<|im_start|>``, ``<|im_end|>``, ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``) and the
+end-of-sequence ids.
+"""
+from __future__ import annotations
+
+import abc
+import os
+
+from .config import ConfigError, ModelConfig
+
+CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>")
+
+
+class Tokenizer(abc.ABC):
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        ...
+
+    @abc.abstractmethod
+    def decode(self, ids) -> str:
+        ...
+
+    @abc.abstractmethod
+    def special(self, token: str) -> int:
+        """Id of a special token such as ``<|im_start|>``; KeyError if the vocabulary lacks it."""
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes are ids 0..255; the chat specials follow at 256.. (vocab must have room)."""
+
+    def __init__(self, vocab_size: int, eos_ids: tuple[int, ...] = ()):
+        needed = 256 + len(CHAT_SPECIALS)
+        if vocab_size < needed:
+            raise ConfigError(f"llm.vocab_size: the byte-level tokenizer needs at least {needed} ids, "
+                              f"got {vocab_size}")
+        self.vocab_size = vocab_size
+        self._specials = {tok: 256 + i for i, tok in enumerate(CHAT_SPECIALS)}
+        self.eos_ids = tuple(eos_ids) or (self._specials["<|im_end|>"], self._specials["<|endoftext|>"])
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def special(self, token: str) -> int:
+        return self._specials[token]
+
+
+class HFTokenizer(Tokenizer):
+    """A ``tokenizer.json`` file read with the ``tokenizers`` library (no hub access needed)."""
+
+    def __init__(self, path: str, vocab_size: int, eos_ids: tuple[int, ...] = ()):
+        try:
+            from tokenizers import Tokenizer as _Tok
+        except ImportError:
+            raise ConfigError("tokenizer.path: reading tokenizer.json needs the 'tokenizers' package "
+                              "(pip install tokenizers)") from None
+        if not os.path.isfile(path):
+            raise ConfigError(f"tokenizer.path: {path!r} does not exist")
+        self._tok = _Tok.from_file(path)
+        self.vocab_size = vocab_size
+        n = self._tok.get_vocab_size(with_added_tokens=True)
+        if n > vocab_size:
+            raise ConfigError(f"tokenizer.path: {path!r} has {n} tokens but llm.vocab_size is {vocab_size}")
+        if not eos_ids:
+            found = [self._tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>")]
+            eos_ids = tuple(i for i in found if i is not None)
+        self.eos_ids = tuple(eos_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def special(self, token: str) -> int:
+        i = self._tok.token_to_id(token)
+        if i is None:
+            raise KeyError(token)
+        return i
+
+
+def load_tokenizer(cfg: ModelConfig) -> Tokenizer:
+    eos = cfg.text.eos_token_ids
+    if cfg.tokenizer.path:
+        path = cfg.tokenizer.path
+        if not os.path.isabs(path) and cfg.source:
+            path = os.path.join(os.path.dirname(cfg.source), path)
+        return HFTokenizer(path, cfg.llm.vocab_size, eos)
+    return ByteTokenizer(cfg.llm.vocab_size, eos)

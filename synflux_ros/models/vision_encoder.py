@@ -1,0 +1,25 @@
+"""Fixed-resolution vision encoder: HxWx3 uint8 frame -> tiles -> one static graph -> vision tokens."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.executor import Executor
+from ..runtime.image import PreprocessSpec, Preprocessor
+from .config import ModelConfig
+
+
+class VisionEncoder:
+    def __init__(self, cfg: ModelConfig, executor: Executor):
+        v = cfg.vision
+        self.ex = executor
+        self.num_tokens = v.num_tokens
+        self.preprocess = Preprocessor(PreprocessSpec(
+            resolution=tuple(v.resolution), tile_size=tuple(v.tile_size), resize=v.resize,
+            pad_value=v.pad_value, mean=tuple(v.mean), std=tuple(v.std)))
+
+    def encode(self, pixel_values: np.ndarray) -> np.ndarray:
+        """Preprocessed tiles [T, 3, th, tw] -> vision embeddings [num_tokens, H]."""
+        return self.ex.run("vision_encoder", {"pixel_values": pixel_values})["vision_embeds"]
+
+    def __call__(self, rgb: np.ndarray) -> np.ndarray:
+        return self.encode(self.preprocess(rgb))

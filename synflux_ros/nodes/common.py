@@ -1,0 +1,142 @@
+"""Shared node plumbing: parameter declaration and validation, config lookup, diagnostics, lifecycle main."""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import ParameterDescriptor
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.lifecycle import TransitionCallbackReturn
+
+from ..models.config import ConfigError, ModelConfig, load_config
+
+PACKAGE = "synflux_ros"
+
+
+class ParameterError(ValueError):
+    """A node parameter has a bad value; the message names the node, the parameter and the value."""
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    default: Any
+    description: str
+    choices: tuple = ()
+
+
+def declare(node, params: list[Param]) -> None:
+    for p in params:
+        desc = p.description + (f" (choices: {', '.join(map(str, p.choices))})" if p.choices else "")
+        node.declare_parameter(p.name, p.default, ParameterDescriptor(description=desc))
+
+
+def read(node, params: list[Param]) -> dict[str, Any]:
+    """Read declared parameters and check choices; errors name the node and the value."""
+    values = {}
+    for p in params:
+        v = node.get_parameter(p.name).value
+        if p.choices and v not in p.choices:
+            raise ParameterError(f"[{node.get_name()}] parameter '{p.name}': {v!r} is not allowed "
+                                 f"(choices: {', '.join(map(str, p.choices))})")
+        values[p.name] = v
+    return values
+
+
+def share_dir() -> str | None:
+    """The package's share directory: from the ament index, else next to this interpreter's prefix."""
+    try:
+        from ament_index_python.packages import get_package_share_directory
+        return get_package_share_directory(PACKAGE)
+    except (ImportError, LookupError, OSError):
+        pass
+    local = os.path.join(sys.prefix, "share", PACKAGE)
+    return local if os.path.isdir(local) else None
+
+
+def resolve_config_path(value: str) -> str:
+    """An existing path as given, else a bare name in the package's share/config directory."""
+    if not value:
+        raise FileNotFoundError("no config given (set the 'config' parameter to a YAML file)")
+    if os.path.isfile(value):
+        return os.path.abspath(value)
+    share = share_dir()
+    candidates = [os.path.join(share, "config", value)] if share and not os.path.isabs(value) else []
+    for c in candidates:
+        if os.path.isfile(c):
+            return c
+    where = f" or in {os.path.join(share, 'config')}" if share else ""
+    raise FileNotFoundError(f"config file {value!r} not found (as a path{where})")
+
+
+def load_node_config(node, mode: str, config: str, executor: str, graph_dir: str) -> ModelConfig:
+    """Load the model YAML named by the node's parameters, with executor/graph_dir overrides."""
+    name = node.get_name()
+    try:
+        cfg = load_config(resolve_config_path(config))
+    except (FileNotFoundError, ConfigError) as exc:
+        raise ParameterError(f"[{name}] parameter 'config' ({config!r}): {exc}") from None
+    if cfg.mode != mode:
+        raise ParameterError(f"[{name}] parameter 'config' ({config!r}): a {cfg.mode!r} model, this node serves "
+                             f"{mode!r} models")
+    overrides = {}
+    if executor:
+        overrides["backend"] = executor
+    if graph_dir:
+        if not os.path.isdir(graph_dir):
+            raise ParameterError(f"[{name}] parameter 'graph_dir': {graph_dir!r} is not a directory")
+        overrides["graph_dir"] = graph_dir
+    return cfg.with_overrides(executor=overrides) if overrides else cfg
+
+
+def median(values) -> float:
+    values = list(values)
+    return float(statistics.median(values)) if values else 0.0
+
+
+def diagnostic_array(node, status_name: str, hardware_id: str, level: int, message: str,
+                     values: dict[str, Any]) -> DiagnosticArray:
+    arr = DiagnosticArray()
+    arr.header.stamp = node.get_clock().now().to_msg()
+    st = DiagnosticStatus(level=bytes([level]), name=status_name, message=message, hardware_id=hardware_id)
+    st.values = [KeyValue(key=k, value=(f"{v:.3f}" if isinstance(v, float) else str(v))) for k, v in values.items()]
+    arr.status = [st]
+    return arr
+
+
+OK, WARN, ERROR = DiagnosticStatus.OK[0], DiagnosticStatus.WARN[0], DiagnosticStatus.ERROR[0]
+
+
+def run_lifecycle_node(factory: Callable[[], Any], args=None) -> int:
+    """Create the node, configure + activate it when its ``autostart`` parameter is true, spin.
+
+    Returns the process exit code: 1 when autostart configuration fails (the error has been logged and is
+    printed to stderr naming the node and the bad value).
+    """
+    rclpy.init(args=args)
+    node = factory()
+    code = 0
+    executor = MultiThreadedExecutor(num_threads=3)
+    executor.add_node(node)
+    try:
+        if node.get_parameter("autostart").value:
+            if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
+                print(f"{node.get_name()}: configuration failed: {node.last_error}", file=sys.stderr, flush=True)
+                return 1
+            if node.trigger_activate() != TransitionCallbackReturn.SUCCESS:
+                print(f"{node.get_name()}: activation failed: {node.last_error}", file=sys.stderr, flush=True)
+                return 1
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        node.release_resources()
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return code

@@ -1,0 +1,172 @@
+"""Helpers to run the installed node executables as processes and talk to them with rclpy.
+
+Used by the integration tests, ``make demo`` and ``make bench``. DDS traffic stays on this machine
+(``ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST``) on a domain id chosen per run.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import rclpy
+from rclpy.executors import SingleThreadedExecutor
+from sensor_msgs.msg import Image
+
+from .common import PACKAGE, share_dir
+
+
+def executable(name: str) -> str:
+    """Path of an installed node executable (lib/synflux_ros/<name>)."""
+    for prefix in [p for p in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep) if p] + [sys.prefix]:
+        path = os.path.join(prefix, "lib", PACKAGE, name)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"{name} is not installed under lib/{PACKAGE} (run `make install`)")
+
+
+def config_path(name: str) -> str:
+    share = share_dir()
+    if share is None:
+        raise FileNotFoundError(f"{PACKAGE} share directory not found (run `make install`)")
+    return os.path.join(share, "config", name)
+
+
+def ros_env(domain_id: int | None = None, log_dir: str | None = None) -> dict:
+    """Environment for node processes: loopback-only DDS, a private domain, the shared-memory profile."""
+    env = dict(os.environ)
+    env["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+    env["ROS_DOMAIN_ID"] = str(domain_id if domain_id is not None else random.randint(1, 101))
+    env.setdefault("RMW_IMPLEMENTATION", "rmw_fastrtps_cpp")
+    env.setdefault("AMENT_PREFIX_PATH", sys.prefix)
+    profile = os.path.join(share_dir() or "", "config", "fastdds_shm.xml")
+    if os.path.isfile(profile):
+        env.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", profile)
+    env["ROS_LOG_DIR"] = log_dir or tempfile.mkdtemp(prefix="synflux_roslog_")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def use_env(env: dict) -> None:
+    """Apply the DDS-relevant variables of ``env`` to this process (before rclpy.init)."""
+    for key in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "ROS_DOMAIN_ID", "RMW_IMPLEMENTATION", "AMENT_PREFIX_PATH",
+                "FASTDDS_DEFAULT_PROFILES_FILE", "ROS_LOG_DIR"):
+        if key in env:
+            os.environ[key] = env[key]
+
+
+def _param_arg(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_param_arg(v) for v in value) + "]"
+    if isinstance(value, str):
+        return "'" + value + "'" if value == "" or value.lower() in ("true", "false") else value
+    return str(value)
+
+
+class NodeProcess:
+    """One node executable started with ``--ros-args`` parameters and remaps; output goes to a file."""
+
+    def __init__(self, name: str, params: dict | None = None, env: dict | None = None,
+                 remaps: dict | None = None, node_name: str | None = None):
+        self.name = name
+        cmd = [sys.executable, executable(name), "--ros-args"]
+        if node_name:
+            cmd += ["-r", f"__node:={node_name}"]
+        for k, v in (remaps or {}).items():
+            cmd += ["-r", f"{k}:={v}"]
+        for k, v in (params or {}).items():
+            cmd += ["-p", f"{k}:={_param_arg(v)}"]
+        self.cmd = cmd
+        self.env = env or ros_env()
+        self._log = tempfile.NamedTemporaryFile(prefix=f"{name}_", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        with open(self._log.name, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_output(self, text: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.output():
+                return True
+            if not self.alive():
+                return text in self.output()
+            time.sleep(0.05)
+        return False
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGINT, as Ctrl-C or `ros2 launch` would send; returns the exit code."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def rgb_image(height: int, width: int, seq: int = 0, stamp_ns: int | None = None, frame_id: str = "camera",
+              encoding: str = "rgb8") -> Image:
+    """A synthetic camera frame (moving gradient) as sensor_msgs/Image."""
+    ch = {"rgb8": 3, "bgr8": 3, "rgba8": 4, "bgra8": 4, "mono8": 1}[encoding]
+    y = np.arange(height, dtype=np.uint16)[:, None]
+    x = np.arange(width, dtype=np.uint16)[None, :]
+    base = ((x + y + 7 * seq) % 256).astype(np.uint8)
+    data = np.repeat(base[:, :, None], ch, axis=2)
+    data[..., 0] = (base + 85 * (seq % 3)).astype(np.uint8)
+    msg = Image()
+    if stamp_ns is not None:
+        msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(int(stamp_ns), 10**9)
+    msg.header.frame_id = frame_id
+    msg.height, msg.width, msg.encoding, msg.is_bigendian = height, width, encoding, 0
+    msg.step = width * ch
+    msg.data = data.tobytes()
+    return msg
+
+
+def spin_until(node, predicate, timeout: float, executor=None) -> bool:
+    """Spin ``node`` until ``predicate()`` is true or ``timeout`` seconds pass."""
+    ex = executor or SingleThreadedExecutor()
+    own = executor is None
+    if own:
+        ex.add_node(node)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            ex.spin_once(timeout_sec=0.02)
+        return predicate()
+    finally:
+        if own:
+            ex.remove_node(node)
+
+
+def call_service(node, client, request, timeout: float):
+    """Call a service and wait for the answer (raises TimeoutError)."""
+    if not client.wait_for_service(timeout_sec=timeout):
+        raise TimeoutError(f"service {client.srv_name} not available within {timeout} s")
+    future = client.call_async(request)
+    rclpy.spin_until_future_complete(node, future, timeout_sec=timeout)
+    if not future.done():
+        raise TimeoutError(f"service {client.srv_name} did not answer within {timeout} s")
+    return future.result()

@@ -1,0 +1,66 @@
+"""Fixtures that start node executables as processes and an rclpy client node, on a private DDS domain."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import yaml
+
+rclpy = pytest.importorskip("rclpy", reason="rclpy is not installed (run `make test`, which sets up .venv)")
+
+from synflux_ros.nodes import testing  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ros_env(tmp_path_factory):
+    # One domain per test session, derived from the pid so parallel runs on one machine do not meet.
+    env = testing.ros_env(domain_id=1 + os.getpid() % 100, log_dir=str(tmp_path_factory.mktemp("roslog")))
+    testing.use_env(env)
+    rclpy.init()
+    yield env
+    rclpy.try_shutdown()
+
+
+@pytest.fixture()
+def client(ros_env):
+    node = rclpy.create_node(f"test_client_{uuid.uuid4().hex[:8]}")
+    yield node
+    node.destroy_node()
+
+
+@pytest.fixture(scope="session")
+def make_config(tmp_path_factory):
+    """Write a variant of a shipped config: make_config('vlm_demo.yaml', session={'max_sessions': 2})."""
+    def _make(base: str, **sections) -> str:
+        with open(testing.config_path(base), encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh)
+        for key, value in sections.items():
+            if isinstance(value, dict):
+                raw.setdefault(key, {}).update(value)
+            else:
+                raw[key] = value
+        path = tmp_path_factory.mktemp("cfg") / base
+        path.write_text(yaml.safe_dump(raw))
+        return str(path)
+    return _make
+
+
+@pytest.fixture()
+def start_node(ros_env):
+    """Start a node executable; every process is stopped (SIGINT) at the end of the test."""
+    procs = []
+
+    def _start(name, params=None, namespace=None, **kw):
+        remaps = dict(kw.pop("remaps", {}))
+        if namespace:
+            remaps["__ns"] = namespace
+        p = testing.NodeProcess(name, params=params, env=ros_env, remaps=remaps, **kw)
+        procs.append(p)
+        return p
+    yield _start
+    for p in procs:
+        running = p.alive()
+        code = p.stop()
+        if running:  # a node stopped with SIGINT must exit cleanly
+            assert code == 0, f"{p.name} exited with {code} on SIGINT:\n{p.output()[-3000:]}"
