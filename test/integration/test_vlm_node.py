@@ -1,0 +1,134 @@
+"""vlm_node as a process, driven over real DDS through the chat and end_session services."""
+from __future__ import annotations
+
+import pytest
+
+from synflux_ros.nodes.testing import call_service, rgb_image
+from synflux_ros.srv import Chat, EndSession
+
+TIMEOUT = 30.0
+
+
+class ChatClient:
+    def __init__(self, node, ns: str):
+        self.node = node
+        self.chat_cli = node.create_client(Chat, f"{ns}/chat")
+        self.end_cli = node.create_client(EndSession, f"{ns}/end_session")
+
+    def chat(self, session_id: str, prompt: str, **kw):
+        req = Chat.Request(session_id=session_id, prompt=prompt, temperature=kw.pop("temperature", -1.0), **kw)
+        return call_service(self.node, self.chat_cli, req, TIMEOUT)
+
+    def end(self, session_id: str):
+        return call_service(self.node, self.end_cli, EndSession.Request(session_id=session_id), TIMEOUT)
+
+
+@pytest.fixture()
+def vlm(start_node, client):
+    start_node("vlm_node", {"config": "vlm_demo.yaml", "executor": "mock"}, namespace="/chat1")
+    return ChatClient(client, "/chat1")
+
+
+def ok(resp):
+    assert resp.success, resp.error
+    return resp
+
+
+def test_multi_turn_reuses_cache_and_matches_recompute(vlm, start_node, client, make_config):
+    ref_cfg = make_config("vlm_demo.yaml", session={"reuse_kv_cache": False})
+    start_node("vlm_node", {"config": ref_cfg}, namespace="/reference")
+    ref = ChatClient(client, "/reference")
+    image = rgb_image(120, 160, 3)
+    turns = [dict(prompt="Describe the scene.", images=[image]), dict(prompt="What is on the left?"),
+             dict(prompt="And now, in one word?", temperature=0.8, top_p=0.9)]
+    history = 0
+    for i, turn in enumerate(turns):
+        a = ok(vlm.chat("kitchen", **turn))
+        b = ok(ref.chat("kitchen", **turn))
+        assert a.reply == b.reply and a.generated_tokens == b.generated_tokens, f"turn {i + 1} differs"
+        assert a.prompt_tokens == b.prompt_tokens
+        assert b.cached_tokens == 0
+        if i == 0:
+            assert a.cached_tokens == 0
+        else:
+            # everything said before (prompts and replies, minus the last reply token) was reused
+            assert a.cached_tokens == history > 0
+        history += a.prompt_tokens + a.generated_tokens - 1
+        assert a.generated_tokens > 0 and a.ttft_ms > 0 and a.total_ms >= a.ttft_ms
+
+
+def test_sessions_are_isolated(vlm):
+    first_a = ok(vlm.chat("a", "Hello robot"))
+    ok(vlm.chat("a", "Tell me more about the table"))
+    first_b = ok(vlm.chat("b", "Hello robot"))
+    assert first_b.cached_tokens == 0
+    assert first_b.reply == first_a.reply and first_b.generated_tokens == first_a.generated_tokens
+    # reset drops a session's history: the same first turn again
+    again = ok(vlm.chat("a", "Hello robot", reset=True))
+    assert again.cached_tokens == 0 and again.reply == first_a.reply
+
+
+def test_ending_a_session_frees_its_slot(start_node, client, make_config):
+    cfg = make_config("vlm_demo.yaml", session={"max_sessions": 2, "eviction": "refuse"})
+    start_node("vlm_node", {"config": cfg}, namespace="/small")
+    c = ChatClient(client, "/small")
+    ok(c.chat("s1", "hi"))
+    ok(c.chat("s2", "hi"))
+    refused = c.chat("s3", "hi")
+    assert not refused.success and "slots are in use" in refused.error
+    ok(c.end("s1"))
+    ok(c.chat("s3", "hi"))
+    again = c.chat("s1", "hi")  # s1 is gone and both slots are taken again
+    assert not again.success
+
+
+def test_least_recently_used_session_is_evicted(start_node, client, make_config):
+    cfg = make_config("vlm_demo.yaml", session={"max_sessions": 2, "eviction": "lru"})
+    start_node("vlm_node", {"config": cfg}, namespace="/lru")
+    c = ChatClient(client, "/lru")
+    ok(c.chat("s1", "hi"))
+    ok(c.chat("s2", "hi"))
+    ok(c.chat("s1", "again"))  # s2 is now the least recently used
+    ok(c.chat("s3", "hi"))  # evicts s2
+    assert ok(c.chat("s1", "third")).cached_tokens > 0
+    assert ok(c.chat("s2", "back")).cached_tokens == 0  # s2 starts over
+
+
+def test_unknown_session_is_refused(vlm):
+    r = vlm.end("never-started")
+    assert not r.success and "unknown session 'never-started'" in r.error
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt="   "), "prompt is empty"),
+    (dict(session_id=""), "session_id is empty"),
+    (dict(prompt="x" * 3000), "context"),
+    (dict(max_new_tokens=100000), "max_new_tokens 100000"),
+    (dict(max_new_tokens=1010), "max_new_tokens 1010 does not fit"),
+    (dict(temperature=500.0), "temperature 500"),
+    (dict(temperature=float("nan")), "temperature nan"),
+    (dict(top_p=2.0), "top_p 2"),
+    (dict(images=[rgb_image(8, 8, encoding="mono8")] * 5), "at most 4"),
+])
+def test_bad_requests_get_clear_errors_and_the_node_keeps_serving(vlm, kw, needle):
+    args = dict(session_id="s", prompt="hello")
+    args.update(kw)
+    r = vlm.chat(args.pop("session_id"), args.pop("prompt"), **args)
+    assert not r.success and needle in r.error, r.error
+    assert r.reply == ""
+    ok(vlm.chat("s", "hello"))
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(encoding="16UC1"), "unsupported encoding '16UC1'"),
+    (dict(data=b"\x01" * 10), "does not match"),
+    (dict(height=0, data=b""), "zero"),
+])
+def test_bad_images_get_clear_errors(vlm, change, needle):
+    img = rgb_image(32, 32)
+    for k, v in change.items():
+        setattr(img, k, v)
+    r = vlm.chat("s", "what is this?", images=[img])
+    assert not r.success and "images[0]" in r.error and needle in r.error, r.error
+    ok(vlm.chat("s", "what is this?", images=[rgb_image(32, 32)]))
