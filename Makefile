@@ -47,10 +47,10 @@ integration: install
 	cd test && $(PY) -m pytest -q -rs integration
 
 demo: install
-	$(PY) -m synflux_ros.nodes.demo
+	cd $(BUILD) && $(PY) -m synflux_ros.nodes.demo $(ARGS)
 
 bench: install
-	$(PY) -m synflux_ros.nodes.bench
+	cd $(BUILD) && $(PY) -m synflux_ros.nodes.bench $(ARGS)
 
 clean:
 	rm -rf $(BUILD) $(BUILD).log $(VENV)
