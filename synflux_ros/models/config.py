@@ -41,6 +41,8 @@ class VisionConfig:
     tile_size: tuple[int, int] = _spec((224, 224), min=1, doc="tile size [h, w]; must divide resolution")
     tokens_per_tile: int = _spec(256, min=1, doc="vision tokens produced per tile")
     resize: str = _spec("letterbox", choices=("letterbox", "stretch"))
+    interpolation: str = _spec("bilinear", choices=("bilinear", "nearest"),
+                               doc="resampling when the camera size differs from the resolution")
     pad_value: int = _spec(0, min=0, max=255)
     mean: tuple[float, float, float] = _spec((0.5, 0.5, 0.5))
     std: tuple[float, float, float] = _spec((0.5, 0.5, 0.5))

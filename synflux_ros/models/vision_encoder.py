@@ -15,7 +15,7 @@ class VisionEncoder:
         self.num_tokens = v.num_tokens
         self.preprocess = Preprocessor(PreprocessSpec(
             resolution=tuple(v.resolution), tile_size=tuple(v.tile_size), resize=v.resize,
-            pad_value=v.pad_value, mean=tuple(v.mean), std=tuple(v.std)))
+            pad_value=v.pad_value, mean=tuple(v.mean), std=tuple(v.std), interpolation=v.interpolation))
 
     def encode(self, pixel_values: np.ndarray) -> np.ndarray:
         """Preprocessed tiles [T, 3, th, tw] -> vision embeddings [num_tokens, H]."""
