@@ -13,7 +13,8 @@ Device memory is host memory (one numpy byte buffer per allocation), so the copi
 are real copies, as they would be on a discrete accelerator.
 
 ``options.latency_ms`` simulates device time per graph: keys are a graph name, a graph kind
-(``prefill``) or a group; the sleep releases the GIL like a device wait does.
+(``prefill``) or a group. A call then takes at least that long in total (the mock's own arithmetic
+included); the wait is a sleep, which releases the GIL like a device wait does.
 """
 from __future__ import annotations
 
@@ -51,12 +52,14 @@ class MockExecutor(Executor):
         return meta.name
 
     def _execute(self, graph_handle, device_inputs, device_outputs, meta: GraphMeta) -> None:
+        t0 = time.perf_counter()
         ins = {s.name: self._view(device_inputs[s.name], s.shape, s.dtype) for s in meta.inputs}
         outs = {s.name: self._view(device_outputs[s.name], s.shape, s.dtype) for s in meta.outputs}
         _KINDS[meta.kind](self, meta, ins, outs)
-        delay = self._latency_for(meta)
-        if delay:
-            time.sleep(delay / 1e3)
+        # The simulated latency is the graph's whole device time: the mock's own arithmetic counts in it.
+        remaining = self._latency_for(meta) / 1e3 - (time.perf_counter() - t0)
+        if remaining > 0:
+            time.sleep(remaining)
 
     def _alloc_device(self, nbytes: int) -> object:
         handle = next(self._ids)

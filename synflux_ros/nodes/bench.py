@@ -30,10 +30,11 @@ from .testing import NodeProcess, config_path, rgb_image, ros_env, spin_until, u
 
 
 def stream(node, ns: str, rate_hz: float, seconds: float, warmup: int = 10):
-    """Publish frames at ``rate_hz``; return (chunks received, receive times) after warm-up."""
-    chunks, times = [], []
+    """Publish frames at ``rate_hz``; return (chunks, receive times, camera-to-receipt ms) after warm-up."""
+    chunks, times, wire = [], [], []
 
     def on_chunk(msg):
+        wire.append((time.time_ns() - (msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec)) / 1e6)
         chunks.append(msg)
         times.append(time.monotonic())
     pub = node.create_publisher(Image, f"{ns}/image", qos_profile_sensor_data)
@@ -50,9 +51,9 @@ def stream(node, ns: str, rate_hz: float, seconds: float, warmup: int = 10):
         pub.publish(msg)
         spin_until(node, lambda: False, max(0.0, start + (i + 1) * period - time.monotonic()))
         if i == warmup - 1:
-            del chunks[:], times[:]
+            del chunks[:], times[:], wire[:]
     spin_until(node, lambda: False, 0.5)
-    return chunks, times
+    return chunks, times, wire
 
 
 def overhead(node, env, seconds: float) -> bool:
@@ -60,7 +61,7 @@ def overhead(node, env, seconds: float) -> bool:
                      remaps={"__ns": "/bench_overhead"}) as p:
         if not p.wait_output("configured", 60):
             raise RuntimeError(p.output())
-        chunks, _ = stream(node, "/bench_overhead", 30.0, seconds)
+        chunks, _, wire = stream(node, "/bench_overhead", 30.0, seconds)
     if not chunks:
         raise RuntimeError("no chunks received")
     lat = [c.latency_ms for c in chunks]
@@ -71,6 +72,8 @@ def overhead(node, env, seconds: float) -> bool:
     print(f"    chunks: {len(chunks)}")
     print(f"    receipt -> publish latency   median {statistics.median(lat):6.2f} ms  p90 "
           f"{np.percentile(lat, 90):6.2f} ms")
+    print(f"    camera publish -> chunk received by a subscriber (DDS both ways) median "
+          f"{statistics.median(wire):6.2f} ms")
     print(f"    stage work (pre+llm+head)    median {statistics.median(stages):6.2f} ms")
     print(f"    added by node + pipeline     median {med_added:6.2f} ms  p90 {np.percentile(added, 90):6.2f} ms"
           f"  (target <= 2 ms: {med_added / 2.0:.2f}x of budget) {'PASS' if med_added <= 2.0 else 'FAIL'}")
@@ -91,7 +94,7 @@ def throughput(node, env, seconds: float) -> bool:
     with NodeProcess("vla_node", {"config": cfg}, env=env, remaps={"__ns": "/bench_rate"}) as p:
         if not p.wait_output("configured", 60):
             raise RuntimeError(p.output())
-        chunks, times = stream(node, "/bench_rate", CAMERA_HZ, seconds)
+        chunks, times, _ = stream(node, "/bench_rate", CAMERA_HZ, seconds)
     if len(times) < 3:
         raise RuntimeError("too few chunks received")
     rate = (len(times) - 1) / (times[-1] - times[0])
