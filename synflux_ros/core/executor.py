@@ -253,6 +253,9 @@ class Executor(abc.ABC):
             value = feeds[spec.name]
             if spec.resident and not isinstance(value, DeviceTensor):
                 raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} must be a device tensor")
+            if not isinstance(value, (DeviceTensor, np.ndarray)):
+                raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} must be a numpy array or device "
+                                 f"tensor, got {type(value).__name__}")
             shape = tuple(value.shape)
             dtype = np.dtype(value.dtype).name
             if shape != spec.shape or dtype != spec.dtype:

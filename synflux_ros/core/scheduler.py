@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 _STOP = object()
+EMPTY = object()  # Mailbox.put's answer when nothing was waiting
 
 
 class Mailbox:
@@ -31,9 +32,9 @@ class Mailbox:
         self._cond = threading.Condition()
 
     def put(self, item) -> Any:
-        """Store ``item``; return the item it replaced (or None)."""
+        """Store ``item``; return the item it replaced, or ``EMPTY`` when nothing was waiting."""
         with self._cond:
-            old = self._item if self._has else None
+            old = self._item if self._has else EMPTY
             self._item, self._has = item, True
             self._cond.notify()
             return old
@@ -115,11 +116,15 @@ class Pipeline:
             t.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the stage threads; items still queued are discarded (and counted as dropped)."""
+        """Stop the stage threads. A frame waiting in the mailbox is dropped; frames already between
+        stages are finished (the stop marker queues behind them) unless a thread misses ``timeout``,
+        in which case what is left in the queues is dropped too."""
         if not self._running:
             return
         self._running = False
-        self._inbox.put(_STOP)
+        old = self._inbox.put(_STOP)
+        if old is not EMPTY and old is not _STOP:
+            self._discard(old)
         deadline = time.monotonic() + timeout
         for i, t in enumerate(self._threads):
             t.join(max(0.0, deadline - time.monotonic()))
@@ -144,7 +149,7 @@ class Pipeline:
         with self._lock:
             self._submitted += 1
         old = self._inbox.put(item)
-        if old is not None and old is not _STOP:
+        if old is not EMPTY and old is not _STOP:
             self._discard(old)
             return False
         return True

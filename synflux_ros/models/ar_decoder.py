@@ -33,8 +33,9 @@ class ActionTokenizer:
         return self.centers[k].astype(np.float32)
 
     def best_action_token(self, logits: np.ndarray) -> int:
-        """Greedy choice restricted to the action-token range (the last ``num_bins`` ids)."""
-        return self.first_id + int(np.argmax(logits[self.first_id:]))
+        """Greedy choice restricted to the action-token range: the last ``num_bins`` ids of the token
+        vocabulary (ids of a padded embedding beyond it are never chosen)."""
+        return self.first_id + int(np.argmax(logits[self.first_id:self.vocab_size]))
 
 
 def unnormalize(actions: np.ndarray, cfg: ActionConfig) -> np.ndarray:

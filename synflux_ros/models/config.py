@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -261,6 +262,8 @@ def _convert(value, tp, path: str, meta: dict):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
     elif tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {value!r}")

@@ -67,6 +67,9 @@ class HFTokenizer(Tokenizer):
         if not os.path.isfile(path):
             raise ConfigError(f"tokenizer.path: {path!r} does not exist")
         self._tok = _Tok.from_file(path)
+        # Text typed by a user is text: "<|im_end|>" in a prompt must not become the special token and
+        # break out of the chat template. The runtimes insert special tokens by id.
+        self._tok.encode_special_tokens = True
         self.vocab_size = vocab_size
         n = self._tok.get_vocab_size(with_added_tokens=True)
         if n > vocab_size:

@@ -244,8 +244,6 @@ def test_cross_field_checks():
     assert "vision.std" in bad(d)
 
 
-@pytest.mark.xfail(strict=True, reason="range checks compare with < and >, which are False for NaN, "
-                                       "so NaN passes every bounded numeric field")
 def test_nan_is_rejected_for_bounded_fields():
     d = raw("vlm_demo.yaml")
     d["text"]["temperature"] = math.nan
