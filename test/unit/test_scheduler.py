@@ -74,7 +74,7 @@ def test_mailbox_replaces_waiting_item():
     assert mb.get(timeout=0) == 2
     with pytest.raises(queue.Empty):
         mb.get(timeout=0.01)
-    assert mb.put(3) is None
+    assert mb.put(3) is EMPTY
 
 
 def test_counters_in_flight():
