@@ -20,46 +20,37 @@ import threading
 import time
 from collections import deque
 
-import rclpy
 from builtin_interfaces.msg import Duration
-from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.lifecycle import Node as LifecycleNode
-from rclpy.lifecycle import State, TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
-from ..models.config import ConfigError
 from ..msg import ActionChunk
 from ..runtime.image import ImageError, decode_compressed, decode_raw
 from ..runtime.vla_runtime import Frame, VLAPipeline, VLARuntime
-from .common import ERROR, OK, WARN, Param, ParameterError, declare, diagnostic_array, load_node_config, \
-    median, read, run_lifecycle_node
+from .common import COMMON_PARAMS, OK, WARN, Param, SynfluxNode, median, run_lifecycle_node
 
 PARAMS = [
     Param("config", "vla_demo_orin.yaml", "model YAML: a path, or a file name in the package's config directory"),
-    Param("executor", "", "backend overriding the config's executor.backend (empty = keep)"),
-    Param("graph_dir", "", "compiled graph directory overriding the config's executor.graph_dir (empty = keep)"),
+    *COMMON_PARAMS,
     Param("default_instruction", "", "instruction used until one arrives on 'instruction' (empty = config's)"),
     Param("image_transport", "raw", "subscribe 'image' (raw) or 'image/compressed'", ("raw", "compressed")),
     Param("publish_joint_trajectory", False, "also publish each chunk as trajectory_msgs/JointTrajectory"),
     Param("joint_names", [""], "joint names for joint_trajectory; their count must equal the action dimension"),
-    Param("diagnostics_period", 1.0, "seconds between /diagnostics messages"),
-    Param("autostart", True, "configure and activate at start-up (no lifecycle manager needed)"),
 ]
 
 INSTRUCTION_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
 
 
-class VLANode(LifecycleNode):
+class VLANode(SynfluxNode):
+    MODE = "vla"
+    PARAMS = PARAMS
+
     def __init__(self, **kwargs):
         super().__init__("vla_node", **kwargs)
-        declare(self, PARAMS)
-        self.last_error = ""
-        self.runtime: VLARuntime | None = None
         self.pipeline: VLAPipeline | None = None
         self._lock = threading.Lock()
         self._seq = 0
@@ -68,46 +59,24 @@ class VLANode(LifecycleNode):
         self._latencies = deque(maxlen=200)
         self._published_times = deque(maxlen=200)
         self._last_input_error = ""
-        self._subs, self._pubs, self._timer = [], {}, None
-        self._active = False
+        self._subs, self._pubs = [], {}
 
-    # ---------------------------------------------------------------- lifecycle
-    def on_configure(self, state: State) -> TransitionCallbackReturn:
-        try:
-            p = read(self, PARAMS)
-            cfg = load_node_config(self, "vla", p["config"], p["executor"], p["graph_dir"])
-            if p["diagnostics_period"] <= 0:
-                raise ParameterError(f"[{self.get_name()}] parameter 'diagnostics_period': must be > 0, "
-                                     f"got {p['diagnostics_period']!r}")
-            joints = [j for j in p["joint_names"] if j]
-            if p["publish_joint_trajectory"] and len(joints) != cfg.action.action_dim:
-                raise ParameterError(f"[{self.get_name()}] parameter 'joint_names': {len(joints)} names "
-                                     f"{joints} for action_dim {cfg.action.action_dim}")
+    # ---------------------------------------------------------------- lifecycle hooks
+    def setup(self, p: dict, cfg) -> str:
+        joints = [j for j in p["joint_names"] if j]
+        if p["publish_joint_trajectory"] and len(joints) != cfg.action.action_dim:
+            raise self.fail("joint_names", f"{len(joints)} names {joints} for action_dim {cfg.action.action_dim}")
+        self.runtime = self.load_runtime(VLARuntime, cfg)
+        if p["default_instruction"]:
             try:
-                runtime = VLARuntime(cfg)
-            except (ConfigError, ImportError, ValueError) as exc:
-                raise ParameterError(f"[{self.get_name()}] cannot load model {cfg.name!r} with executor "
-                                     f"{cfg.executor.backend!r}: {exc}") from None
-            if p["default_instruction"]:
-                try:
-                    runtime.set_instruction(p["default_instruction"])
-                except ValueError as exc:
-                    runtime.close()
-                    raise ParameterError(f"[{self.get_name()}] parameter 'default_instruction': {exc}") from None
-        except ParameterError as exc:
-            self.last_error = str(exc)
-            self.get_logger().error(self.last_error)
-            return TransitionCallbackReturn.FAILURE
-        except Exception as exc:  # anything else while loading: report it, do not crash the process
-            self.last_error = f"[{self.get_name()}] configure failed: {type(exc).__name__}: {exc}"
-            self.get_logger().error(self.last_error)
-            return TransitionCallbackReturn.FAILURE
-        self.params, self.cfg, self.runtime, self.joint_names = p, cfg, runtime, joints
-        self.pipeline = VLAPipeline(runtime, self._on_result, self._on_error)
+                self.runtime.set_instruction(p["default_instruction"])
+            except ValueError as exc:
+                raise self.fail("default_instruction", str(exc)) from None
+        self.cfg, self.joint_names = cfg, joints
+        self.pipeline = VLAPipeline(self.runtime, self._on_result, self._on_error)
         self._pubs["chunk"] = self.create_lifecycle_publisher(ActionChunk, "action_chunk", 10)
         if p["publish_joint_trajectory"]:
             self._pubs["traj"] = self.create_lifecycle_publisher(JointTrajectory, "joint_trajectory", 10)
-        self._pubs["diag"] = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         inputs = MutuallyExclusiveCallbackGroup()
         if p["image_transport"] == "compressed":
             self._subs.append(self.create_subscription(CompressedImage, "image/compressed", self._on_compressed,
@@ -117,50 +86,25 @@ class VLANode(LifecycleNode):
                                                        callback_group=inputs))
         self._subs.append(self.create_subscription(String, "instruction", self._on_instruction, INSTRUCTION_QOS,
                                                    callback_group=inputs))
-        self._timer = self.create_timer(p["diagnostics_period"], self._publish_diagnostics,
-                                        callback_group=MutuallyExclusiveCallbackGroup())
-        self.get_logger().info(
-            f"configured {cfg.name!r} ({cfg.action.head_type}, horizon {cfg.action.action_horizon} x "
-            f"{cfg.action.action_dim}) on {cfg.executor.backend!r}, "
-            f"{runtime.executor.device_bytes / 2**20:.1f} MiB device memory, "
-            f"instruction {runtime.instruction!r}")
-        return TransitionCallbackReturn.SUCCESS
+        return (f"{cfg.name!r} ({cfg.action.head_type}, horizon {cfg.action.action_horizon} x "
+                f"{cfg.action.action_dim}) on {cfg.executor.backend!r}, instruction {self.runtime.instruction!r}")
 
-    def on_activate(self, state: State) -> TransitionCallbackReturn:
+    def activate(self) -> None:
         self.pipeline.start()
-        self._active = True
-        return super().on_activate(state)
 
-    def on_deactivate(self, state: State) -> TransitionCallbackReturn:
-        self._active = False
+    def deactivate(self) -> None:
         self.pipeline.stop()
-        return super().on_deactivate(state)
 
-    def on_cleanup(self, state: State) -> TransitionCallbackReturn:
-        self.release_resources()
-        return TransitionCallbackReturn.SUCCESS
-
-    def on_shutdown(self, state: State) -> TransitionCallbackReturn:
-        self.release_resources()
-        return TransitionCallbackReturn.SUCCESS
-
-    def release_resources(self) -> None:
-        self._active = False
+    def teardown(self) -> None:
         if self.pipeline is not None:
             self.pipeline.stop()
             self.pipeline = None
         for s in self._subs:
             self.destroy_subscription(s)
         self._subs = []
-        if self._timer is not None:
-            self.destroy_timer(self._timer)
-            self._timer = None
         for pub in self._pubs.values():
             self.destroy_publisher(pub)
         self._pubs = {}
-        if self.runtime is not None:
-            self.runtime.close()
-            self.runtime = None
 
     # ---------------------------------------------------------------- inputs
     def _count(self, key: str, n: int = 1):
@@ -248,7 +192,7 @@ class VLANode(LifecycleNode):
         self.get_logger().error(self._last_input_error, throttle_duration_sec=2.0)
 
     # ---------------------------------------------------------------- diagnostics
-    def diagnostics_values(self) -> dict:
+    def diagnostics(self) -> tuple[int, str, dict]:
         with self._lock:
             counts = dict(self._counts)
             lat = list(self._latencies)
@@ -264,19 +208,10 @@ class VLANode(LifecycleNode):
             values[f"stage_{st.name}_median_ms"] = median(st.recent_ms)
         values["device_memory_mib"] = self.runtime.executor.device_bytes / 2**20
         values["last_error"] = self._last_input_error
-        return values
-
-    def _publish_diagnostics(self):
-        if self.runtime is None:
-            return
-        values = self.diagnostics_values()
         problems = values["frames_failed"] or values["frames_rejected"]
-        level = ERROR if not self._active else (WARN if problems else OK)
-        message = "inactive" if not self._active else (
-            f"{values['publish_rate_hz']:.1f} Hz, {values['frames_rejected']} rejected, "
-            f"{values['frames_failed']} failed" if problems else f"{values['publish_rate_hz']:.1f} Hz")
-        self._pubs["diag"].publish(diagnostic_array(self, f"{self.get_name()}: pipeline",
-                                                    f"synflux/{values['backend']}", level, message, values))
+        message = f"{rate:.1f} Hz" + (f", {values['frames_rejected']} rejected, {values['frames_failed']} failed"
+                                      if problems else "")
+        return (WARN if problems else OK), message, values
 
 
 def main(args=None) -> int:

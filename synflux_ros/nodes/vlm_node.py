@@ -14,103 +14,43 @@ import threading
 import traceback
 
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.lifecycle import Node as LifecycleNode
-from rclpy.lifecycle import State, TransitionCallbackReturn
-from diagnostic_msgs.msg import DiagnosticArray
 
-from ..models.config import ConfigError
 from ..runtime.image import ImageError, decode_raw
 from ..runtime.session import RequestError
 from ..runtime.vlm_runtime import ChatRequest, VLMRuntime
 from ..srv import Chat, EndSession
-from .common import ERROR, OK, Param, ParameterError, declare, diagnostic_array, load_node_config, median, read, \
-    run_lifecycle_node
+from .common import COMMON_PARAMS, OK, Param, SynfluxNode, median, run_lifecycle_node
 
 PARAMS = [
     Param("config", "vlm_demo.yaml", "model YAML: a path, or a file name in the package's config directory"),
-    Param("executor", "", "backend overriding the config's executor.backend (empty = keep)"),
-    Param("graph_dir", "", "compiled graph directory overriding the config's executor.graph_dir (empty = keep)"),
-    Param("diagnostics_period", 1.0, "seconds between /diagnostics messages"),
-    Param("autostart", True, "configure and activate at start-up (no lifecycle manager needed)"),
+    *COMMON_PARAMS,
 ]
 
 
-class VLMNode(LifecycleNode):
+class VLMNode(SynfluxNode):
+    MODE = "vlm"
+    PARAMS = PARAMS
+
     def __init__(self, **kwargs):
         super().__init__("vlm_node", **kwargs)
-        declare(self, PARAMS)
-        self.last_error = ""
-        self.runtime: VLMRuntime | None = None
-        self._services, self._timer, self._diag = [], None, None
-        self._active = False
+        self._chat_services = []
         self._lock = threading.Lock()
         self._ttft, self._tok_per_s = [], []
         self._last_refusal = ""
 
-    def on_configure(self, state: State) -> TransitionCallbackReturn:
-        try:
-            p = read(self, PARAMS)
-            if p["diagnostics_period"] <= 0:
-                raise ParameterError(f"[{self.get_name()}] parameter 'diagnostics_period': must be > 0, "
-                                     f"got {p['diagnostics_period']!r}")
-            cfg = load_node_config(self, "vlm", p["config"], p["executor"], p["graph_dir"])
-            try:
-                self.runtime = VLMRuntime(cfg)
-            except (ConfigError, ImportError, ValueError) as exc:
-                raise ParameterError(f"[{self.get_name()}] cannot load model {cfg.name!r} with executor "
-                                     f"{cfg.executor.backend!r}: {exc}") from None
-        except ParameterError as exc:
-            self.last_error = str(exc)
-            self.get_logger().error(self.last_error)
-            return TransitionCallbackReturn.FAILURE
-        except Exception as exc:  # anything else while loading: report it, do not crash the process
-            self.last_error = f"[{self.get_name()}] configure failed: {type(exc).__name__}: {exc}"
-            self.get_logger().error(self.last_error)
-            return TransitionCallbackReturn.FAILURE
-        self.cfg = cfg
+    def setup(self, p: dict, cfg) -> str:
+        self.runtime = self.load_runtime(VLMRuntime, cfg)
         group = MutuallyExclusiveCallbackGroup()
-        self._services = [self.create_service(Chat, "chat", self._on_chat, callback_group=group),
+        self._chat_services = [self.create_service(Chat, "chat", self._on_chat, callback_group=group),
                           self.create_service(EndSession, "end_session", self._on_end, callback_group=group)]
-        self._diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self._timer = self.create_timer(p["diagnostics_period"], self._publish_diagnostics,
-                                        callback_group=MutuallyExclusiveCallbackGroup())
         s = cfg.session
-        self.get_logger().info(
-            f"configured {cfg.name!r} on {cfg.executor.backend!r}: {s.max_sessions} sessions of "
-            f"{cfg.llm.max_seq_len} tokens (eviction {s.eviction}), "
-            f"{self.runtime.executor.device_bytes / 2**20:.1f} MiB device memory")
-        return TransitionCallbackReturn.SUCCESS
+        return (f"{cfg.name!r} on {cfg.executor.backend!r}: {s.max_sessions} sessions of {cfg.llm.max_seq_len} "
+                f"tokens (eviction {s.eviction})")
 
-    def on_activate(self, state: State) -> TransitionCallbackReturn:
-        self._active = True
-        return super().on_activate(state)
-
-    def on_deactivate(self, state: State) -> TransitionCallbackReturn:
-        self._active = False
-        return super().on_deactivate(state)
-
-    def on_cleanup(self, state: State) -> TransitionCallbackReturn:
-        self.release_resources()
-        return TransitionCallbackReturn.SUCCESS
-
-    def on_shutdown(self, state: State) -> TransitionCallbackReturn:
-        self.release_resources()
-        return TransitionCallbackReturn.SUCCESS
-
-    def release_resources(self) -> None:
-        self._active = False
-        for srv in self._services:
+    def teardown(self) -> None:
+        for srv in self._chat_services:
             self.destroy_service(srv)
-        self._services = []
-        if self._timer is not None:
-            self.destroy_timer(self._timer)
-            self._timer = None
-        if self._diag is not None:
-            self.destroy_publisher(self._diag)
-            self._diag = None
-        if self.runtime is not None:
-            self.runtime.close()
-            self.runtime = None
+        self._chat_services = []
 
     # ---------------------------------------------------------------- services
     def _refuse(self, response, why: str):
@@ -168,10 +108,8 @@ class VLMNode(LifecycleNode):
         return response
 
     # ---------------------------------------------------------------- diagnostics
-    def _publish_diagnostics(self):
+    def diagnostics(self) -> tuple[int, str, dict]:
         rt = self.runtime
-        if rt is None:
-            return
         with self._lock:
             ttft, tps = median(self._ttft), median(self._tok_per_s)
         values = {"backend": self.cfg.executor.backend, "model": self.cfg.name,
@@ -179,9 +117,7 @@ class VLMNode(LifecycleNode):
                   "sessions_evicted": rt.sessions.evicted, "turns_served": rt.turns_served,
                   "requests_refused": rt.requests_refused, "ttft_median_ms": ttft, "decode_tokens_per_s": tps,
                   "device_memory_mib": rt.executor.device_bytes / 2**20, "last_refusal": self._last_refusal}
-        level = OK if self._active else ERROR
-        self._diag.publish(diagnostic_array(self, f"{self.get_name()}: chat", f"synflux/{values['backend']}", level,
-                                            "active" if self._active else "inactive", values))
+        return OK, f"{len(rt.sessions)}/{rt.pool.num_slots} sessions", values
 
 
 def main(args=None) -> int:

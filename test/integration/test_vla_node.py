@@ -35,7 +35,7 @@ class Harness:
 
     def _on_diag(self, msg):
         for st in msg.status:
-            if st.name.startswith(self.ns.strip("/") + "/") or st.name.startswith("vla_node"):
+            if st.name.startswith(f"{self.ns}/vla_node:"):
                 self.diags.append({kv.key: kv.value for kv in st.values})
 
     def wait_connected(self, timeout=20.0):

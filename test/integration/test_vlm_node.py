@@ -132,3 +132,44 @@ def test_bad_images_get_clear_errors(vlm, change, needle):
     r = vlm.chat("s", "what is this?", images=[img])
     assert not r.success and "images[0]" in r.error and needle in r.error, r.error
     ok(vlm.chat("s", "what is this?", images=[rgb_image(32, 32)]))
+
+
+def test_lifecycle_transitions(start_node, client):
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState, GetState
+    start_node("vlm_node", {"autostart": False}, namespace="/managed")
+    get_state = client.create_client(GetState, "/managed/vlm_node/get_state")
+    change = client.create_client(ChangeState, "/managed/vlm_node/change_state")
+
+    def state():
+        return call_service(client, get_state, GetState.Request(), TIMEOUT).current_state.label
+
+    def transition(tid):
+        assert call_service(client, change, ChangeState.Request(transition=Transition(id=tid)), TIMEOUT).success
+
+    assert state() == "unconfigured"
+    transition(Transition.TRANSITION_CONFIGURE)
+    assert state() == "inactive"
+    c = ChatClient(client, "/managed")
+    r = c.chat("s", "hello")
+    assert not r.success and "not active" in r.error
+    transition(Transition.TRANSITION_ACTIVATE)
+    ok(c.chat("s", "hello"))
+    transition(Transition.TRANSITION_DEACTIVATE)
+    assert "not active" in c.chat("s", "hello").error
+    transition(Transition.TRANSITION_CLEANUP)
+    assert state() == "unconfigured"
+    transition(Transition.TRANSITION_CONFIGURE)  # the model loads again after cleanup
+    transition(Transition.TRANSITION_ACTIVATE)
+    assert ok(c.chat("s", "hello")).cached_tokens == 0  # sessions did not survive cleanup
+
+
+def test_diagnostics_report_sessions(vlm, client):
+    from diagnostic_msgs.msg import DiagnosticArray
+    from synflux_ros.nodes.testing import spin_until
+    ok(vlm.chat("d1", "hello"))
+    seen = []
+    client.create_subscription(DiagnosticArray, "/diagnostics", lambda m: seen.extend(
+        {kv.key: kv.value for kv in st.values} for st in m.status if st.name.startswith("/chat1/vlm_node:")), 10)
+    assert spin_until(client, lambda: any(d["sessions_open"] == "1" and d["turns_served"] == "1" for d in seen), 10)
+    assert seen[-1]["backend"] == "mock" and seen[-1]["sessions_max"] == "4"
