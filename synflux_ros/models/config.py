@@ -47,6 +47,16 @@ class VisionConfig:
     pad_value: int = _spec(0, min=0, max=255)
     mean: tuple[float, float, float] = _spec((0.5, 0.5, 0.5))
     std: tuple[float, float, float] = _spec((0.5, 0.5, 0.5))
+    # Architecture of the vision tower (what synflux-build exports; the mock ignores it).
+    architecture: str = _spec("vit", choices=("vit", "qwen3_vl"),
+                              doc="vit: patch ViT pooled to tokens_per_tile; qwen3_vl: Qwen3-VL vision tower")
+    patch_size: int = _spec(0, min=0, doc="0 = tile side / sqrt(tokens_per_tile) (vit)")
+    hidden_dim: int = _spec(0, min=0, doc="vision transformer width (0 = llm.hidden_dim)")
+    num_layers: int = _spec(2, min=1)
+    num_heads: int = _spec(4, min=1)
+    intermediate_size: int = _spec(0, min=0, doc="0 = 4 x hidden_dim")
+    spatial_merge_size: int = _spec(2, min=1, doc="qwen3_vl: patches merged per side into one token")
+    deepstack_layers: tuple[int, ...] = _spec(default_factory=tuple, doc="qwen3_vl: layers feeding DeepStack")
 
     def __post_init__(self):
         for i, axis in enumerate(("height", "width")):
@@ -78,8 +88,17 @@ class LLMConfig:
     decode_buckets: tuple[int, ...] = _spec(min=1, doc="attention spans of the decode graphs")
     max_seq_len: int = _spec(min=1, doc="KV-cache positions per session")
     kv_dtype: str = _spec("float32", choices=DTYPES)
+    # Architecture details used by synflux-build (the mock ignores them).
+    architecture: str = _spec("qwen3", choices=("qwen3", "llama", "gemma"),
+                              doc="qwen3: q/k RMSNorm; llama: plain; gemma: (1+w) norms, GELU, scaled embeddings")
+    intermediate_size: int = _spec(0, min=0, doc="MLP width (0 = 4 x hidden_dim)")
+    rope_theta: float = _spec(10000.0, min=1.0)
+    rms_norm_eps: float = _spec(1e-6, min=0.0)
+    tie_word_embeddings: bool = _spec(False)
 
     def __post_init__(self):
+        if self.intermediate_size == 0:
+            object.__setattr__(self, "intermediate_size", 4 * self.hidden_dim)
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim == 0:
@@ -122,6 +141,8 @@ class ActionConfig:
     norm_q01: tuple[float, ...] = _spec(default_factory=tuple, doc="per-dimension 1st percentile")
     norm_q99: tuple[float, ...] = _spec(default_factory=tuple, doc="per-dimension 99th percentile")
     norm_mask: tuple[bool, ...] = _spec(default_factory=tuple, doc="False = keep the dimension as predicted")
+    expert_hidden_dim: int = _spec(0, min=0, doc="flow matching: action-expert width (0 = llm.hidden_dim)")
+    expert_intermediate_size: int = _spec(0, min=0, doc="flow matching: action-expert MLP width (0 = 4 x width)")
 
     def __post_init__(self):
         for name in ("norm_q01", "norm_q99", "norm_mask"):
