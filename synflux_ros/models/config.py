@@ -227,6 +227,20 @@ class ModelConfig:
         """Hash of everything that shapes the graphs (not the file name)."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
+    # Fields that change no graph: runtime behaviour only.
+    _RUNTIME_ONLY = {"action": ("step_period", "seed", "norm_q01", "norm_q99", "norm_mask"),
+                     "vision": ("resize", "pad_value", "interpolation", "mean", "std")}
+
+    def graph_hash(self) -> str:
+        """Hash of what shapes and fills the graphs (vision, llm, action heads); a graph set built for
+        one config can be reused by any config with the same graph hash."""
+        d = self.to_dict()
+        keep = {k: d[k] for k in ("mode", "vision", "llm", "action")}
+        for section, fields in self._RUNTIME_ONLY.items():
+            if keep.get(section):
+                keep[section] = {k: v for k, v in keep[section].items() if k not in fields}
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
     def with_overrides(self, **sections) -> "ModelConfig":
         """Return a copy with some fields replaced, e.g. ``executor={'backend': 'mock'}``."""
         raw = self.to_dict()
