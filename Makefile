@@ -19,10 +19,12 @@ all: install
 
 venv: $(VENV)/.stamp-deps
 
-$(VENV)/.stamp-deps: requirements-ros.txt
+$(VENV)/.stamp-deps: requirements-ros.txt requirements-build.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=23"
 	$(PY) -m pip install --quiet -r requirements-ros.txt
+	# -c keeps every dependency on the pinned torch
+	$(PY) -m pip install --quiet -c requirements-build.txt -r requirements-build.txt
 	touch $@
 
 # Configure, build and install the interfaces + Python package into the venv prefix.
