@@ -93,7 +93,7 @@ def load_node_config(node, mode: str, config: str, executor: str, graph_dir: str
     if graph_dir:
         if not os.path.isdir(graph_dir):
             raise ParameterError(f"[{name}] parameter 'graph_dir': {graph_dir!r} is not a directory")
-        overrides["graph_dir"] = graph_dir
+        overrides["graph_dir"] = os.path.abspath(graph_dir)
     return cfg.with_overrides(executor=overrides) if overrides else cfg
 
 

@@ -10,11 +10,19 @@ from ..models.config import ConfigError, ModelConfig
 from ..models.graphs import graph_set
 
 
+def resolve_graph_dir(cfg: ModelConfig) -> str:
+    """``executor.graph_dir`` as an absolute path; a relative one is relative to the config file."""
+    gdir = cfg.executor.graph_dir
+    if gdir and not os.path.isabs(gdir) and cfg.source:
+        gdir = os.path.join(os.path.dirname(cfg.source), gdir)
+    return os.path.abspath(gdir) if gdir else ""
+
+
 def load_graph_metas(cfg: ModelConfig) -> list[GraphMeta]:
     """Graph metas from ``graph_dir/manifest.json`` when present (checked against the config), else the
     config's own graph set (backends such as the mock need no files)."""
     expected = graph_set(cfg)
-    gdir = cfg.executor.graph_dir
+    gdir = resolve_graph_dir(cfg)
     manifest = os.path.join(gdir, "manifest.json") if gdir else ""
     if not manifest or not os.path.isfile(manifest):
         return expected
@@ -38,5 +46,5 @@ def create_executor(cfg: ModelConfig) -> Executor:
     options = dict(cfg.executor.options)
     if cfg.executor.latency_ms:
         options["latency_ms"] = dict(cfg.executor.latency_ms)
-    ex = build_executor(cfg.executor.backend, load_graph_metas(cfg), cfg.executor.graph_dir, options)
+    ex = build_executor(cfg.executor.backend, load_graph_metas(cfg), resolve_graph_dir(cfg), options)
     return ex.load()

@@ -27,7 +27,7 @@ from ..models.flow_decoder import FlowMatchingHead
 from ..models.llm_backbone import LLMBackbone
 from ..models.tokenizer import Tokenizer, load_tokenizer
 from ..models.vision_encoder import VisionEncoder
-from .factory import create_executor
+from .factory import create_executor, resolve_graph_dir
 
 MAX_INSTRUCTION_CHARS = 2000
 
@@ -63,7 +63,7 @@ class VLARuntime:
             raise ConfigError(f"mode: VLARuntime needs a 'vla' config, {cfg.name!r} is {cfg.mode!r}")
         self.cfg = cfg
         self.executor = executor if executor is not None else create_executor(cfg)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg, resolve_graph_dir(cfg))
         self.vision = VisionEncoder(cfg, self.executor)
         self.backbone = LLMBackbone(cfg, self.executor)
         act = cfg.action

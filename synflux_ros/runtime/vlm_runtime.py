@@ -25,7 +25,7 @@ from ..models.llm_backbone import LLMBackbone
 from ..models.text_decoder import SamplingParams, generate
 from ..models.tokenizer import Tokenizer, load_tokenizer
 from ..models.vision_encoder import VisionEncoder
-from .factory import create_executor
+from .factory import create_executor, resolve_graph_dir
 from .image import ImageError
 from .session import RequestError, Segment, Session, SessionManager
 
@@ -62,7 +62,7 @@ class VLMRuntime:
             raise ConfigError(f"mode: VLMRuntime needs a 'vlm' config, {cfg.name!r} is {cfg.mode!r}")
         self.cfg = cfg
         self.executor = executor if executor is not None else create_executor(cfg)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg, resolve_graph_dir(cfg))
         self.vision = VisionEncoder(cfg, self.executor)
         self.backbone = LLMBackbone(cfg, self.executor)
         self.pool = KVCachePool(self.executor, cfg.session.max_sessions, cfg.llm.kv_shape, cfg.llm.kv_dtype,
