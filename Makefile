@@ -13,7 +13,7 @@ export ROS_AUTOMATIC_DISCOVERY_RANGE := LOCALHOST
 SOURCES := $(shell find synflux_ros msg srv scripts launch config -type f -not -path '*/__pycache__/*') \
            CMakeLists.txt package.xml
 
-.PHONY: all venv install test unit integration demo bench clean
+.PHONY: all venv install test unit integration demo demo-onnx graphs bench bench-llm clean
 
 all: install
 
@@ -31,11 +31,12 @@ $(VENV)/.stamp-deps: requirements-ros.txt requirements-build.txt
 install: $(VENV)/.stamp-install
 
 $(VENV)/.stamp-install: $(VENV)/.stamp-deps $(SOURCES)
+	mkdir -p $(BUILD)
 	cmake -S . -B $(BUILD) -DCMAKE_INSTALL_PREFIX=$(PREFIX) -DBUILD_TESTING=OFF \
-	      -DPython3_EXECUTABLE=$(PY) -DCMAKE_BUILD_TYPE=Release > $(BUILD).log 2>&1 \
-	      || { tail -40 $(BUILD).log; exit 1; }
-	cmake --build $(BUILD) -j2 >> $(BUILD).log 2>&1 || { tail -40 $(BUILD).log; exit 1; }
-	cmake --install $(BUILD) >> $(BUILD).log 2>&1 || { tail -40 $(BUILD).log; exit 1; }
+	      -DPython3_EXECUTABLE=$(PY) -DCMAKE_BUILD_TYPE=Release > $(BUILD)/synflux-cmake.log 2>&1 \
+	      || { tail -40 $(BUILD)/synflux-cmake.log; exit 1; }
+	cmake --build $(BUILD) -j2 >> $(BUILD)/synflux-cmake.log 2>&1 || { tail -40 $(BUILD)/synflux-cmake.log; exit 1; }
+	cmake --install $(BUILD) >> $(BUILD)/synflux-cmake.log 2>&1 || { tail -40 $(BUILD)/synflux-cmake.log; exit 1; }
 	touch $@
 
 # The tests import the installed package (with its generated messages), not the source tree.
@@ -51,8 +52,23 @@ integration: install
 demo: install
 	cd $(BUILD) && $(PY) -m synflux_ros.nodes.demo $(ARGS)
 
+# Real graphs: export the demo configs with random weights, then the same demo on onnxruntime.
+ENGINES := $(abspath engines)
+graphs: install
+	cd $(BUILD) && $(PY) -m synflux_ros.tools.build --config $(abspath config/vla_demo_orin.yaml) --out $(ENGINES)/vla_demo_orin
+	cd $(BUILD) && $(PY) -m synflux_ros.tools.build --config $(abspath config/vlm_demo.yaml) --out $(ENGINES)/vlm_demo
+
+demo-onnx: graphs
+	cd $(BUILD) && $(PY) -m synflux_ros.nodes.demo --vla-config $(ENGINES)/vla_demo_orin/config.yaml \
+	    --vlm-config $(ENGINES)/vlm_demo/config.yaml $(ARGS)
+
+# Node/pipeline figures, then the LLM figures against transformers and onnxruntime-genai.
 bench: install
 	cd $(BUILD) && $(PY) -m synflux_ros.nodes.bench $(ARGS)
+	cd $(BUILD) && $(PY) -m synflux_ros.tools.bench --suite --work $(abspath $(BUILD))/bench
+
+bench-llm: install
+	cd $(BUILD) && $(PY) -m synflux_ros.tools.bench --suite --work $(abspath $(BUILD))/bench
 
 clean:
-	rm -rf $(BUILD) $(BUILD).log $(VENV)
+	rm -rf $(BUILD) $(BUILD)/synflux-cmake.log $(VENV)
