@@ -1,5 +1,8 @@
 """`make demo`: both nodes on the mock executor, a synthetic camera, action chunks and a chat.
 
+With ``--vla-config``/``--vlm-config`` pointing at the ``config.yaml`` of graph sets built by
+synflux-build, the same demo runs on real graphs with onnxruntime (``make demo-onnx``).
+
 Starts ``vla_node`` and ``vlm_node`` as processes (as ``ros2 launch synflux_ros synflux.launch.py``
 would), publishes a moving test pattern at 10 Hz with an instruction, prints the action chunks that
 come back with their latencies, holds a three-turn conversation (turn 2 and 3 reuse the session's KV
@@ -24,8 +27,7 @@ from .testing import NodeProcess, call_service, rgb_image, ros_env, spin_until, 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--executor", default="mock", help="backend for both nodes (default: mock)")
-    ap.add_argument("--graph-dir", default="", help="compiled graph directory (real backends)")
+    ap.add_argument("--executor", default="", help="backend for both nodes (default: each config's own)")
     ap.add_argument("--vla-config", default="vla_demo_orin.yaml")
     ap.add_argument("--vlm-config", default="vlm_demo.yaml")
     ap.add_argument("--frames", type=int, default=20, help="camera frames to publish (10 Hz)")
@@ -33,9 +35,9 @@ def main(argv=None) -> int:
 
     env = ros_env()
     use_env(env)
-    common = {"executor": args.executor, "graph_dir": args.graph_dir}
-    print(f"starting vla_node ({args.vla_config}) and vlm_node ({args.vlm_config}) on executor "
-          f"'{args.executor}', ROS_DOMAIN_ID={env['ROS_DOMAIN_ID']}")
+    common = {"executor": args.executor}
+    print(f"starting vla_node ({args.vla_config}) and vlm_node ({args.vlm_config}), "
+          f"ROS_DOMAIN_ID={env['ROS_DOMAIN_ID']}")
     vla = NodeProcess("vla_node", {"config": args.vla_config, **common}, env=env)
     vlm = NodeProcess("vlm_node", {"config": args.vlm_config, **common}, env=env)
     procs = [vla, vlm]
