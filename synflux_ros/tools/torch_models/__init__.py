@@ -1,0 +1,128 @@
+"""torch modules implementing the graph contracts of ``synflux_ros.models.graphs.graph_set`` (build time only).
+
+::
+
+    gm = build_graph_modules(cfg, seed=0)                      # random weights of the configured architecture
+    gm = build_graph_modules(config_from_hf(d, cfg), hf_dir=d)  # text decoder from a local HF checkpoint
+    logits, new_kv = gm.modules["prefill_64"](inputs_embeds, num_tokens, cache_position, past_kv)
+
+Every module's ``forward`` takes the graph's inputs in order (exact shapes and dtypes) and returns a
+tuple of its outputs in order. All embed / prefill / decode modules reference one backbone
+(:class:`~.decoder.CausalLM`), all action-expert modules one :class:`~.action_expert.ActionExpert`, so
+they share parameter objects. The modules trace with ``torch.onnx.export(..., dynamo=False)`` into
+standard ONNX ops.
+
+Weights: seeded random ones (normal(0, 0.02) for linear / embedding / conv weights, zero biases, norms at
+identity), or, with ``hf_dir``, the decoder of a Qwen3 / Llama / Gemma / Qwen3-VL checkpoint
+(safetensors, single file or sharded). The vision encoder (``vit``) and the action expert are always
+random; the ``qwen3_vl`` vision tower is not built here (it is listed in ``missing``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ...models.config import ConfigError, ModelConfig
+from ...models.graphs import graph_set
+from .action_expert import ActionExpert, ActionExpertGraph
+from .decoder import (CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, hf_llm_fields, init_random,
+                      load_hf_weights, materialize)
+from .vision import VitVisionEncoder
+
+__all__ = ["GraphModules", "build_graph_modules", "config_from_hf"]
+
+# Independent random streams per component, so that e.g. changing the vision tower leaves the decoder's
+# weights unchanged.
+_STREAM = {"decoder": 0, "vision": 1, "action_expert": 2}
+
+
+@dataclass
+class GraphModules:
+    modules: dict[str, nn.Module]
+    missing: list[str] = field(default_factory=list)
+    tokenizer_path: str | None = None
+    source: dict = field(default_factory=dict)
+
+
+def _generator(seed: int, stream: str) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed) * 1_000_003 + _STREAM[stream])
+
+
+def _random(module_factory, seed: int, stream: str) -> nn.Module:
+    with torch.device("meta"):
+        module = module_factory()
+    materialize(module)
+    init_random(module, _generator(seed, stream))
+    return module.eval()
+
+
+def config_from_hf(hf_dir: str, base: ModelConfig) -> ModelConfig:
+    """``base`` with the LLM dimensions of the checkpoint in ``hf_dir`` (buckets, kv dtype, vision, action,
+    ... kept from ``base``). Raises ConfigError for an unsupported checkpoint."""
+    _, fields, _ = hf_llm_fields(hf_dir)
+    return base.with_overrides(llm=fields)
+
+
+def _check_matches_checkpoint(cfg: ModelConfig, fields: dict, hf_dir: str) -> None:
+    diff = [f"{k}: config {getattr(cfg.llm, k)!r}, checkpoint {v!r}" for k, v in fields.items()
+            if getattr(cfg.llm, k) != v]
+    if diff:
+        raise ConfigError(f"llm section does not match the checkpoint {hf_dir} ({'; '.join(diff)}); "
+                          f"use config_from_hf to take the dimensions from it")
+
+
+def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = None) -> GraphModules:
+    """One torch module per graph of ``graph_set(cfg)`` (except a ``qwen3_vl`` vision encoder)."""
+    llm = cfg.llm
+    rope = None
+    model_type = None
+    if hf_dir:
+        model_type, fields, rope = hf_llm_fields(hf_dir)
+        _check_matches_checkpoint(cfg, fields, hf_dir)
+        with torch.device("meta"):
+            lm = CausalLM(llm, rope)
+        materialize(lm)
+        load_hf_weights(lm, hf_dir, model_type)
+        lm.eval()
+    else:
+        lm = _random(lambda: CausalLM(llm), seed, "decoder")
+
+    metas = graph_set(cfg)
+    modules: dict[str, nn.Module] = {}
+    missing: list[str] = []
+    expert = None
+    random_parts: list[str] = []
+    for meta in metas:
+        bucket = meta.attrs.get("bucket")
+        if meta.kind == "vision_encoder":
+            if cfg.vision.architecture != "vit":
+                missing.append(meta.name)
+                continue
+            modules[meta.name] = _random(lambda: VitVisionEncoder(cfg), seed, "vision")
+            random_parts.append(meta.name)
+        elif meta.kind == "embed":
+            modules[meta.name] = EmbedGraph(lm, bucket).eval()
+        elif meta.kind == "prefill":
+            modules[meta.name] = PrefillGraph(lm, bucket, llm.max_seq_len, llm.kv_dtype).eval()
+        elif meta.kind == "decode":
+            modules[meta.name] = DecodeGraph(lm, bucket, llm.kv_dtype).eval()
+        elif meta.kind == "action_expert":
+            if expert is None:
+                expert = _random(lambda: ActionExpert(cfg, rope), seed, "action_expert")
+            modules[meta.name] = ActionExpertGraph(expert, bucket).eval()
+            random_parts.append(meta.name)
+        else:
+            missing.append(meta.name)
+
+    tokenizer = None
+    if hf_dir:
+        tok = os.path.join(hf_dir, "tokenizer.json")
+        tokenizer = tok if os.path.isfile(tok) else None
+        source = {"weights": "hf", "path": os.path.abspath(hf_dir), "model_type": model_type,
+                  "random": random_parts, "seed": seed}
+    else:
+        source = {"weights": "random", "seed": seed}
+    return GraphModules(modules, missing, tokenizer, source)

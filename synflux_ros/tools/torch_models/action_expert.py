@@ -1,0 +1,87 @@
+"""Flow-matching action expert (pi0 style), random weights.
+
+The expert is a transformer of its own width (``action.expert_hidden_dim``, 0 = LLM width) with the
+backbone's number of layers, attention heads, KV heads and head dim, so that its layer ``l`` can attend
+to the prefix keys/values that backbone layer ``l`` left in the KV cache:
+
+* input: ``action_in_proj(noisy_actions)`` concatenated with a sinusoidal embedding of the timestep, mixed
+  by a two-layer MLP with SiLU (pi0's ``action_time_mlp_in`` / ``action_time_mlp_out``);
+* layer ``l``: queries, keys and values of the action tokens from the expert's own projections (RoPE at
+  positions ``prefix_len + i``); keys = [cache positions j < prefix_len of layer l | action tokens];
+  action tokens see each other bidirectionally;
+* output: final norm and ``action_out_proj`` to the action dimension -> velocity [1, h, a].
+
+The blocks follow the backbone architecture (norm style, MLP activation, q/k norms).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ...models.config import ModelConfig
+from .decoder import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+
+MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0
+
+
+class ActionExpert(nn.Module):
+    """The expert's weights; one instance is shared by every ``ActionExpertGraph`` bucket."""
+
+    def __init__(self, cfg: ModelConfig, rope: dict | None = None):
+        super().__init__()
+        llm, act = cfg.llm, cfg.action
+        width = act.expert_hidden_dim or llm.hidden_dim
+        inter = act.expert_intermediate_size or 4 * width
+        self.llm = llm
+        self.rope = dict(rope or {})
+        self.horizon, self.action_dim, self.width = act.action_horizon, act.action_dim, width
+        self.time_dim = 2 * max(width // 2, 1)
+        self.action_in_proj = nn.Linear(act.action_dim, width)
+        self.action_time_mlp_in = nn.Linear(width + self.time_dim, width)
+        self.action_time_mlp_out = nn.Linear(width, width)
+        self.layers = nn.ModuleList(
+            DecoderLayer(width, inter, llm.num_heads, llm.num_kv_heads, llm.head_dim, llm.architecture,
+                         llm.rms_norm_eps) for _ in range(llm.num_layers))
+        self.norm = RMSNorm(width, llm.rms_norm_eps, llm.architecture == "gemma")
+        self.action_out_proj = nn.Linear(width, act.action_dim)
+        self.register_buffer("inv_freq", torch.empty(llm.head_dim // 2), persistent=False)
+        self.register_buffer("time_freq", torch.empty(self.time_dim // 2), persistent=False)
+
+    def fill_buffers(self) -> None:
+        self.inv_freq = rope_inv_freq(self.llm.head_dim, self.llm.rope_theta, self.rope)
+        fraction = torch.linspace(0.0, 1.0, self.time_dim // 2, dtype=torch.float64)
+        period = MIN_PERIOD * (MAX_PERIOD / MIN_PERIOD) ** fraction
+        self.time_freq = (2.0 * math.pi / period).to(torch.float32)
+
+    def time_embedding(self, timestep: torch.Tensor) -> torch.Tensor:
+        """timestep [1] -> [1, time_dim] (sin | cos)."""
+        arg = timestep[:, None] * self.time_freq[None, :]
+        return torch.cat((arg.sin(), arg.cos()), dim=-1)
+
+    def velocity(self, noisy_actions, timestep, prefix_len, past_kv, span: int):
+        h = self.horizon
+        x = self.action_in_proj(noisy_actions[0])  # [h, W]
+        t_emb = self.time_embedding(timestep).expand(h, self.time_dim)
+        x = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat((x, t_emb), dim=-1))))
+        rows = torch.arange(h, dtype=torch.int64)
+        cos, sin = rope_cos_sin(prefix_len + rows, self.inv_freq)
+        past = past_kv[:, :, :, :span].to(torch.float32)
+        prefix_ok = (torch.arange(span, dtype=torch.int64)[None, :] < prefix_len).expand(h, span)
+        allowed = torch.cat((prefix_ok, torch.ones(h, h, dtype=torch.bool)), dim=1)
+        for i, layer in enumerate(self.layers):
+            x, _, _ = layer(x, cos, sin, past[i, 0], past[i, 1], allowed)
+        return self.action_out_proj(self.norm(x)).unsqueeze(0)
+
+
+class ActionExpertGraph(nn.Module):
+    """action_expert_<d>: noisy_actions [1,h,a], timestep [1], prefix_len [1], past_kv -> velocity [1,h,a]."""
+
+    def __init__(self, expert: ActionExpert, bucket: int):
+        super().__init__()
+        self.expert, self.bucket = expert, bucket
+
+    def forward(self, noisy_actions, timestep, prefix_len, past_kv):
+        return (self.expert.velocity(noisy_actions, timestep, prefix_len, past_kv, self.bucket),)

@@ -1,0 +1,500 @@
+"""Decoder-only language model (Qwen3 / Llama / Gemma) and its embed / prefill / decode graph modules.
+
+Everything here works on one sequence (batch 1) and on static shapes, so that ``torch.onnx.export``
+(TorchScript tracing) yields graphs of standard ONNX ops only:
+
+* attention is written out (MatMul, masked Softmax, MatMul), grouped-query heads by broadcasting;
+* which cache positions a query may see is a boolean mask built by comparing constant position ranges
+  against the ``cache_position`` / ``num_tokens`` *input values*, never by Python control flow;
+* RoPE (rotate-half convention) is computed in the graph from the positions, ``cos/sin(pos * inv_freq)``.
+
+Parameter names follow the Hugging Face layout (``model.embed_tokens.weight``,
+``model.layers.N.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight``), so a
+checkpoint's safetensors load with strict name matching (:func:`load_hf_weights`).
+
+KV entries are computed in float32. The K/V of the new tokens are rounded to the cache dtype before
+they are attended to, so a sequence gives the same numbers whether it is prefilled at once, in chunks
+or token by token (the cache only ever holds rounded values).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ...models.config import ConfigError, LLMConfig
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+
+def rope_inv_freq(head_dim: int, theta: float, rope: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] of rotary embeddings, with the scalings Llama checkpoints use.
+
+    ``rope`` is a Hugging Face ``rope_parameters``/``rope_scaling`` dict (or None): ``default`` (also the
+    multimodal-rope variants, identical for text positions), ``linear`` and ``llama3`` are supported.
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv = 1.0 / (float(theta) ** exponent)
+    rope = rope or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if float(rope.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        raise ConfigError("rope: partial_rotary_factor != 1 is not supported")
+    if kind in ("default", "mrope"):
+        return inv
+    if kind == "linear":
+        return inv / float(rope["factor"])
+    if kind == "llama3":
+        factor = float(rope["factor"])
+        lo_f = float(rope.get("low_freq_factor", 1.0))
+        hi_f = float(rope.get("high_freq_factor", 4.0))
+        ctx = float(rope["original_max_position_embeddings"])
+        wavelen = 2.0 * math.pi / inv
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
+        blend = ((ctx / wavelen) - lo_f) / (hi_f - lo_f)
+        blended = (1.0 - blend) * inv / factor + blend * inv
+        out = torch.where(wavelen > ctx / lo_f, inv / factor, inv)
+        middle = (wavelen >= ctx / hi_f) & (wavelen <= ctx / lo_f)
+        return torch.where(middle, blended, out)
+    raise ConfigError(f"rope: rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
+    """positions [T] int64 -> cos, sin [T, Dh] (frequencies repeated over both halves)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [heads, T, Dh]; rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------------------------------- blocks
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w, or * (1 + w) for Gemma (``unit_offset``)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = float(eps)
+        self.unit_offset = unit_offset
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            if self.unit_offset:
+                self.weight.zero_()
+            else:
+                self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * (self.weight + 1.0) if self.unit_offset else x * self.weight
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked attention with grouped-query heads.
+
+    q [nh, T, Dh], k/v [KV, S, Dh], allowed [T, S] bool (True = may attend) -> [nh, T, Dh].
+    Every query row must allow at least one key (callers always allow the token itself).
+    """
+    nh, t, dh = q.shape
+    kv = k.shape[0]
+    qg = q.reshape(kv, nh // kv, t, dh)
+    scores = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2)) * scale  # [KV, G, T, S]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.unsqueeze(1)).reshape(nh, t, dh)
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
+                 eps: float, unit_offset: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.q_proj = nn.Linear(width, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(width, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(width, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, width, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps, unit_offset)
+            self.k_norm = RMSNorm(head_dim, eps, unit_offset)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, W] -> q [nh, T, Dh], k [KV, T, Dh] (both after RoPE), v [KV, T, Dh]."""
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(0, 1), cos, sin)
+        k = apply_rope(k.transpose(0, 1), cos, sin)
+        return q, k, v
+
+    def output(self, ctx: torch.Tensor) -> torch.Tensor:
+        """ctx [nh, T, Dh] -> [T, W]."""
+        t = ctx.shape[1]
+        return self.o_proj(ctx.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, width: int, intermediate: int, act: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(width, intermediate, bias=False)
+        self.up_proj = nn.Linear(width, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, width, bias=False)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate_proj(x)
+        g = F.gelu(g, approximate="tanh") if self.act == "gelu_tanh" else F.silu(g)
+        return self.down_proj(g * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block. ``forward`` attends the layer's tokens to ``past`` keys/values followed by their own."""
+
+    def __init__(self, width: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 architecture: str, eps: float):
+        super().__init__()
+        gemma = architecture == "gemma"
+        self.self_attn = Attention(width, num_heads, num_kv_heads, head_dim, architecture == "qwen3", eps, gemma)
+        self.mlp = GatedMLP(width, intermediate, "gelu_tanh" if gemma else "silu")
+        self.input_layernorm = RMSNorm(width, eps, gemma)
+        self.post_attention_layernorm = RMSNorm(width, eps, gemma)
+
+    def forward(self, x, cos, sin, past_k, past_v, allowed, kv_dtype: torch.dtype = torch.float32):
+        """x [T, W]; past_k/v [KV, S, Dh] f32; allowed [T, S + T] -> (x, k, v) with k/v [KV, T, Dh] in kv_dtype."""
+        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
+        if kv_dtype != torch.float32:
+            k, v = k.to(kv_dtype), v.to(kv_dtype)
+            k_use, v_use = k.to(torch.float32), v.to(torch.float32)
+        else:
+            k_use, v_use = k, v
+        keys = torch.cat((past_k, k_use), dim=1)
+        values = torch.cat((past_v, v_use), dim=1)
+        ctx = attend(q, keys, values, allowed, self.self_attn.scale)
+        x = x + self.self_attn.output(ctx)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v
+
+
+class TextModel(nn.Module):
+    def __init__(self, llm: LLMConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(llm.vocab_size, llm.hidden_dim)
+        self.layers = nn.ModuleList(
+            DecoderLayer(llm.hidden_dim, llm.intermediate_size, llm.num_heads, llm.num_kv_heads, llm.head_dim,
+                         llm.architecture, llm.rms_norm_eps) for _ in range(llm.num_layers))
+        self.norm = RMSNorm(llm.hidden_dim, llm.rms_norm_eps, llm.architecture == "gemma")
+
+
+class CausalLM(nn.Module):
+    """The backbone shared by every embed / prefill / decode graph (Hugging Face parameter names)."""
+
+    def __init__(self, llm: LLMConfig, rope: dict | None = None):
+        super().__init__()
+        self.llm = llm
+        self.rope = dict(rope or {})
+        self.model = TextModel(llm)
+        self.lm_head = nn.Linear(llm.hidden_dim, llm.vocab_size, bias=False)
+        self.embed_scale = math.sqrt(llm.hidden_dim) if llm.architecture == "gemma" else None
+        self.tie()
+        self.register_buffer("inv_freq", torch.empty(llm.head_dim // 2), persistent=False)
+
+    def tie(self) -> None:
+        if self.llm.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fill_buffers(self) -> None:
+        self.inv_freq = rope_inv_freq(self.llm.head_dim, self.llm.rope_theta, self.rope)
+
+    # -------------------------------------------------------------- pieces used by the graph modules
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64 -> [T, H] (Gemma: times sqrt(H))."""
+        x = self.model.embed_tokens(ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        return x
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, allowed: torch.Tensor,
+            kv_dtype: torch.dtype = torch.float32):
+        """x [T, H] at ``positions`` [T]; past [L, 2, KV, S, Dh] f32; allowed [T, S + T].
+
+        Returns the last hidden states [T, H] (before the final norm) and new_kv [L, 2, KV, T, Dh].
+        """
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        new = []
+        for i, layer in enumerate(self.model.layers):
+            x, k, v = layer(x, cos, sin, past[i, 0], past[i, 1], allowed, kv_dtype)
+            new.append(torch.stack((k, v)))
+        return x, torch.stack(new)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """h [N, H] -> logits [N, V]."""
+        h = self.model.norm(h)
+        if self.llm.tie_word_embeddings:
+            # (W @ h^T)^T uses the embedding matrix as stored: an exported graph then holds the one [V, H]
+            # initializer for both the token lookup and the head instead of also a folded transposed copy.
+            return torch.matmul(self.lm_head.weight, h.t()).t()
+        return self.lm_head(h)
+
+
+# ---------------------------------------------------------------------------------------------- graphs
+
+class EmbedGraph(nn.Module):
+    """embed_<p>: input_ids [1, p] -> inputs_embeds [1, p, H]."""
+
+    def __init__(self, lm: CausalLM, bucket: int):
+        super().__init__()
+        self.lm, self.bucket = lm, bucket
+
+    def forward(self, input_ids):
+        return (self.lm.embed(input_ids[0]).unsqueeze(0),)
+
+
+class PrefillGraph(nn.Module):
+    """prefill_<p>: rows i < num_tokens at positions cache_position + i attend to the cache below
+    cache_position and to new rows i' <= i; logits of row num_tokens - 1."""
+
+    def __init__(self, lm: CausalLM, bucket: int, max_seq_len: int, kv_dtype: str):
+        super().__init__()
+        self.lm, self.bucket, self.max_seq_len = lm, bucket, max_seq_len
+        self.kv_dtype = torch_dtype(kv_dtype)
+
+    def forward(self, inputs_embeds, num_tokens, cache_position, past_kv):
+        p, s = self.bucket, self.max_seq_len
+        rows = torch.arange(p, dtype=torch.int64)
+        past = past_kv.to(torch.float32)
+        past_ok = (torch.arange(s, dtype=torch.int64)[None, :] < cache_position).expand(p, s)
+        causal = rows[None, :] <= rows[:, None]
+        allowed = torch.cat((past_ok, causal), dim=1)
+        h, new_kv = self.lm.run(inputs_embeds[0], cache_position + rows, past, allowed, self.kv_dtype)
+        last = torch.index_select(h, 0, num_tokens - 1)
+        logits = self.lm.head(last)
+        valid = (rows < num_tokens).to(new_kv.dtype)[None, None, None, :, None]
+        return logits, new_kv * valid
+
+
+class DecodeGraph(nn.Module):
+    """decode_<d>: one token at cache_position attends to cache positions < cache_position (of the first d)
+    and to itself."""
+
+    def __init__(self, lm: CausalLM, bucket: int, kv_dtype: str):
+        super().__init__()
+        self.lm, self.bucket = lm, bucket
+        self.kv_dtype = torch_dtype(kv_dtype)
+
+    def forward(self, input_ids, cache_position, past_kv):
+        d = self.bucket
+        x = self.lm.embed(input_ids[0])
+        past = past_kv[:, :, :, :d].to(torch.float32)
+        past_ok = torch.arange(d, dtype=torch.int64)[None, :] < cache_position
+        allowed = torch.cat((past_ok, torch.ones(1, 1, dtype=torch.bool)), dim=1)
+        h, new_kv = self.lm.run(x, cache_position, past, allowed, self.kv_dtype)
+        return self.lm.head(h), new_kv
+
+
+# ---------------------------------------------------------------------------------------------- init
+
+def init_random(module: nn.Module, generator: torch.Generator, std: float = 0.02) -> None:
+    """Normal(0, std) for linear / embedding / conv weights, zero biases, norms at identity."""
+    seen: set[int] = set()
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding, nn.Conv2d)):
+                if id(m.weight) not in seen:
+                    seen.add(id(m.weight))
+                    m.weight.normal_(0.0, std, generator=generator)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+            elif isinstance(m, RMSNorm):
+                m.reset_parameters()
+            elif isinstance(m, nn.LayerNorm):
+                m.weight.fill_(1.0)
+                m.bias.zero_()
+            if hasattr(m, "init_extra"):
+                m.init_extra(generator, std)
+
+
+def materialize(module: nn.Module) -> nn.Module:
+    """Give a module built on the meta device real (uninitialised) CPU storage, re-tie shared weights and
+    compute its constant buffers."""
+    module.to_empty(device="cpu")
+    for m in module.modules():
+        if hasattr(m, "tie"):
+            m.tie()
+        if hasattr(m, "fill_buffers"):
+            m.fill_buffers()
+    module.requires_grad_(False)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------- HF checkpoints
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "gemma", "qwen3_vl")
+_ARCH_OF = {"qwen3": "qwen3", "llama": "llama", "gemma": "gemma", "qwen3_vl": "qwen3"}
+_TIED_DEFAULT = {"qwen3": False, "llama": False, "gemma": True, "qwen3_vl": False}
+
+
+def read_hf_config(hf_dir: str) -> tuple[str, dict, dict]:
+    """(model_type, text config, top-level config) of a checkpoint directory."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{hf_dir!r} is not a Hugging Face checkpoint directory (no config.json)")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            top = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc})") from None
+    model_type = str(top.get("model_type", ""))
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{path}: model_type {model_type!r} is not supported "
+                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    text = top.get("text_config") if model_type == "qwen3_vl" else top
+    if not isinstance(text, dict):
+        raise ConfigError(f"{path}: model_type {model_type!r} needs a 'text_config' section")
+    return model_type, text, top
+
+
+def hf_rope(text: dict) -> tuple[float, dict]:
+    """(rope theta, rope parameters dict) of a text config (transformers 5 or 4 layout)."""
+    params = text.get("rope_parameters")
+    if not isinstance(params, dict):
+        params = text.get("rope_scaling")
+        params = dict(params) if isinstance(params, dict) else {}
+    else:
+        params = dict(params)
+    theta = params.get("rope_theta", text.get("rope_theta", 10000.0))
+    return float(theta), params
+
+
+def hf_llm_fields(hf_dir: str) -> tuple[str, dict, dict]:
+    """(model_type, LLMConfig fields, rope dict) read from a checkpoint, checking unsupported features."""
+    model_type, text, top = read_hf_config(hf_dir)
+    where = os.path.join(hf_dir, "config.json")
+
+    def need(key):
+        if key not in text:
+            raise ConfigError(f"{where}: {key} is missing")
+        return text[key]
+
+    arch = _ARCH_OF[model_type]
+    # Gemma's legacy "gelu" means the tanh approximation (transformers maps it the same way).
+    act = text.get("hidden_activation") or text.get("hidden_act") or ("gelu_pytorch_tanh" if arch == "gemma" else "silu")
+    allowed_acts = ("gelu_pytorch_tanh", "gelu_tanh", "gelu") if arch == "gemma" else ("silu", "swish")
+    if act not in allowed_acts:
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported for {model_type} "
+                          f"(supported: {', '.join(allowed_acts)})")
+    for key in ("attention_bias", "mlp_bias"):
+        if text.get(key):
+            raise ConfigError(f"{where}: {key}: true is not supported (the graphs have no biases)")
+    if text.get("use_sliding_window"):
+        raise ConfigError(f"{where}: use_sliding_window: true is not supported")
+    theta, rope = hf_rope(text)
+    rope_inv_freq(2, theta, rope)  # rejects unsupported rope types early
+    heads = int(need("num_attention_heads"))
+    hidden = int(need("hidden_size"))
+    tied = top.get("tie_word_embeddings", text.get("tie_word_embeddings", _TIED_DEFAULT[model_type]))
+    fields = {
+        "num_layers": int(need("num_hidden_layers")),
+        "hidden_dim": hidden,
+        "num_heads": heads,
+        "num_kv_heads": int(text.get("num_key_value_heads") or heads),
+        "head_dim": int(text.get("head_dim") or hidden // heads),
+        "vocab_size": int(need("vocab_size")),
+        "intermediate_size": int(need("intermediate_size")),
+        "rope_theta": theta,
+        "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
+        "tie_word_embeddings": bool(tied),
+        "architecture": arch,
+    }
+    return model_type, fields, rope
+
+
+def _checkpoint_files(hf_dir: str) -> list[str]:
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as fh:
+            weight_map = json.load(fh).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
+        if missing:
+            raise ConfigError(f"{index}: shard files missing: {missing}")
+        return [os.path.join(hf_dir, f) for f in files]
+    single = os.path.join(hf_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    others = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+    if others:
+        return [os.path.join(hf_dir, f) for f in others]
+    raise ConfigError(f"{hf_dir!r}: no safetensors weights (model.safetensors or model.safetensors.index.json)")
+
+
+def _map_name(name: str, model_type: str) -> str | None:
+    """Checkpoint tensor name -> CausalLM parameter name; None = not part of the text decoder."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if model_type == "qwen3_vl":
+        for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                         ("language_model.lm_head.", "lm_head.")):
+            if name.startswith(old):
+                return new + name[len(old):]
+        if name.startswith(("model.visual.", "visual.")):
+            return None
+    return name
+
+
+def load_hf_weights(lm: CausalLM, hf_dir: str, model_type: str) -> None:
+    """Copy the checkpoint's text-decoder tensors into ``lm`` (float32), with strict name matching."""
+    from safetensors import safe_open
+
+    params = dict(lm.named_parameters(remove_duplicate=False))
+    tied = lm.llm.tie_word_embeddings
+    expected = {n for n in params if not (tied and n == "lm_head.weight")}
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for path in _checkpoint_files(hf_dir):
+            with safe_open(path, framework="pt") as fh:
+                for key in fh.keys():
+                    name = _map_name(key, model_type)
+                    if name is None or (tied and name == "lm_head.weight"):
+                        continue
+                    if name not in expected:
+                        unexpected.append(key)
+                        continue
+                    tensor = fh.get_tensor(key)
+                    target = params[name]
+                    if tuple(tensor.shape) != tuple(target.shape):
+                        raise ConfigError(
+                            f"{hf_dir}: {key} has shape {list(tensor.shape)}, the graphs expect "
+                            f"{list(target.shape)} (build the config with config_from_hf)")
+                    target.copy_(tensor.to(torch.float32))
+                    loaded.add(name)
+    missing = sorted(expected - loaded)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        raise ConfigError(f"{hf_dir}: checkpoint does not match a {lm.llm.architecture} decoder of this "
+                          f"config: {'; '.join(parts)}")
