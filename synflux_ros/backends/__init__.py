@@ -34,6 +34,8 @@ class BackendEntry:
 
 EXECUTORS: dict[str, BackendEntry] = {
     "mock": BackendEntry("synflux_ros.backends.mock:MockExecutor"),
+    "onnxruntime": BackendEntry("synflux_ros.backends.onnxruntime:OnnxRuntimeExecutor", requires=("onnxruntime",),
+                                install_hint="pip install onnxruntime; onnxruntime-gpu for CUDA/TensorRT providers"),
 }
 
 

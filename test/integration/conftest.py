@@ -40,7 +40,7 @@ def make_config(tmp_path_factory):
                 raw.setdefault(key, {}).update(value)
             else:
                 raw[key] = value
-        path = tmp_path_factory.mktemp("cfg") / base
+        path = tmp_path_factory.mktemp("cfg") / os.path.basename(base)
         path.write_text(yaml.safe_dump(raw))
         return str(path)
     return _make

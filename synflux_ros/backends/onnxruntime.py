@@ -1,0 +1,538 @@
+"""ONNX Runtime executor: runs a graph set written by ``synflux-build`` (format in ``tools/graphset.py``).
+
+Weights once
+------------
+All graphs of a model (``prefill_<p>`` for every bucket, ``decode_<d>``, ...) use the same weight tensors,
+and the graph set stores them once in ``weights.bin``. With ``share_weights`` (the default) this executor
+reads that file once into one host buffer and gives every :class:`onnxruntime.InferenceSession` views
+of it: for each external initializer of a graph, ``SessionOptions.add_initializer(name, OrtValue)``
+with an ``OrtValue`` created over a slice of the buffer (no copy). ORT uses a CPU ``OrtValue`` supplied
+this way in place, so N bucket graphs hold one copy of the weights.
+
+Prepacking decides whether that holds. On CPU, ORT's MatMul/Gemm kernels "prepack" constant weights at
+session creation into a private GEMM layout: one packed copy *per session* (sharing packed weights
+between sessions needs ``CreateSessionWithPrepackedWeightsContainer``, which the Python API lacks). So
+with ``share_weights`` the default is ``prepack: false`` (``session.disable_prepacking``): the kernels
+then pack blocks of the shared weight on every call. ``prepack`` may also name graphs, kinds or groups
+(``prepack: [prefill]``): those sessions get a private packed copy each and run at full speed.
+
+The third way combines both: with ``optimized_model_dir`` and ``prepack: true`` the ORT-optimised graphs
+are saved with their prepacked weights (``session.save_external_prepacked_constant_initializers``), the
+packed copies deduplicated across graphs into the optimised set's one weights file, and ORT maps them
+from that file in every session. All sessions then use the same page-cache pages: one physical copy
+(proportional set size, PSS), full speed; RSS counts each session's mapping again, and the pages are
+file-backed (evictable under memory pressure, like ``mmap_weights``). This relies on how ORT stores
+prepacked blobs (``prepacked_<n>`` external-data entries); the cache is keyed by ORT version.
+
+Measured with ORT 1.31 on a 2-core x86-64 CPU: four prefill buckets (p = 1, 2, 4, 8 rows) over one
+64 MiB float32 matrix [4096, 4096], memory growth after load + one run of each (staging excluded)::
+
+    options                                      RSS       PSS      ms per run, p = 1 / 2 / 4 / 8
+    share_weights (default: no prepack)          +75 MB    +74 MB   1.2 / 5.8 / 6.0 / 5.7
+    share_weights: false (ORT loads, prepacks)   +266 MB   +266 MB  1.3 / 1.4 / 1.4 / 2.0
+    share_weights + prepack: true                +330 MB   +330 MB  1.3 / 1.3 / 1.4 / 2.0
+    optimized_model_dir + prepack: true          +266 MB   +74 MB   1.3 / 1.4 / 1.5 / 2.0
+    share_weights: false, prepack: false         +267 MB   +70 MB   1.3 / 6.6 / 6.9 / 6.6  (ORT maps the
+                                                                    file itself, once per session)
+
+Not prepacking costs nothing for one row (decode is a matrix-vector product) and most for a few rows;
+for [p, 2048] x [2048, 2048] the factor was 1.0 (p=1), 2.3-2.7 (p=4..16), 1.5 (p=64), 1.15 (p=256).
+``session.use_env_allocators`` shares only the arena for intermediate tensors and changed nothing here.
+Graph optimisations that rewrite a weight (constant-folding a ``Transpose`` of it, Conv+BatchNorm
+fusion, packing Q/K/V into one matrix) create a per-session copy of the rewritten tensor; fold those at
+export time.
+
+Device buffers and IOBinding
+----------------------------
+Every staging buffer and caller-owned tensor (KV-cache slots) is a 64-byte-aligned host buffer. A run
+binds each input and output by pointer (``IOBinding.bind_input/bind_output`` with ``buffer_ptr``), so
+inputs are read and outputs written in place: a resident ``past_kv`` slot is passed without a copy and
+the steady state allocates no buffers. Bindings are kept per graph and redone only when a pointer
+changes (another KV slot). The first run of each graph checks that ORT wrote its outputs into the bound
+buffers.
+
+Execution providers
+-------------------
+``providers`` defaults to ``["CPUExecutionProvider"]``. ``CUDAExecutionProvider`` and
+``TensorrtExecutionProvider`` work where the ``onnxruntime-gpu`` package is installed (an entry may be
+``[name, {provider options}]``, e.g. ``["TensorrtExecutionProvider", {"trt_fp16_enable": true,
+"trt_engine_cache_enable": true, "trt_engine_cache_path": "/opt/trt_cache"}]``). The buffers stay in
+host memory, so ORT copies inputs to the device and outputs back on each run, and ``share_weights``
+shares the host copy only (each session uploads its own device copy). A provider this onnxruntime build
+lacks is an error that lists the available ones.
+
+Options (``executor.options`` in the model config)
+--------------------------------------------------
+``providers``                list, see above
+``intra_op_num_threads``     0 = ORT's default (one per physical core)
+``inter_op_num_threads``     0 = ORT's default
+``graph_optimization_level`` ``disable`` | ``basic`` | ``extended`` | ``all`` (default): runtime-specific
+                             fused ops come from ORT's own optimiser; the exported graphs stay standard ONNX
+``optimized_model_dir``      save the ORT-optimised graphs there and load those next time: a graph set of
+                             its own (weights and prepacked weights deduplicated again) in a subdirectory
+                             keyed by ORT version, machine, providers, level, prepacked graphs and source
+                             files; loaded with ORT's optimiser off; writing it needs ``onnx``; not with
+                             TensorRT (use its engine cache: ``trt_engine_cache_enable``)
+``share_weights``            default true, see above
+``prepack``                  true | false | list of graph names, kinds or groups; default: not share_weights
+                             (with ``optimized_model_dir``: saved and shared, see above)
+``mmap_weights``             map weights.bin instead of reading it (pages are loaded on first use and may
+                             be evicted under memory pressure); default false
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import platform
+import shutil
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..core.executor import Executor, GraphMeta, ShapeError
+from ..tools import graphset
+from ..tools.graphset import GraphSetError, GraphSetNotFoundError
+
+_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
+           "all": "ORT_ENABLE_ALL"}
+
+# ORT's type strings -> numpy dtype names (as GraphMeta spells them).
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
+              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int16)": "int16", "tensor(int8)": "int8",
+              "tensor(uint64)": "uint64", "tensor(uint32)": "uint32", "tensor(uint16)": "uint16",
+              "tensor(uint8)": "uint8", "tensor(bool)": "bool", "tensor(bfloat16)": "bfloat16"}
+
+# ONNX TensorProto data types -> numpy storage of the same item size (bfloat16 and float8 are
+# reinterpreted by ORT through ortvalue_from_numpy_with_onnx_type). Sub-byte types are not shared.
+_ONNX_STORAGE = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64,
+                 9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64, 16: np.uint16,
+                 17: np.uint8, 18: np.uint8, 19: np.uint8, 20: np.uint8}
+
+_OPTIONS = ("providers", "intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
+            "optimized_model_dir", "share_weights", "prepack", "mmap_weights")
+_IGNORED_OPTIONS = ("latency_ms",)  # the mock's simulated latency; the factory passes it to every backend
+
+_ALIGN = 64
+_CACHE_KEY = "ort_optimized"
+
+
+class _HostBuffer:
+    """A device buffer of the CPU 'device': an aligned numpy byte array and its address."""
+
+    __slots__ = ("array", "ptr")
+
+    def __init__(self, nbytes: int):
+        raw = np.zeros(nbytes + _ALIGN, np.uint8)
+        start = (-raw.ctypes.data) % _ALIGN
+        self.array = raw[start:start + nbytes]
+        self.ptr = self.array.ctypes.data
+
+
+class _Graph:
+    """A loaded graph: its session, its IO binding and the pointers currently bound."""
+
+    __slots__ = ("session", "binding", "bound", "verified", "path", "shared_initializers")
+
+    def __init__(self, session, path: str, shared: int):
+        self.session = session
+        self.binding = session.io_binding()
+        self.bound: dict[str, int] = {}
+        self.verified = False
+        self.path = path
+        self.shared_initializers = shared
+
+
+class _LazyModels(Mapping):
+    """name -> onnx.ModelProto (without its external data) loaded on access."""
+
+    def __init__(self, paths: dict[str, str]):
+        self._paths = paths
+
+    def __getitem__(self, name):
+        import onnx
+
+        return onnx.load(self._paths[name], load_external_data=False)
+
+    def __iter__(self):
+        return iter(self._paths)
+
+    def __len__(self):
+        return len(self._paths)
+
+
+class OnnxRuntimeExecutor(Executor):
+    name = "onnxruntime"
+
+    def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
+        super().__init__(graphs, graph_dir, options)
+        import onnxruntime as ort
+
+        self._ort = ort
+        opts = self.options
+        unknown = sorted(set(opts) - set(_OPTIONS) - set(_IGNORED_OPTIONS))
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, _OPTIONS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"onnxruntime executor: unknown option {key!r} (options: {', '.join(_OPTIONS)}){hint}")
+        self.providers = self._parse_providers(opts.get("providers", ["CPUExecutionProvider"]))
+        self.intra_op_num_threads = self._int_option("intra_op_num_threads")
+        self.inter_op_num_threads = self._int_option("inter_op_num_threads")
+        level = opts.get("graph_optimization_level", "all")
+        if level not in _LEVELS:
+            raise ValueError(f"onnxruntime executor: graph_optimization_level {level!r} is not allowed "
+                             f"(choices: {', '.join(_LEVELS)})")
+        self.graph_optimization_level = level
+        self.share_weights = self._bool_option("share_weights", True)
+        self.mmap_weights = self._bool_option("mmap_weights", False)
+        prepack = opts.get("prepack", not self.share_weights)
+        if isinstance(prepack, bool):
+            self._prepack: bool | frozenset = prepack
+        elif isinstance(prepack, (list, tuple)) and all(isinstance(p, str) for p in prepack):
+            self._prepack = frozenset(prepack)
+        else:
+            raise ValueError(f"onnxruntime executor: prepack must be true, false or a list of graph names, kinds "
+                             f"or groups, got {prepack!r}")
+        self.optimized_model_dir = str(opts.get("optimized_model_dir") or "")
+        if self.optimized_model_dir and any(n == "TensorrtExecutionProvider" for n, _ in self.providers):
+            raise ValueError("onnxruntime executor: optimized_model_dir cannot be used with the TensorRT execution "
+                             "provider (ORT cannot save compiled TensorRT nodes); use its engine cache instead "
+                             "(provider options trt_engine_cache_enable / trt_engine_cache_path)")
+        self._cpu_only = all(n == "CPUExecutionProvider" for n, _ in self.providers)
+        self._load_dir = graph_dir
+        self._from_cache = False
+        self._manifest: dict | None = None
+        self._weights: np.ndarray | None = None
+        self._weights_file = ""
+        self._weight_values: dict[tuple, object] = {}
+
+    # ------------------------------------------------------------------ options
+    def _int_option(self, key: str) -> int:
+        value = self.options.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"onnxruntime executor: {key} must be an integer >= 0 (0 = ORT's default), "
+                             f"got {value!r}")
+        return value
+
+    def _bool_option(self, key: str, default: bool) -> bool:
+        value = self.options.get(key, default)
+        if not isinstance(value, bool):
+            raise ValueError(f"onnxruntime executor: {key} must be true or false, got {value!r}")
+        return value
+
+    def _parse_providers(self, value) -> list[tuple[str, dict]]:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ValueError(f"onnxruntime executor: providers must be a non-empty list, got {value!r}")
+        available = self._ort.get_available_providers()
+        out = []
+        for entry in value:
+            if isinstance(entry, str):
+                name, popts = entry, {}
+            elif (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)
+                  and isinstance(entry[1], dict)):
+                name, popts = entry[0], dict(entry[1])
+            else:
+                raise ValueError(f"onnxruntime executor: a provider is a name or [name, {{options}}], got {entry!r}")
+            if name not in available:
+                raise ValueError(
+                    f"onnxruntime executor: execution provider {name!r} is not available in this onnxruntime build "
+                    f"({self._ort.__version__}; available: {', '.join(available)}). CUDA and TensorRT need the "
+                    f"onnxruntime-gpu package and a matching CUDA/TensorRT installation")
+            out.append((name, popts))
+        return out
+
+    def _prepack_for(self, meta: GraphMeta) -> bool:
+        if isinstance(self._prepack, bool):
+            return self._prepack
+        return bool({meta.name, meta.kind, meta.group} & self._prepack)
+
+    # ------------------------------------------------------------------ graph set
+    def load(self) -> "OnnxRuntimeExecutor":
+        if self._loaded:
+            return self
+        if self.optimized_model_dir:
+            self._load_dir, self._from_cache = self._optimized_graph_set(), True
+        try:
+            super().load()
+        except BaseException:
+            self._release_sessions()
+            raise
+        return self
+
+    def graph_path(self, meta: GraphMeta) -> str:
+        if self._from_cache:
+            return os.path.join(self._load_dir, f"{meta.name}.onnx")
+        return super().graph_path(meta)
+
+    def _open_graph_set(self, graph_dir: str) -> dict:
+        """Read the manifest and (when sharing) the weights file of ``graph_dir``, once."""
+        manifest = graphset.read_manifest(graph_dir)
+        self._manifest = manifest
+        self._weights_file = (manifest.get("weights") or {}).get("file", "")
+        self._weights = None
+        self._weight_values.clear()
+        if self.share_weights and self._weights_file:
+            path = os.path.join(graph_dir, self._weights_file)
+            # Graphs loaded with saved prepacked weights let ORT map the file itself: map it here too, so the
+            # tensors both use are the same page-cache pages.
+            if self.mmap_weights or (self._from_cache and self._prepack is not False):
+                self._weights = np.memmap(path, np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
+            else:
+                self._weights = np.fromfile(path, np.uint8)
+        return manifest
+
+    def _shared_value(self, t: graphset.ExternalTensor, model_path: str):
+        """An OrtValue over the weights buffer for one external initializer (None: let ORT load it)."""
+        storage = _ONNX_STORAGE.get(t.data_type)
+        if storage is None or self._weights is None or t.location != self._weights_file:
+            return None
+        itemsize = np.dtype(storage).itemsize
+        count = int(np.prod(t.dims, dtype=np.int64))
+        length = t.length if t.length >= 0 else count * itemsize
+        if length != count * itemsize or t.offset < 0 or t.offset + length > self._weights.size:
+            raise GraphSetError(
+                f"{model_path}: initializer {t.name!r} ({t.dims}, {length} bytes at offset {t.offset}) does not fit "
+                f"{self._weights_file} ({self._weights.size} bytes): the graph set is inconsistent; "
+                f"{graphset.BUILD_HINT.format(dir=self._load_dir)}")
+        key = (t.offset, length, t.data_type, t.dims)
+        cached = self._weight_values.get(key)
+        if cached is None:
+            if t.offset % itemsize:
+                raise GraphSetError(f"{model_path}: initializer {t.name!r} is not aligned in {self._weights_file}; "
+                                    f"{graphset.BUILD_HINT.format(dir=self._load_dir)}")
+            view = self._weights[t.offset:t.offset + length].view(storage).reshape(t.dims)
+            value = self._ort.OrtValue.ortvalue_from_numpy_with_onnx_type(view, t.data_type)
+            cached = self._weight_values[key] = (view, value)
+        return cached[1]
+
+    def _session_options(self, meta: GraphMeta, path: str, level: str, prepack: bool):
+        ort = self._ort
+        so = ort.SessionOptions()
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
+        if self.intra_op_num_threads:
+            so.intra_op_num_threads = self.intra_op_num_threads
+        if self.inter_op_num_threads:
+            so.inter_op_num_threads = self.inter_op_num_threads
+        if not prepack:
+            so.add_session_config_entry("session.disable_prepacking", "1")
+        shared = 0
+        if self.share_weights:
+            for t in graphset.external_initializers(path):
+                if prepack and t.prepacked:
+                    continue  # ORT maps this tensor's saved prepacked copy from the weights file
+                value = self._shared_value(t, path)
+                if value is not None:
+                    so.add_initializer(t.name, value)
+                    shared += 1
+        return so, shared
+
+    def _create_session(self, meta: GraphMeta, path: str, so):
+        try:
+            return self._ort.InferenceSession(path, so, providers=[n for n, _ in self.providers],
+                                              provider_options=[o for _, o in self.providers])
+        except Exception as exc:  # ORT raises its own exception types; name the graph and file
+            raise RuntimeError(f"onnxruntime executor: cannot load graph {meta.name!r} from {path}: {exc}") from exc
+
+    # ------------------------------------------------------------------ the five hooks
+    def _load_graph(self, path: str, meta: GraphMeta) -> object:
+        if self._manifest is None:
+            self._open_graph_set(self._load_dir)
+        if not path:
+            raise GraphSetError(f"onnxruntime executor: graph {meta.name!r} names no file; "
+                                f"{graphset.BUILD_HINT.format(dir=self._load_dir)}")
+        if not os.path.isfile(path):
+            raise GraphSetNotFoundError(f"onnxruntime executor: graph {meta.name!r}: {path} not found; "
+                                        f"{graphset.BUILD_HINT.format(dir=self._load_dir)}")
+        level = "disable" if self._from_cache else self.graph_optimization_level
+        so, shared = self._session_options(meta, path, level, self._prepack_for(meta))
+        session = self._create_session(meta, path, so)
+        self._check_io(session, meta, path)
+        return _Graph(session, path, shared)
+
+    def _execute(self, graph_handle, device_inputs, device_outputs, meta: GraphMeta) -> None:
+        g: _Graph = graph_handle
+        binding, bound = g.binding, g.bound
+        for spec in meta.inputs:
+            buf = device_inputs[spec.name]
+            if bound.get(spec.name) != buf.ptr:
+                binding.bind_input(spec.name, "cpu", 0, np.dtype(spec.dtype).type, spec.shape, buf.ptr)
+                bound[spec.name] = buf.ptr
+        for spec in meta.outputs:
+            buf = device_outputs[spec.name]
+            key = "\0out:" + spec.name
+            if bound.get(key) != buf.ptr:
+                binding.bind_output(spec.name, "cpu", 0, np.dtype(spec.dtype).type, spec.shape, buf.ptr)
+                bound[key] = buf.ptr
+        g.session.run_with_iobinding(binding)
+        if not self._cpu_only:
+            binding.synchronize_outputs()
+        if not g.verified:
+            self._verify_outputs(g, device_outputs, meta)
+
+    def _alloc_device(self, nbytes: int) -> object:
+        return _HostBuffer(nbytes)
+
+    def _h2d(self, data: np.ndarray, device_buffer) -> None:
+        self._view(device_buffer, data.shape, data.dtype)[...] = data
+
+    def _d2h(self, device_buffer, shape, dtype) -> np.ndarray:
+        return self._view(device_buffer, shape, dtype).copy()
+
+    def _write_region(self, device_buffer, shape, dtype, index, data) -> None:
+        self._view(device_buffer, shape, dtype)[index] = data
+
+    def _unload_graph(self, graph_handle) -> None:
+        g: _Graph = graph_handle
+        g.binding.clear_binding_inputs()
+        g.binding.clear_binding_outputs()
+        g.bound.clear()
+
+    def close(self) -> None:
+        super().close()
+        self._release_sessions()
+
+    def _release_sessions(self) -> None:
+        self._handles.clear()
+        self._manifest = None
+        self._weight_values.clear()
+        self._weights = None
+
+    # ------------------------------------------------------------------ checks and helpers
+    @staticmethod
+    def _view(buf: _HostBuffer, shape, dtype) -> np.ndarray:
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        return buf.array[:n].view(dt).reshape(shape)
+
+    def _check_io(self, session, meta: GraphMeta, path: str) -> None:
+        rebuild = ("the graph set was built for another config or model; "
+                   + graphset.BUILD_HINT.format(dir=self._load_dir))
+        for what, declared, actual in (("input", meta.inputs, session.get_inputs()),
+                                       ("output", meta.outputs, session.get_outputs())):
+            by_name = {a.name: a for a in actual}
+            want = {s.name for s in declared}
+            missing = [s.name for s in declared if s.name not in by_name]
+            extra = [a.name for a in actual if a.name not in want]
+            if missing or extra:
+                raise ShapeError(f"graph {meta.name!r} ({path}): {what}s differ from the manifest: missing "
+                                 f"{missing}, unexpected {extra} (the ONNX model has {[a.name for a in actual]}); "
+                                 f"{rebuild}")
+            for spec in declared:
+                arg = by_name[spec.name]
+                dtype = _ORT_TYPES.get(arg.type, arg.type)
+                shape = list(arg.shape) if arg.shape is not None else None
+                ok_shape = shape is not None and len(shape) == len(spec.shape) and all(
+                    not isinstance(d, int) or d == s for d, s in zip(shape, spec.shape))
+                if dtype != spec.dtype or not ok_shape:
+                    raise ShapeError(f"graph {meta.name!r} ({path}): {what} {spec.name!r} is {dtype}{shape} in the "
+                                     f"ONNX model but {spec.dtype}{list(spec.shape)} in the graph contract; {rebuild}")
+
+    def _verify_outputs(self, g: _Graph, device_outputs: dict, meta: GraphMeta) -> None:
+        values = g.binding.get_outputs()
+        for spec, value in zip(meta.outputs, values):
+            if value.data_ptr() != device_outputs[spec.name].ptr:
+                raise RuntimeError(f"onnxruntime executor: graph {meta.name!r} wrote output {spec.name!r} to memory "
+                                   f"of its own instead of the bound buffer")
+        g.verified = True
+
+    @property
+    def weights_bytes(self) -> int:
+        """Size of the one shared weights buffer (0 without ``share_weights``)."""
+        return int(self._weights.size) if self._weights is not None else 0
+
+    def shared_initializers(self, graph: str) -> int:
+        """How many initializers of ``graph`` use the shared weights buffer."""
+        self._require_loaded()
+        return self._handles[graph].shared_initializers
+
+    # ------------------------------------------------------------------ optimised-model cache
+    def _cache_fingerprint(self, manifest: dict) -> dict:
+        files = {}
+        for meta in self.graphs.values():
+            path = super().graph_path(meta)
+            if not os.path.isfile(path):
+                raise GraphSetNotFoundError(f"onnxruntime executor: graph {meta.name!r}: {path} not found; "
+                                            f"{graphset.BUILD_HINT.format(dir=self.graph_dir)}")
+            st = os.stat(path)
+            files[meta.name] = [st.st_size, st.st_mtime_ns]
+        wfile = (manifest.get("weights") or {}).get("file", "")
+        if wfile:
+            st = os.stat(os.path.join(self.graph_dir, wfile))
+            files[wfile] = [st.st_size, st.st_mtime_ns]
+        return {"onnxruntime": self._ort.__version__, "machine": platform.machine(),
+                "providers": [n for n, _ in self.providers],
+                "graph_optimization_level": self.graph_optimization_level,
+                "prepacked": sorted(m.name for m in self.graphs.values() if self._prepack_for(m)),
+                "source": os.path.abspath(self.graph_dir), "config_hash": manifest.get("config_hash", ""),
+                "files": files}
+
+    def _cache_valid(self, directory: str, fingerprint: dict) -> bool:
+        try:
+            with open(os.path.join(directory, graphset.MANIFEST_FILE), encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            return False
+        return data.get(_CACHE_KEY) == fingerprint and all(
+            os.path.isfile(os.path.join(directory, f"{name}.onnx")) for name in self.graphs)
+
+    def _optimized_graph_set(self) -> str:
+        """Directory of the ORT-optimised graph set for this configuration, built when missing."""
+        manifest = graphset.read_manifest(self.graph_dir)
+        fingerprint = self._cache_fingerprint(manifest)
+        digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+        label = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(manifest.get("model") or "graphs"))
+        target = os.path.join(self.optimized_model_dir, f"{label}-{digest}")
+        if self._cache_valid(target, fingerprint):
+            return target
+        try:
+            import onnx  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError("onnxruntime executor: optimized_model_dir needs the 'onnx' package to write the "
+                               "optimised graph set (pip install onnx), or remove the option") from exc
+        os.makedirs(self.optimized_model_dir, exist_ok=True)
+        work = f"{target}.partial-{os.getpid()}"
+        raw_dir = os.path.join(work, "ort")
+        os.makedirs(raw_dir, exist_ok=True)
+        try:
+            self._open_graph_set(self.graph_dir)
+            paths = {}
+            for meta in self.graphs.values():
+                src = super().graph_path(meta)
+                prepack = self._prepack_for(meta)
+                so, _ = self._session_options(meta, src, self.graph_optimization_level, prepack)
+                so.log_severity_level = 3  # the "hardware specific optimisations" warning is expected here
+                if prepack:
+                    so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+                out = os.path.join(raw_dir, f"{meta.name}.onnx")
+                so.optimized_model_filepath = out
+                so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                            f"{meta.name}.data")
+                so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                            str(graphset.EXTERNAL_MIN_BYTES))
+                session = self._create_session(meta, src, so)
+                self._check_io(session, meta, src)
+                del session
+                paths[meta.name] = out
+            self._release_sessions()
+            info = graphset.write_weights_and_models(_LazyModels(paths), work, base_dir=raw_dir)
+            shutil.rmtree(raw_dir)
+            metas = [GraphMeta(m.name, m.kind, m.inputs, m.outputs, m.group, f"{m.name}.onnx", dict(m.attrs))
+                     for m in self.graphs.values()]
+            graphset.write_manifest(work, metas, info, model=manifest.get("model", ""),
+                                    config_hash=manifest.get("config_hash", ""), **{_CACHE_KEY: fingerprint})
+            try:
+                os.rename(work, target)
+            except OSError:
+                # Built concurrently by another process, or a stale incomplete one: keep a valid one.
+                if not self._cache_valid(target, fingerprint):
+                    shutil.rmtree(target, ignore_errors=True)
+                    os.rename(work, target)
+        finally:
+            self._release_sessions()
+            if os.path.isdir(work):
+                shutil.rmtree(work, ignore_errors=True)
+        return target

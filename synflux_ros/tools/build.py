@@ -1,0 +1,277 @@
+"""synflux-build: export the static graph set of a model config to ONNX (random or Hugging Face weights).
+
+    synflux-build --config config/vlm_demo.yaml --out engines/vlm_demo
+    synflux-build --config config/vlm_qwen3.yaml --out engines/qwen3 --from-hf /models/Qwen3-VL-8B-Instruct
+
+Writes, for every graph of ``graph_set(config)`` (vision encoder, embed/prefill buckets, decode buckets,
+action expert), ``<name>.onnx`` with its weights in one shared ``weights.bin``, plus ``manifest.json``
+(graph metas, files, config hash, weight source, tool versions), ``config.yaml`` (the effective config to
+start a node with) and, with ``--from-hf``, the checkpoint's ``tokenizer.json``.
+
+A graph whose inputs did not change (same graph contract, same weights, same tools) is skipped; use
+``--force`` to rebuild everything. The exported graphs use standard ONNX ops only; backend-specific
+optimisation (fused operators, engines) happens in the backend (``--backend``), not in these files.
+
+torch is needed here only; running the graphs needs onnxruntime and numpy.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+
+import yaml
+
+from ..core.executor import GraphMeta
+from ..models.config import ConfigError, ModelConfig, load_config
+from ..models.graphs import graph_set
+from . import graphset
+
+OPSET = 17
+BUILDERS = {
+    # backend -> what the build step does beyond the portable ONNX files
+    "onnxruntime": "portable ONNX; onnxruntime applies its graph optimisations (fusions) when it loads them",
+}
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def _versions() -> dict:
+    import onnx
+    import torch
+
+    from .. import __version__ as ours
+    return {"synflux_ros": ours, "torch": torch.__version__, "onnx": onnx.__version__, "opset": OPSET}
+
+
+def weights_fingerprint(seed: int, hf_dir: str | None) -> str:
+    """Identifies the weights: the seed for random weights, else the checkpoint's files (names, sizes,
+    modification times) and its config.json."""
+    if not hf_dir:
+        return f"random:{seed}"
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(hf_dir)):
+        path = os.path.join(hf_dir, name)
+        if not os.path.isfile(path):
+            continue
+        st = os.stat(path)
+        h.update(f"{name}:{st.st_size}:{int(st.st_mtime)};".encode())
+        if name == "config.json":
+            with open(path, "rb") as fh:
+                h.update(fh.read())
+    return "hf:" + h.hexdigest()[:16]
+
+
+def graph_key(cfg: ModelConfig, meta: GraphMeta, weights: str, versions: dict) -> str:
+    """What one graph depends on: its own contract (shapes, bucket), the config sections that define its
+    computation, the weights and the tools. Adding a bucket therefore exports only the new graphs."""
+    d = cfg.to_dict()
+    llm = {k: v for k, v in d["llm"].items() if k not in ("prefill_buckets", "decode_buckets")}
+    if meta.kind == "vision_encoder":
+        sections = {"vision": d["vision"], "hidden_dim": d["llm"]["hidden_dim"]}
+    elif meta.kind == "action_expert":
+        sections = {"llm": llm, "action": {k: v for k, v in (d["action"] or {}).items()
+                                           if k not in ModelConfig._RUNTIME_ONLY["action"]}}
+    else:
+        sections = {"llm": llm}
+    blob = json.dumps({"graph": meta.to_dict(), "sections": sections, "weights": weights, "tools": versions},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def example_inputs(meta: GraphMeta):
+    """Valid example tensors for tracing: zeros, with counts/positions that are in range."""
+    import numpy as np
+    import torch
+    out = []
+    for spec in meta.inputs:
+        arr = np.zeros(spec.shape, spec.dtype)
+        if spec.name in ("num_tokens", "prefix_len"):
+            arr[...] = 1
+        elif spec.name == "timestep":
+            arr[...] = 1.0
+        out.append(torch.from_numpy(arr))
+    return tuple(out)
+
+
+def export_graph(module, meta: GraphMeta, workdir: str):
+    """Trace ``module`` to an ONNX ModelProto (weights loaded in memory) named after ``meta``."""
+    import onnx
+    import torch
+    path = os.path.join(workdir, f"{meta.name}.onnx")
+    module.eval()
+    # Modules may offer a context that turns resolution-dependent tables into constants for export.
+    folded = module.folded() if hasattr(module, "folded") else contextlib.nullcontext()
+    with torch.no_grad(), folded, warnings.catch_warnings():
+        # The TorchScript exporter is chosen on purpose: static shapes, opset 17, no dynamo dependency.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(module, example_inputs(meta), path, dynamo=False, opset_version=OPSET,
+                          input_names=[t.name for t in meta.inputs], output_names=[t.name for t in meta.outputs],
+                          do_constant_folding=True)
+    model = onnx.load(path, load_external_data=True)
+    check_model_io(model, meta)
+    return model
+
+
+def check_model_io(model, meta: GraphMeta) -> None:
+    """The exported model's inputs/outputs must be exactly the GraphMeta's (names, order, shapes, dtypes)."""
+    import onnx
+    from onnx import helper
+
+    def describe(values):
+        res = []
+        for v in values:
+            t = v.type.tensor_type
+            shape = tuple(d.dim_value for d in t.shape.dim)
+            res.append((v.name, shape, helper.tensor_dtype_to_np_dtype(t.elem_type).name))
+        return res
+    init = {i.name for i in model.graph.initializer}
+    got_in = [x for x in describe(model.graph.input) if x[0] not in init]
+    want_in = [(t.name, t.shape, t.dtype) for t in meta.inputs]
+    got_out = describe(model.graph.output)
+    want_out = [(t.name, t.shape, t.dtype) for t in meta.outputs]
+    if got_in != want_in or got_out != want_out:
+        raise BuildError(f"exported graph {meta.name!r} does not match its contract:\n  inputs  {got_in}\n"
+                         f"  expected {want_in}\n  outputs {got_out}\n  expected {want_out}")
+    onnx.checker.check_model(model)
+
+
+def _progress(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def resolve_config(cfg: ModelConfig, hf_dir: str | None) -> ModelConfig:
+    """The config whose graphs are built: the YAML, with model dimensions from the checkpoint if given."""
+    if not hf_dir:
+        return cfg
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ConfigError(f"--from-hf: {hf_dir!r} is not a Hugging Face checkpoint directory (no config.json)")
+    from .torch_models import config_from_hf
+    cfg = config_from_hf(hf_dir, cfg)
+    if cfg.vision.architecture == "qwen3_vl":
+        from .torch_models.qwen3_vl_vision import vision_config_from_hf
+        cfg = vision_config_from_hf(hf_dir, cfg)
+    return cfg
+
+
+def build_modules(cfg: ModelConfig, seed: int, hf_dir: str | None) -> dict:
+    from .torch_models import build_graph_modules
+    gm = build_graph_modules(cfg, seed=seed, hf_dir=hf_dir)
+    modules = dict(gm.modules)
+    if "vision_encoder" in gm.missing and cfg.vision.architecture == "qwen3_vl":
+        from .torch_models.qwen3_vl_vision import build_qwen3_vl_vision
+        modules["vision_encoder"] = build_qwen3_vl_vision(cfg, seed=seed, hf_dir=hf_dir)
+    return modules, gm.tokenizer_path
+
+
+def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str | None = None, seed: int = 0,
+          force: bool = False, threads: int | None = None) -> dict:
+    """Build (or bring up to date) the graph set of ``cfg`` in ``out``; returns the manifest."""
+    if backend not in BUILDERS:
+        raise BuildError(f"no graph builder for backend {backend!r} (choices: {', '.join(sorted(BUILDERS))})")
+    t_start = time.perf_counter()
+    import torch
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = resolve_config(cfg, hf_dir)
+    os.makedirs(out, exist_ok=True)
+    versions = _versions()
+    weights = weights_fingerprint(seed, hf_dir)
+    metas = graph_set(cfg)
+    old = {}
+    if not force and os.path.isfile(os.path.join(out, graphset.MANIFEST_FILE)):
+        try:
+            old = {g["name"]: g for g in graphset.read_manifest(out).get("graphs", [])}
+        except (ValueError, OSError):
+            old = {}
+    keys = {m.name: graph_key(cfg, m, weights, versions) for m in metas}
+    stale = [m for m in metas if old.get(m.name, {}).get("key") != keys[m.name]
+             or not os.path.isfile(os.path.join(out, old[m.name].get("file", "")))]
+    _progress(f"synflux-build: {cfg.name} ({len(metas)} graphs, weights {weights}) -> {out}")
+    if not stale:
+        _progress("  all graphs up to date, nothing to do")
+        return graphset.read_manifest(out)
+    modules, tokenizer = build_modules(cfg, seed, hf_dir)
+    missing = [m.name for m in metas if m.name not in modules]
+    if missing:
+        raise BuildError(f"no exporter for graphs {missing} of {cfg.name!r}")
+    stale_names = {m.name for m in stale}
+    exported = {}
+    with tempfile.TemporaryDirectory(prefix="synflux_export_") as tmp:
+        for i, meta in enumerate(metas):
+            tag = f"  [{i + 1}/{len(metas)}] {meta.name}"
+            if meta.name not in stale_names:
+                _progress(f"{tag}: unchanged, skipped")
+                continue
+            t0 = time.perf_counter()
+            _progress(f"{tag}: exporting ...")
+            exported[meta.name] = export_graph(modules[meta.name], meta, tmp)
+            _progress(f"{tag}: done in {time.perf_counter() - t0:.1f} s")
+        # Unchanged graphs keep their files; tensors already in weights.bin are reused, new ones appended.
+        kept = len(exported) < len(metas)
+        info = graphset.write_weights_and_models(exported, out, append=kept)
+    tok_file = ""
+    if tokenizer:
+        shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.json"))
+        tok_file = "tokenizer.json"
+    graphs = []
+    for meta in metas:
+        d = dataclasses.replace(meta, file=f"{meta.name}.onnx").to_dict()
+        d["key"] = keys[meta.name]
+        graphs.append(d)
+    manifest = {"format": graphset.FORMAT, "model": cfg.name, "config_hash": cfg.graph_hash(),
+                "config": cfg.to_dict(), "weights": info, "tokenizer": tok_file,
+                "source": {"weights": weights, "hf_dir": os.path.abspath(hf_dir) if hf_dir else ""},
+                "tools": versions, "backend": backend, "graphs": graphs}
+    graphset.write_manifest(out, manifest)
+    effective = cfg.with_overrides(executor={"backend": backend, "graph_dir": "."},
+                                   tokenizer={"path": tok_file} if tok_file else {})
+    with open(os.path.join(out, "config.yaml"), "w", encoding="utf-8") as fh:
+        fh.write(f"# Effective config of the graph set in this directory (written by synflux-build).\n")
+        yaml.safe_dump(_yaml_ready(effective.to_dict()), fh, sort_keys=False)
+    _progress(f"  wrote {len(exported)} graphs, weights {info['bytes'] / 2**20:.1f} MiB "
+              f"in {time.perf_counter() - t_start:.1f} s")
+    return manifest
+
+
+def _yaml_ready(obj):
+    if isinstance(obj, dict):
+        return {k: _yaml_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_yaml_ready(v) for v in obj]
+    return obj
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="synflux-build", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="model YAML (e.g. config/vlm_demo.yaml)")
+    ap.add_argument("--out", required=True, help="output directory of the graph set")
+    ap.add_argument("--backend", default="onnxruntime", help=f"target backend ({', '.join(sorted(BUILDERS))})")
+    ap.add_argument("--from-hf", dest="hf_dir", default=None,
+                    help="local Hugging Face checkpoint directory (Qwen3, Qwen3-VL, Llama); default: random weights")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    ap.add_argument("--force", action="store_true", help="rebuild every graph")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads while exporting")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        build(cfg, args.out, args.backend, args.hf_dir, args.seed, args.force, args.threads)
+    except (ConfigError, BuildError) as exc:
+        print(f"synflux-build: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""The nodes on real graphs: synflux-build exports the demo configs, the nodes run them with onnxruntime."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
+pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs onnxruntime")
+
+from synflux_ros.models.config import load_config  # noqa: E402
+from synflux_ros.nodes.testing import config_path, rgb_image  # noqa: E402
+from synflux_ros.tools.build import build  # noqa: E402
+
+from test_vla_node import Harness, stamp_ns  # noqa: E402
+from test_vlm_node import ChatClient, ok  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def graph_sets(tmp_path_factory):
+    out = {}
+    for name in ("vla_demo_orin", "vlm_demo"):
+        d = tmp_path_factory.mktemp(name)
+        build(load_config(config_path(f"{name}.yaml")), str(d))
+        out[name] = d / "config.yaml"
+    return out
+
+
+def test_vla_node_on_onnxruntime(graph_sets, start_node, client):
+    p = start_node("vla_node", {"config": str(graph_sets["vla_demo_orin"]), "diagnostics_period": 0.2},
+                   namespace="/ort")
+    h = Harness(client, "/ort")
+    h.wait_connected()
+    stamps = h.publish_until_chunks(3, lambda s, t: rgb_image(448, 448, s, t))
+    c = h.chunks[-1]
+    assert (c.horizon, c.action_dim) == (16, 7) and stamp_ns(c.header) in stamps
+    assert np.all(np.isfinite(c.actions))
+    d = h.diag_where(lambda d: d["backend"] == "onnxruntime")
+    assert int(d["frames_published"]) >= 1
+    assert "on 'onnxruntime'" in p.output()
+
+
+def test_vlm_node_on_onnxruntime_reuse_matches_recompute(graph_sets, start_node, client, make_config):
+    cfg = str(graph_sets["vlm_demo"])
+    start_node("vlm_node", {"config": cfg}, namespace="/ort_chat")
+    ref_cfg = make_config(cfg, session={"reuse_kv_cache": False})
+    start_node("vlm_node", {"config": ref_cfg, "graph_dir": str(graph_sets["vlm_demo"].parent)},
+               namespace="/ort_ref")
+    a, b = ChatClient(client, "/ort_chat"), ChatClient(client, "/ort_ref")
+    turns = [dict(prompt="Describe the table.", images=[rgb_image(96, 128, 2)]), dict(prompt="And the cup?"),
+             dict(prompt="Thanks!")]
+    for i, turn in enumerate(turns):
+        ra, rb = ok(a.chat("s", **turn)), ok(b.chat("s", **turn))
+        assert ra.reply == rb.reply and ra.generated_tokens == rb.generated_tokens, f"turn {i + 1}"
+        assert (ra.cached_tokens > 0) == (i > 0) and rb.cached_tokens == 0
