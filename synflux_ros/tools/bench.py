@@ -131,7 +131,7 @@ def build_genai(ckpt: str, out: str) -> str:
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", ckpt, "-o", out, "-p", "fp32",
            "-e", "cpu"]
     print(f"  building onnxruntime-genai model: {' '.join(cmd)}", flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
 
 

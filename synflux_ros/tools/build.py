@@ -51,7 +51,20 @@ def _versions() -> dict:
     import torch
 
     from .. import __version__ as ours
-    return {"synflux_ros": ours, "torch": torch.__version__, "onnx": onnx.__version__, "opset": OPSET}
+    return {"synflux_ros": ours, "torch": torch.__version__, "onnx": onnx.__version__, "opset": OPSET,
+            "exporter": _exporter_fingerprint()}
+
+
+def _exporter_fingerprint() -> str:
+    """Hash of the model definitions and this file: editing them invalidates the exported graphs."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for folder in (here, os.path.join(here, "torch_models")):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as fh:
+                    h.update(name.encode() + fh.read())
+    return h.hexdigest()[:12]
 
 
 def weights_fingerprint(seed: int, hf_dir: str | None) -> str:

@@ -89,6 +89,7 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
         lm.eval()
     else:
         lm = _random(lambda: CausalLM(llm), seed, "decoder")
+    lm.finalize_weights()
 
     metas = graph_set(cfg)
     modules: dict[str, nn.Module] = {}
