@@ -120,6 +120,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
     return torch.matmul(probs, v.unsqueeze(1)).reshape(nh, t, dh)
 
 
+def attend_past_and_new(q, past_k, past_v, k, v, allowed, scale: float) -> torch.Tensor:
+    """``attend`` over [past | new] keys without concatenating the key/value tensors: only the (small)
+    score rows are joined, so the graph copies no cache-sized tensor. allowed [T, S + T]."""
+    nh, t, dh = q.shape
+    kv, s = past_k.shape[0], past_k.shape[1]
+    qg = q.reshape(kv, nh // kv, t, dh)
+    s_past = torch.matmul(qg, past_k.unsqueeze(1).transpose(-1, -2))  # [KV, G, T, S]
+    s_new = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2))  # [KV, G, T, T]
+    scores = torch.cat((s_past, s_new), dim=-1) * scale
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    ctx = torch.matmul(probs[..., :s], past_v.unsqueeze(1)) + torch.matmul(probs[..., s:], v.unsqueeze(1))
+    return ctx.reshape(nh, t, dh)
+
+
 class Attention(nn.Module):
     def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
                  eps: float, unit_offset: bool):
@@ -188,9 +202,7 @@ class DecoderLayer(nn.Module):
             k_use, v_use = k.to(torch.float32), v.to(torch.float32)
         else:
             k_use, v_use = k, v
-        keys = torch.cat((past_k, k_use), dim=1)
-        values = torch.cat((past_v, v_use), dim=1)
-        ctx = attend(q, keys, values, allowed, self.self_attn.scale)
+        ctx = attend_past_and_new(q, past_k, past_v, k_use, v_use, allowed, self.self_attn.scale)
         x = x + self.self_attn.output(ctx)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k, v
@@ -230,24 +242,31 @@ class CausalLM(nn.Module):
     # -------------------------------------------------------------- pieces used by the graph modules
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] int64 -> [T, H] (Gemma: times sqrt(H))."""
-        if self.llm.tie_word_embeddings:
-            x = torch.index_select(self.tied_table(), 1, ids).t()
-        else:
-            x = self.model.embed_tokens(ids)
+        x = self.model.embed_tokens(ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         return x
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, allowed: torch.Tensor,
-            kv_dtype: torch.dtype = torch.float32):
-        """x [T, H] at ``positions`` [T]; past [L, 2, KV, S, Dh] f32; allowed [T, S + T].
+            kv_dtype: torch.dtype = torch.float32, span: int | None = None):
+        """x [T, H] at ``positions`` [T]; past [L, 2, KV, S, Dh] (the cache as bound, any dtype); only its
+        first ``span`` positions are read (default all); allowed [T, span + T].
 
         Returns the last hidden states [T, H] (before the final norm) and new_kv [L, 2, KV, T, Dh].
+        Each layer slices its own keys/values straight from the bound cache (one copy of what it reads,
+        never of the whole cache), cast to float32 only if the cache is stored narrower.
         """
         cos, sin = rope_cos_sin(positions, self.inv_freq)
+        span = past.shape[3] if span is None else span
         new = []
+        kv, dh = past.shape[2], past.shape[4]
         for i, layer in enumerate(self.model.layers):
-            x, k, v = layer(x, cos, sin, past[i, 0], past[i, 1], allowed, kv_dtype)
+            # one multi-axis Slice per tensor: ONNX Slice/Split copy, so cut exactly what is read
+            pk = past[i:i + 1, 0:1, :, :span].reshape(kv, span, dh)
+            pv = past[i:i + 1, 1:2, :, :span].reshape(kv, span, dh)
+            if pk.dtype != torch.float32:
+                pk, pv = pk.to(torch.float32), pv.to(torch.float32)
+            x, k, v = layer(x, cos, sin, pk, pv, allowed, kv_dtype)
             new.append(torch.stack((k, v)))
         return x, torch.stack(new)
 
@@ -259,10 +278,11 @@ class CausalLM(nn.Module):
         return self.lm_head(h)
 
     def tied_table(self) -> torch.Tensor:
-        """The tied embedding as one contiguous [H, V] matrix, used by both the token lookup (a column
-        gather) and the head (h @ table). The head then runs as a plain [N, H] x [H, V] MatMul, the layout
-        CPU GEMV kernels read fastest (the [V, H] x [H, N] form ran ~2x slower in onnxruntime), and every
-        exported graph carries the same single copy, which synflux-build stores once."""
+        """The tied embedding transposed to one contiguous [H, V] matrix for the head, so the head runs as a
+        plain [N, H] x [H, V] MatMul: the layout onnxruntime's CPU GEMV reads fastest (the [V, H] x [H, N]
+        form ran ~2x slower, and a column gather from [H, V] for the lookup cost ~7 ms per token at
+        V = 151936). The lookup keeps the [V, H] embedding, so a tied model stores the table twice (as
+        onnxruntime-genai's export does); each copy is shared by all graphs."""
         if self.tied_head_t is None:
             raise RuntimeError("CausalLM.finalize_weights() must run after the weights are set")
         return self.tied_head_t
@@ -300,11 +320,10 @@ class PrefillGraph(nn.Module):
     def forward(self, inputs_embeds, num_tokens, cache_position, past_kv):
         p, s = self.bucket, self.max_seq_len
         rows = torch.arange(p, dtype=torch.int64)
-        past = past_kv.to(torch.float32)
         past_ok = (torch.arange(s, dtype=torch.int64)[None, :] < cache_position).expand(p, s)
         causal = rows[None, :] <= rows[:, None]
         allowed = torch.cat((past_ok, causal), dim=1)
-        h, new_kv = self.lm.run(inputs_embeds[0], cache_position + rows, past, allowed, self.kv_dtype)
+        h, new_kv = self.lm.run(inputs_embeds[0], cache_position + rows, past_kv, allowed, self.kv_dtype)
         last = torch.index_select(h, 0, num_tokens - 1)
         logits = self.lm.head(last)
         valid = (rows < num_tokens).to(new_kv.dtype)[None, None, None, :, None]
@@ -323,10 +342,9 @@ class DecodeGraph(nn.Module):
     def forward(self, input_ids, cache_position, past_kv):
         d = self.bucket
         x = self.lm.embed(input_ids[0])
-        past = past_kv[:, :, :, :d].to(torch.float32)
         past_ok = torch.arange(d, dtype=torch.int64)[None, :] < cache_position
         allowed = torch.cat((past_ok, torch.ones(1, 1, dtype=torch.bool)), dim=1)
-        h, new_kv = self.lm.run(x, cache_position, past, allowed, self.kv_dtype)
+        h, new_kv = self.lm.run(x, cache_position, past_kv, allowed, self.kv_dtype, span=d)
         return self.lm.head(h), new_kv
 
 
