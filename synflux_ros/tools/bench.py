@@ -200,6 +200,30 @@ def weight_bytes_per_token(ckpt: str) -> int:
     return total
 
 
+# ------------------------------------------------------------------------------------------- memory
+_MEMORY_PROBE = r"""
+import json, sys
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+from synflux_ros.tools.bench import graph_config
+from synflux_ros.runtime.factory import create_executor
+import onnxruntime
+base = status("VmRSS:")
+ex = create_executor(graph_config(sys.argv[1], int(sys.argv[2])))
+print(json.dumps({"rss_peak_growth": status("VmHWM:") - base, "rss_growth": status("VmRSS:") - base,
+                  "graphs": len(ex.graphs), "weights": ex.weights_bytes}))
+"""
+
+
+def graph_set_memory(graph_dir: str, threads: int) -> dict:
+    """Peak RSS growth of a fresh process that loads every graph of a set, against the weights' size."""
+    out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, os.path.abspath(graph_dir), str(threads)],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 # ------------------------------------------------------------------------------------------- turn-8 TTFT
 def ttft_turns(graph_dir: str, threads: int, turns: int = 8, prompt_chars: int = 48, max_new: int = 16) -> dict:
     from ..runtime.vlm_runtime import ChatRequest, VLMRuntime
@@ -303,6 +327,10 @@ def suite(work: str, threads: int, input_len: int, output_len: int, jsonl=None) 
     print(f"  memory bandwidth {bw / 1e9:.1f} GB/s ({threads} threads), weights read per token "
           f"{wbytes / 2**20:.0f} MiB -> bound {bound_ms:.1f} ms/token; synflux {ours:.1f} ms/token = "
           f"{ours / bound_ms:.2f}x the bound (target <= 1.3x) {'PASS' if met[-1] else 'FAIL'}")
+    mem = graph_set_memory(results["qwen3-h1024-l8"]["graph_dir"], threads)
+    print(f"  weights once: loading all {mem['graphs']} graphs of qwen3-h1024-l8 grows peak RSS by "
+          f"{mem['rss_peak_growth'] / 2**20:.0f} MiB for {mem['weights'] / 2**20:.0f} MiB of weights "
+          f"({mem['rss_peak_growth'] / mem['weights']:.2f}x)")
     from .build import build
     ttft_dir = os.path.join(work, "qwen3-tiny.ttft.synflux")
     build(bench_graph_config(input_len, output_len, TTFT_CONTEXT), ttft_dir, hf_dir=os.path.join(work, "qwen3-tiny"),
