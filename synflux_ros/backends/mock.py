@@ -23,12 +23,12 @@ import time
 
 import numpy as np
 
-from ..core.executor import Executor, GraphMeta
+from ..core.executor import Executor, GraphMeta, HostMemoryHooks
 
 _SUMMARY = 16  # readout features that drive logits / actions
 
 
-class MockExecutor(Executor):
+class MockExecutor(HostMemoryHooks, Executor):
     name = "mock"
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
@@ -65,15 +65,6 @@ class MockExecutor(Executor):
         handle = next(self._ids)
         self._mem[handle] = np.zeros(nbytes, np.uint8)
         return handle
-
-    def _h2d(self, data: np.ndarray, device_buffer) -> None:
-        self._view(device_buffer, data.shape, data.dtype)[...] = data
-
-    def _d2h(self, device_buffer, shape, dtype) -> np.ndarray:
-        return self._view(device_buffer, shape, dtype).copy()
-
-    def _write_region(self, device_buffer, shape, dtype, index, data) -> None:
-        self._view(device_buffer, shape, dtype)[index] = data
 
     def _free_device(self, device_buffer) -> None:
         self._mem.pop(device_buffer, None)

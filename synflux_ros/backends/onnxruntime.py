@@ -91,7 +91,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..core.executor import Executor, GraphMeta, ShapeError
+from ..core.executor import Executor, GraphMeta, HostMemoryHooks, ShapeError
 from ..tools import graphset
 from ..tools.graphset import GraphSetError, GraphSetNotFoundError
 
@@ -162,7 +162,7 @@ class _LazyModels(Mapping):
         return len(self._paths)
 
 
-class OnnxRuntimeExecutor(Executor):
+class OnnxRuntimeExecutor(HostMemoryHooks, Executor):
     name = "onnxruntime"
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
@@ -381,15 +381,6 @@ class OnnxRuntimeExecutor(Executor):
 
     def _alloc_device(self, nbytes: int) -> object:
         return _HostBuffer(nbytes)
-
-    def _h2d(self, data: np.ndarray, device_buffer) -> None:
-        self._view(device_buffer, data.shape, data.dtype)[...] = data
-
-    def _d2h(self, device_buffer, shape, dtype) -> np.ndarray:
-        return self._view(device_buffer, shape, dtype).copy()
-
-    def _write_region(self, device_buffer, shape, dtype, index, data) -> None:
-        self._view(device_buffer, shape, dtype)[index] = data
 
     def _unload_graph(self, graph_handle) -> None:
         g: _Graph = graph_handle

@@ -296,3 +296,20 @@ class Executor(abc.ABC):
 
     def read(self, tensor: DeviceTensor) -> np.ndarray:
         return self._d2h(tensor.handle, tensor.shape, tensor.dtype)
+
+
+class HostMemoryHooks:
+    """Copy hooks for backends whose device memory is host memory (the mock, onnxruntime on CPU):
+    subclasses provide ``_view(device_buffer, shape, dtype)``, a typed numpy view of a buffer."""
+
+    def _view(self, device_buffer, shape, dtype) -> np.ndarray:
+        raise NotImplementedError
+
+    def _h2d(self, data: np.ndarray, device_buffer) -> None:
+        self._view(device_buffer, data.shape, data.dtype)[...] = data
+
+    def _d2h(self, device_buffer, shape, dtype) -> np.ndarray:
+        return self._view(device_buffer, shape, dtype).copy()
+
+    def _write_region(self, device_buffer, shape, dtype, index, data) -> None:
+        self._view(device_buffer, shape, dtype)[index] = data
