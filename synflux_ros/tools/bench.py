@@ -132,7 +132,10 @@ def build_genai(ckpt: str, out: str) -> str:
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", ckpt, "-o", out, "-p", "fp32",
            "-e", "cpu"]
     print(f"  building onnxruntime-genai model: {' '.join(cmd)}", flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        tail = "\n".join(done.stdout.splitlines()[-20:])
+        raise RuntimeError(f"onnxruntime-genai model builder failed (exit {done.returncode}):\n{tail}")
     return out
 
 

@@ -426,6 +426,18 @@ def test_onnx_export_round_trip(name, tmp_path):
         onnx.checker.check_model(model)
         ops = {(n.domain, n.op_type) for n in model.graph.node}
         assert all(d in ("", "ai.onnx") for d, _ in ops) and {o for _, o in ops} <= STANDARD_OPS, (meta.name, ops)
+        if meta.kind in ("decode", "action_expert"):
+            # fused projections: per block one QKV and one gate/up product, plus O and down, all plain
+            # MatMuls against [in, out] weights (plus the head in the decoder; the expert's small input
+            # and output layers keep their biased Linear)
+            weights = {i.name for i in model.graph.initializer if len(i.dims) == 2}
+            matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+            gemms = [n for n in model.graph.node if n.op_type == "Gemm"]
+            blocks = 4 * cfg.llm.num_layers
+            if meta.kind == "decode":
+                assert (len(matmuls), len(gemms)) == (blocks + 1, 0), (meta.name, len(matmuls), len(gemms))
+            else:
+                assert len(matmuls) == blocks, (meta.name, len(matmuls))
         if cfg.llm.tie_word_embeddings and meta.kind == "decode":
             # the lookup reads the [V, H] embedding, the head one [H, V] table: one copy of each
             v, h = cfg.llm.vocab_size, cfg.llm.hidden_dim

@@ -28,8 +28,8 @@ from torch import nn
 from ...models.config import ConfigError, ModelConfig
 from ...models.graphs import graph_set
 from .action_expert import ActionExpert, ActionExpertGraph
-from .decoder import (CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, hf_llm_fields, init_random,
-                      load_hf_weights, materialize)
+from .decoder import (CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, fuse_projections, hf_llm_fields,
+                      init_random, load_hf_weights, materialize)
 from .vision import VitVisionEncoder
 
 __all__ = ["GraphModules", "build_graph_modules", "config_from_hf"]
@@ -112,7 +112,7 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
             modules[meta.name] = DecodeGraph(lm, bucket, llm.kv_dtype).eval()
         elif meta.kind == "action_expert":
             if expert is None:
-                expert = _random(lambda: ActionExpert(cfg, rope), seed, "action_expert")
+                expert = fuse_projections(_random(lambda: ActionExpert(cfg, rope), seed, "action_expert"))
             modules[meta.name] = ActionExpertGraph(expert, bucket).eval()
             random_parts.append(meta.name)
         else:

@@ -105,6 +105,30 @@ class RMSNorm(nn.Module):
         return x * (self.weight + 1.0) if self.unit_offset else x * self.weight
 
 
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach().contiguous(), requires_grad=False)
+
+
+def fuse_projections(module: nn.Module) -> nn.Module:
+    """Give every attention block and gated MLP in ``module`` its export layout, derived from the final
+    weights (call after random init or checkpoint load; the Hugging Face ``[out, in]`` Linear weights stay
+    for loading and for the reference forward):
+
+    * Q, K and V projections as one ``[W, (nh + 2 KV) Dh]`` matrix, gate and up as one ``[W, 2 I]`` matrix,
+      so a decode step runs two matrix-vector products per block instead of five;
+    * every matrix stored ``[in, out]`` and used by a plain ``MatMul``: ONNX Runtime's CPU kernels run a
+      one-row product against an ``[in, out]`` constant faster than ``Gemm(transB=1)`` against ``[out, in]``,
+      and compilers (TensorRT, NPU toolchains) take either form.
+
+    Standard ops only (MatMul, Slice); the graphs read only the derived tensors, so the weights file holds
+    each matrix once. Returns ``module``.
+    """
+    for m in module.modules():
+        if isinstance(m, (Attention, GatedMLP)):
+            m.fuse()
+    return module
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
     """Masked attention with grouped-query heads.
 
@@ -149,13 +173,26 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps, unit_offset)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_t: nn.Parameter | None = None
+        self.o_t: nn.Parameter | None = None
+
+    def fuse(self) -> None:
+        """Export layout (see :func:`fuse_projections`): Q, K and V as one [W, (nh + 2 KV) Dh] matrix."""
+        self.qkv_t = _param(torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)).t())
+        self.o_t = _param(self.o_proj.weight.t())
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, W] -> q [nh, T, Dh], k [KV, T, Dh] (both after RoPE), v [KV, T, Dh]."""
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        if self.qkv_t is not None:
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            qkv = torch.matmul(x, self.qkv_t)
+            q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(0, 1), cos, sin)
@@ -165,7 +202,8 @@ class Attention(nn.Module):
     def output(self, ctx: torch.Tensor) -> torch.Tensor:
         """ctx [nh, T, Dh] -> [T, W]."""
         t = ctx.shape[1]
-        return self.o_proj(ctx.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
+        flat = ctx.transpose(0, 1).reshape(t, self.num_heads * self.head_dim)
+        return torch.matmul(flat, self.o_t) if self.o_t is not None else self.o_proj(flat)
 
 
 class GatedMLP(nn.Module):
@@ -175,11 +213,24 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(width, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, width, bias=False)
         self.act = act
+        self.gate_up_t: nn.Parameter | None = None
+        self.down_t: nn.Parameter | None = None
+
+    def fuse(self) -> None:
+        """Export layout (see :func:`fuse_projections`): gate and up as one [W, 2 I] matrix."""
+        self.gate_up_t = _param(torch.cat((self.gate_proj.weight, self.up_proj.weight)).t())
+        self.down_t = _param(self.down_proj.weight.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.gate_proj(x)
+        if self.gate_up_t is not None:
+            gu = torch.matmul(x, self.gate_up_t)
+            inter = gu.shape[-1] // 2
+            g, u = gu[..., :inter], gu[..., inter:]
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
         g = F.gelu(g, approximate="tanh") if self.act == "gelu_tanh" else F.silu(g)
-        return self.down_proj(g * self.up_proj(x))
+        h = g * u
+        return torch.matmul(h, self.down_t) if self.down_t is not None else self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -230,7 +281,7 @@ class CausalLM(nn.Module):
         self.embed_scale = math.sqrt(llm.hidden_dim) if llm.architecture == "gemma" else None
         self.tie()
         self.register_buffer("inv_freq", torch.empty(llm.head_dim // 2), persistent=False)
-        self.tied_head_t: nn.Parameter | None = None
+        self.head_t: nn.Parameter | None = None
 
     def tie(self) -> None:
         if self.llm.tie_word_embeddings:
@@ -271,28 +322,24 @@ class CausalLM(nn.Module):
         return x, torch.stack(new)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """h [N, H] -> logits [N, V]."""
-        h = self.model.norm(h)
-        if self.llm.tie_word_embeddings:
-            return torch.matmul(h, self.tied_table())
-        return self.lm_head(h)
+        """h [N, H] -> logits [N, V].
 
-    def tied_table(self) -> torch.Tensor:
-        """The tied embedding transposed to one contiguous [H, V] matrix for the head, so the head runs as a
-        plain [N, H] x [H, V] MatMul: the layout onnxruntime's CPU GEMV reads fastest (the [V, H] x [H, N]
-        form ran ~2x slower, and a column gather from [H, V] for the lookup cost ~7 ms per token at
-        V = 151936). The lookup keeps the [V, H] embedding, so a tied model stores the table twice (as
+        The head reads one contiguous [H, V] matrix (``finalize_weights``), so it runs as a plain
+        [N, H] x [H, V] MatMul: the layout onnxruntime's CPU GEMV reads fastest (the [V, H] x [H, N] form
+        ran ~2x slower, and a column gather from [H, V] for the lookup cost ~7 ms per token at V = 151936).
+        The lookup keeps the [V, H] embedding, so a tied model stores the table twice (as
         onnxruntime-genai's export does); each copy is shared by all graphs."""
-        if self.tied_head_t is None:
+        if self.head_t is None:
             raise RuntimeError("CausalLM.finalize_weights() must run after the weights are set")
-        return self.tied_head_t
+        return torch.matmul(self.model.norm(h), self.head_t)
 
     def finalize_weights(self) -> None:
-        """Derive the export-time tables from the final weights (call after init or checkpoint load).
-        A parameter, so the exporter emits one named initializer that every use shares."""
-        if self.llm.tie_word_embeddings:
-            self.tied_head_t = nn.Parameter(self.model.embed_tokens.weight.detach().t().contiguous(),
-                                            requires_grad=False)
+        """Derive the export-time tables from the final weights (call after init or checkpoint load):
+        the head as one [H, V] matrix and the fused projections of :func:`fuse_projections`. Parameters,
+        so the exporter emits one named initializer per table that every graph shares."""
+        head = self.model.embed_tokens.weight if self.llm.tie_word_embeddings else self.lm_head.weight
+        self.head_t = _param(head.t())
+        fuse_projections(self)
 
 
 # ---------------------------------------------------------------------------------------------- graphs
