@@ -48,8 +48,10 @@ Every staging buffer and caller-owned tensor (KV-cache slots) is a 64-byte-align
 binds each input and output by pointer (``IOBinding.bind_input/bind_output`` with ``buffer_ptr``), so
 inputs are read and outputs written in place: a resident ``past_kv`` slot is passed without a copy and
 the steady state allocates no buffers. Bindings are kept per graph and redone only when a pointer
-changes (another KV slot). The first run of each graph checks that ORT wrote its outputs into the bound
-buffers.
+changes (another KV slot). A graph exported with input views (``past_kv.<layer>.<k|v>``, see
+``graphset.VIEW_INPUTS``) gets each view bound at its offset in the contract input's buffer: every layer
+reads its keys and values where the cache slot holds them, no copy of the cache per step. The first
+run of each graph checks that ORT wrote its outputs into the bound buffers.
 
 Execution providers
 -------------------
@@ -133,15 +135,18 @@ class _HostBuffer:
 class _Graph:
     """A loaded graph: its session, its IO binding and the pointers currently bound."""
 
-    __slots__ = ("session", "binding", "bound", "verified", "path", "shared_initializers")
+    __slots__ = ("session", "binding", "bound", "verified", "path", "shared_initializers", "views")
 
-    def __init__(self, session, path: str, shared: int):
+    def __init__(self, session, path: str, shared: int, views: dict):
         self.session = session
         self.binding = session.io_binding()
         self.bound: dict[str, int] = {}
         self.verified = False
         self.path = path
         self.shared_initializers = shared
+        # contract input -> [(ONNX input name, byte offset, shape)]: one entry at offset 0 for an input the
+        # graph takes whole, one per view for an input it takes as views (graphset.VIEW_INPUTS)
+        self.views: dict[str, list[tuple[str, int, tuple]]] = views
 
 
 class _LazyModels(Mapping):
@@ -356,8 +361,8 @@ class OnnxRuntimeExecutor(HostMemoryHooks, Executor):
         level = "disable" if self._from_cache else self.graph_optimization_level
         so, shared = self._session_options(meta, path, level, self._prepack_for(meta))
         session = self._create_session(meta, path, so)
-        self._check_io(session, meta, path)
-        return _Graph(session, path, shared)
+        views = self._check_io(session, meta, path)
+        return _Graph(session, path, shared, views)
 
     def _execute(self, graph_handle, device_inputs, device_outputs, meta: GraphMeta) -> None:
         g: _Graph = graph_handle
@@ -365,7 +370,9 @@ class OnnxRuntimeExecutor(HostMemoryHooks, Executor):
         for spec in meta.inputs:
             buf = device_inputs[spec.name]
             if bound.get(spec.name) != buf.ptr:
-                binding.bind_input(spec.name, "cpu", 0, np.dtype(spec.dtype).type, spec.shape, buf.ptr)
+                element = np.dtype(spec.dtype).type
+                for name, offset, shape in g.views[spec.name]:
+                    binding.bind_input(name, "cpu", 0, element, shape, buf.ptr + offset)
                 bound[spec.name] = buf.ptr
         for spec in meta.outputs:
             buf = device_outputs[spec.name]
@@ -405,28 +412,48 @@ class OnnxRuntimeExecutor(HostMemoryHooks, Executor):
         n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         return buf.array[:n].view(dt).reshape(shape)
 
-    def _check_io(self, session, meta: GraphMeta, path: str) -> None:
+    def _check_io(self, session, meta: GraphMeta, path: str) -> dict:
+        """The session's inputs and outputs must be the contract's (an input may come as views, see
+        ``graphset.VIEW_INPUTS``). Returns the input binding plan of :class:`_Graph`."""
         rebuild = ("the graph set was built for another config or model; "
                    + graphset.BUILD_HINT.format(dir=self._load_dir))
+        plan: dict[str, list[tuple[str, int, tuple]]] = {}
         for what, declared, actual in (("input", meta.inputs, session.get_inputs()),
                                        ("output", meta.outputs, session.get_outputs())):
-            by_name = {a.name: a for a in actual}
-            want = {s.name for s in declared}
-            missing = [s.name for s in declared if s.name not in by_name]
-            extra = [a.name for a in actual if a.name not in want]
+            specs = {s.name: s for s in declared}
+            parts: dict[str, list] = {s.name: [] for s in declared}  # contract name -> [(ONNX arg, offset, shape)]
+            extra = []
+            for arg in actual:
+                if arg.name in specs:
+                    parts[arg.name].append((arg, 0, tuple(specs[arg.name].shape)))
+                    continue
+                view = None
+                if what == "input":
+                    for spec in declared:
+                        view = graphset.input_views(spec.name, spec.shape, np.dtype(spec.dtype).itemsize, arg.name)
+                        if view is not None:
+                            parts[spec.name].append((arg, view[0], view[1]))
+                            break
+                if view is None:
+                    extra.append(arg.name)
+            missing = [name for name, found in parts.items() if not found]
             if missing or extra:
                 raise ShapeError(f"graph {meta.name!r} ({path}): {what}s differ from the manifest: missing "
                                  f"{missing}, unexpected {extra} (the ONNX model has {[a.name for a in actual]}); "
                                  f"{rebuild}")
             for spec in declared:
-                arg = by_name[spec.name]
-                dtype = _ORT_TYPES.get(arg.type, arg.type)
-                shape = list(arg.shape) if arg.shape is not None else None
-                ok_shape = shape is not None and len(shape) == len(spec.shape) and all(
-                    not isinstance(d, int) or d == s for d, s in zip(shape, spec.shape))
-                if dtype != spec.dtype or not ok_shape:
-                    raise ShapeError(f"graph {meta.name!r} ({path}): {what} {spec.name!r} is {dtype}{shape} in the "
-                                     f"ONNX model but {spec.dtype}{list(spec.shape)} in the graph contract; {rebuild}")
+                for arg, offset, want in parts[spec.name]:
+                    dtype = _ORT_TYPES.get(arg.type, arg.type)
+                    shape = list(arg.shape) if arg.shape is not None else None
+                    ok_shape = shape is not None and len(shape) == len(want) and all(
+                        not isinstance(d, int) or d == s for d, s in zip(shape, want))
+                    if dtype != spec.dtype or not ok_shape:
+                        part = repr(spec.name) if arg.name == spec.name else f"{arg.name!r} (a view of {spec.name!r})"
+                        raise ShapeError(f"graph {meta.name!r} ({path}): {what} {part} is {dtype}{shape} in the "
+                                         f"ONNX model but {spec.dtype}{list(want)} in the graph contract; {rebuild}")
+                if what == "input":
+                    plan[spec.name] = [(arg.name, offset, want) for arg, offset, want in parts[spec.name]]
+        return plan
 
     def _verify_outputs(self, g: _Graph, device_outputs: dict, meta: GraphMeta) -> None:
         values = g.binding.get_outputs()

@@ -102,23 +102,70 @@ def graph_key(cfg: ModelConfig, meta: GraphMeta, weights: str, versions: dict) -
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def onnx_inputs(meta: GraphMeta) -> list[tuple[str, tuple, str]]:
+    """The exported graph's inputs (name, shape, dtype): the contract's, with each of
+    ``graphset.VIEW_INPUTS`` replaced by its views (``past_kv.<layer>.<k|v>``)."""
+    out = []
+    for spec in meta.inputs:
+        lead = graphset.VIEW_INPUTS.get(spec.name, 0)
+        if lead:
+            out += [(graphset.view_name(spec.name, idx), tuple(spec.shape[lead:]), spec.dtype)
+                    for idx in graphset.view_indices(spec.shape, lead)]
+        else:
+            out.append((spec.name, tuple(spec.shape), spec.dtype))
+    return out
+
+
 def example_inputs(meta: GraphMeta):
-    """Valid example tensors for tracing: zeros, with counts/positions that are in range."""
+    """Valid example tensors for tracing the exported inputs (:func:`onnx_inputs`): zeros, with
+    counts/positions that are in range."""
     import numpy as np
     import torch
     out = []
-    for spec in meta.inputs:
-        arr = np.zeros(spec.shape, spec.dtype)
-        if spec.name in ("num_tokens", "prefix_len"):
+    for name, shape, dtype in onnx_inputs(meta):
+        arr = np.zeros(shape, dtype)
+        if name in ("num_tokens", "prefix_len"):
             arr[...] = 1
-        elif spec.name == "timestep":
+        elif name == "timestep":
             arr[...] = 1.0
         out.append(torch.from_numpy(arr))
     return tuple(out)
 
 
+def _with_views(module, meta: GraphMeta):
+    """``module`` (which takes the contract inputs) as a module taking :func:`onnx_inputs`: the views of
+    an input are handed to it nested by index (``past_kv[layer] == (keys, values)``)."""
+    import torch
+
+    class Views(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, *flat):
+            args, pos = [], 0
+            for spec in meta.inputs:
+                lead = graphset.VIEW_INPUTS.get(spec.name, 0)
+                if not lead:
+                    args.append(flat[pos])
+                    pos += 1
+                    continue
+                count = 1
+                for d in spec.shape[:lead]:
+                    count *= int(d)
+                views = list(flat[pos:pos + count])
+                pos += count
+                for d in reversed(spec.shape[1:lead]):
+                    views = [tuple(views[i:i + int(d)]) for i in range(0, len(views), int(d))]
+                args.append(views)
+            return self.inner(*args)
+
+    return Views().eval()
+
+
 def export_graph(module, meta: GraphMeta, workdir: str):
-    """Trace ``module`` to an ONNX ModelProto (weights loaded in memory) named after ``meta``."""
+    """Trace ``module`` to an ONNX ModelProto (weights loaded in memory) named after ``meta``, taking the
+    inputs of :func:`onnx_inputs`."""
     import onnx
     import torch
     path = os.path.join(workdir, f"{meta.name}.onnx")
@@ -128,16 +175,20 @@ def export_graph(module, meta: GraphMeta, workdir: str):
     with torch.no_grad(), folded, warnings.catch_warnings():
         # The TorchScript exporter is chosen on purpose: static shapes, opset 17, no dynamo dependency.
         warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(module, example_inputs(meta), path, dynamo=False, opset_version=OPSET,
-                          input_names=[t.name for t in meta.inputs], output_names=[t.name for t in meta.outputs],
-                          do_constant_folding=True)
+        # The graphs are static-shape by design: the model code's decisions on tensor sizes are meant to
+        # be constants of the trace.
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r".*\.torch_models\.")
+        torch.onnx.export(_with_views(module, meta), example_inputs(meta), path, dynamo=False, opset_version=OPSET,
+                          input_names=[n for n, _, _ in onnx_inputs(meta)],
+                          output_names=[t.name for t in meta.outputs], do_constant_folding=True)
     model = onnx.load(path, load_external_data=True)
     check_model_io(model, meta)
     return model
 
 
 def check_model_io(model, meta: GraphMeta) -> None:
-    """The exported model's inputs/outputs must be exactly the GraphMeta's (names, order, shapes, dtypes)."""
+    """The exported model's inputs/outputs must be exactly the GraphMeta's (names, order, shapes, dtypes;
+    inputs as :func:`onnx_inputs`)."""
     import onnx
     from onnx import helper
 
@@ -150,7 +201,7 @@ def check_model_io(model, meta: GraphMeta) -> None:
         return res
     init = {i.name for i in model.graph.initializer}
     got_in = [x for x in describe(model.graph.input) if x[0] not in init]
-    want_in = [(t.name, t.shape, t.dtype) for t in meta.inputs]
+    want_in = onnx_inputs(meta)
     got_out = describe(model.graph.output)
     want_out = [(t.name, t.shape, t.dtype) for t in meta.outputs]
     if got_in != want_in or got_out != want_out:

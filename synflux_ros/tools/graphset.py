@@ -22,6 +22,16 @@ already holds are reused, so the unchanged graphs keep their files. An ORT-optim
 onnxruntime backend's ``optimized_model_dir``) is a graph set in this same format whose weights file may
 also hold ORT-prepacked copies of weights, referenced by ``prepacked_<n>`` external-data entries.
 
+Input views
+-----------
+A graph may take a contract input as several ONNX inputs, each a contiguous sub-tensor along its leading
+axes: ``past_kv`` [L, 2, KV, S, Dh] is exported as ``past_kv.<l>.<j>`` [KV, S, Dh], one input per layer
+and K/V (:data:`VIEW_INPUTS`). The runtime contract (GraphMeta) keeps the one tensor; a runtime binds each
+view at its byte offset in that tensor's buffer (:func:`input_views`), so a layer reads its keys and values
+where the cache slot holds them. Slicing one big input inside the graph would instead make ONNX Runtime
+copy the whole cache every step (Slice and Split copy). Views are standard ONNX inputs that any compiler
+takes; a graph set whose graphs take the whole tensor loads as well.
+
 This module needs ``onnx`` only for :func:`write_weights_and_models` (the build side); reading a
 manifest or listing a graph's external initializers (:func:`external_initializers`, read straight from
 the protobuf encoding) needs nothing beyond the standard library.
@@ -42,6 +52,44 @@ EXTERNAL_MIN_BYTES = 1024
 """Initializers of at least this many bytes go to the weights file; smaller ones stay in the graph."""
 
 BUILD_HINT = "build it with: synflux-build --config <model.yaml> --out {dir}"
+
+
+VIEW_INPUTS = {"past_kv": 2}
+"""Contract inputs exported as views, and over how many leading axes (see *Input views* above)."""
+
+
+def view_name(name: str, index) -> str:
+    """ONNX input name of the view ``name[index]`` (``past_kv.3.1``: layer 3, values)."""
+    return ".".join([name, *(str(int(i)) for i in index)])
+
+
+def view_indices(shape, lead: int):
+    """All index tuples over the first ``lead`` axes of ``shape``, in memory order."""
+    import itertools
+    return itertools.product(*(range(int(d)) for d in shape[:lead]))
+
+
+def input_views(name: str, shape, dtype_size: int, onnx_name: str):
+    """Where the ONNX input ``onnx_name`` lies in contract input ``name`` [shape] with elements of
+    ``dtype_size`` bytes: ``(byte_offset, view_shape)``, or None if it is not a view of that input.
+    A view ``name.i.j...`` takes the sub-tensor at index (i, j, ...) over the leading axes."""
+    prefix = name + "."
+    if not onnx_name.startswith(prefix):
+        return None
+    parts = onnx_name[len(prefix):].split(".")
+    if not parts or not all(p.isdigit() for p in parts) or len(parts) >= len(shape):
+        return None
+    index = [int(p) for p in parts]
+    if any(i >= int(d) for i, d in zip(index, shape)):
+        return None
+    rest = tuple(int(d) for d in shape[len(index):])
+    flat = 0
+    for i, d in zip(index, shape):
+        flat = flat * int(d) + i
+    count = 1
+    for d in rest:
+        count *= d
+    return flat * count * dtype_size, rest
 
 
 class GraphSetError(ValueError):

@@ -520,3 +520,61 @@ def test_saved_prepacked_weights_are_one_physical_copy(big_graph_set, tmp_path):
     assert os.path.getsize(sub / "weights.bin") < 2.2 * weight_bytes
     pss = _measure(big_graph_set, options, "pss")
     assert pss < 1.5 * weight_bytes, f"PSS growth {pss / 2**20:.0f} MiB"
+
+
+# ------------------------------------------------------------------------------------------ input views
+VL = 2  # layers of the view test's cache
+
+
+def views_graph_set(out, view_names=None, view_shape=(KV, S, DH)):
+    """A graph whose contract input past_kv [VL, 2, KV, S, DH] is exported as one input per layer and K/V
+    (as synflux-build exports the decoders): output sums[i] = sum of view i + x."""
+    names = view_names or [graphset.view_name("past_kv", idx)
+                           for idx in graphset.view_indices((VL, 2, KV, S, DH), 2)]
+    nodes, sums = [], []
+    for n in names:
+        nodes.append(helper.make_node("ReduceSum", [n], [n + "_sum"], keepdims=0, noop_with_empty_axes=0))
+        nodes.append(helper.make_node("Unsqueeze", [n + "_sum", "axis0"], [n + "_s1"]))
+        sums.append(n + "_s1")
+    nodes += [helper.make_node("Concat", sums, ["cat"], axis=0), helper.make_node("Add", ["cat", "x"], ["sums"])]
+    graph = helper.make_graph(
+        nodes, "views",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])]
+        + [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(view_shape)) for n in names],
+        [helper.make_tensor_value_info("sums", TensorProto.FLOAT, [len(names)])],
+        [numpy_helper.from_array(np.array([0], np.int64), "axis0")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    info = graphset.write_weights_and_models({"views": model}, str(out))
+    meta = GraphMeta("views", "decode", (TensorSpec("x", (1,), "float32"),
+                                         TensorSpec("past_kv", (VL, 2, KV, S, DH), "float32", resident=True)),
+                     (TensorSpec("sums", (len(names),), "float32"),), file="views.onnx")
+    graphset.write_manifest(str(out), [meta], info, model="views", config_hash="x")
+    return [meta]
+
+
+def test_input_views_are_bound_in_place_at_their_offsets(tmp_path):
+    metas = views_graph_set(tmp_path)
+    ex = build_executor("onnxruntime", metas, str(tmp_path), {}).load()
+    slots = [ex.alloc_tensor(f"kv{i}", (VL, 2, KV, S, DH), "float32") for i in range(2)]
+    ex.freeze()
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        for slot in slots:  # a new slot pointer rebinds every view
+            past = rng.standard_normal(slot.shape).astype(np.float32)
+            ex.write(slot, (slice(None),), past)
+            out = ex.run("views", {"x": np.array([0.5], np.float32), "past_kv": slot})["sums"]
+            want = past.reshape(VL * 2, -1).sum(axis=1) + 0.5
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-3)
+    ex.close()
+
+
+@pytest.mark.parametrize("names,shape,error", [
+    (["past_kv.0.0", "past_kv.2.0"], (KV, S, DH), r"unexpected \['past_kv\.2\.0'\]"),
+    (["past_kv.0.0", "past_kv.0.x"], (KV, S, DH), r"unexpected \['past_kv\.0\.x'\]"),
+    (["past_kv.0.0"], (KV, S - 1, DH), r"'past_kv\.0\.0' \(a view of 'past_kv'\) is float32\[2, 31, 16\].*"
+                                       r"float32\[2, 32, 16\] in the graph contract"),
+])
+def test_bad_input_views_are_named(tmp_path, names, shape, error):
+    metas = views_graph_set(tmp_path, names, shape)
+    with pytest.raises(ShapeError, match=error):
+        build_executor("onnxruntime", metas, str(tmp_path), {}).load()

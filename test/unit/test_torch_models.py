@@ -17,6 +17,7 @@ from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402
 from synflux_ros.models.config import ConfigError, load_config  # noqa: E402
 from synflux_ros.models.graphs import graph_set, select_bucket  # noqa: E402
 from synflux_ros.models.llm_backbone import LLMBackbone  # noqa: E402
+from synflux_ros.tools import build as build_tool, graphset  # noqa: E402
 from synflux_ros.tools.torch_models import build_graph_modules, config_from_hf  # noqa: E402
 
 torch.set_num_threads(2)
@@ -86,6 +87,19 @@ def example_inputs(meta, rng, cache_position=3, num_tokens=5, prefix_len=7, time
     return out
 
 
+def onnx_feeds(meta, inputs):
+    """Contract inputs -> the exported graph's inputs (views of past_kv taken as numpy views)."""
+    feeds = {}
+    for t, x in zip(meta.inputs, inputs):
+        lead = graphset.VIEW_INPUTS.get(t.name, 0)
+        if lead:
+            for idx in graphset.view_indices(t.shape, lead):
+                feeds[graphset.view_name(t.name, idx)] = x.numpy()[idx]
+        else:
+            feeds[t.name] = x.numpy()
+    return feeds
+
+
 def call(module, inputs):
     with torch.no_grad():
         return module(*inputs)
@@ -102,8 +116,15 @@ def test_every_graph_matches_its_contract(name):
     assert gm.source == {"weights": "random", "seed": 0} and gm.tokenizer_path is None
     rng = np.random.default_rng(0)
     for meta in metas:
-        outs = call(gm.modules[meta.name], example_inputs(meta, rng))
+        inputs = example_inputs(meta, rng)
+        outs = call(gm.modules[meta.name], inputs)
         assert isinstance(outs, tuple) and len(outs) == len(meta.outputs), meta.name
+        if any(t.name == "past_kv" for t in meta.inputs):
+            # the exported form: the cache as per-layer (keys, values) views gives the same results
+            i = [t.name for t in meta.inputs].index("past_kv")
+            views = [(layer[0], layer[1]) for layer in inputs[i]]
+            for a, b in zip(call(gm.modules[meta.name], inputs[:i] + [views] + inputs[i + 1:]), outs):
+                torch.testing.assert_close(a, b, atol=0, rtol=0)
         for spec, t in zip(meta.outputs, outs):
             assert tuple(t.shape) == spec.shape and t.dtype == TORCH_DTYPE[spec.dtype], (meta.name, spec.name)
             assert torch.isfinite(t.float()).all(), (meta.name, spec.name)
@@ -416,13 +437,14 @@ def test_onnx_export_round_trip(name, tmp_path):
     for meta in graph_set(cfg):
         module = gm.modules[meta.name]
         path = str(tmp_path / f"{meta.name}.onnx")
-        # traced with the build tool's example values; run with others
-        trace = example_inputs(meta, rng, cache_position=0, num_tokens=1, prefix_len=1, timestep=1.0)
-        with torch.no_grad():
-            torch.onnx.export(module, tuple(trace), path, dynamo=False, opset_version=17,
-                              input_names=[t.name for t in meta.inputs],
-                              output_names=[t.name for t in meta.outputs])
+        # exported as synflux-build does (traced with its example values), run with others
+        build_tool.export_graph(module, meta, str(tmp_path))
         model = onnx.load(path)
+        names = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
+        assert names == [n for n, _, _ in build_tool.onnx_inputs(meta)]
+        if any(t.name == "past_kv" for t in meta.inputs):
+            # the cache comes as one input per layer and K/V: nothing slices it inside the graph
+            assert "past_kv" not in names and f"past_kv.{cfg.llm.num_layers - 1}.1" in names
         onnx.checker.check_model(model)
         ops = {(n.domain, n.op_type) for n in model.graph.node}
         assert all(d in ("", "ai.onnx") for d, _ in ops) and {o for _, o in ops} <= STANDARD_OPS, (meta.name, ops)
@@ -447,7 +469,7 @@ def test_onnx_export_round_trip(name, tmp_path):
         sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
         for cp, n in ((5, 3), (17, 9)):
             inputs = example_inputs(meta, rng, cache_position=cp, num_tokens=n, prefix_len=cp + n, timestep=0.3)
-            got = sess.run(None, {t.name: x.numpy() for t, x in zip(meta.inputs, inputs)})
+            got = sess.run(None, onnx_feeds(meta, inputs))
             ref = call(module, inputs)
             for spec, g, r in zip(meta.outputs, got, ref):
                 assert g.shape == spec.shape and g.dtype == np.dtype(spec.dtype), (meta.name, spec.name)

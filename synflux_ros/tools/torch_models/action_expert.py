@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ...models.config import ModelConfig
-from .decoder import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from .decoder import DecoderLayer, RMSNorm, layer_kv, rope_cos_sin, rope_inv_freq
 
 MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0
 
@@ -68,11 +68,10 @@ class ActionExpert(nn.Module):
         x = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat((x, t_emb), dim=-1))))
         rows = torch.arange(h, dtype=torch.int64)
         cos, sin = rope_cos_sin(prefix_len + rows, self.inv_freq)
-        past = past_kv[:, :, :, :span].to(torch.float32)
         prefix_ok = (torch.arange(span, dtype=torch.int64)[None, :] < prefix_len).expand(h, span)
         allowed = torch.cat((prefix_ok, torch.ones(h, h, dtype=torch.bool)), dim=1)
         for i, layer in enumerate(self.layers):
-            x, _, _ = layer(x, cos, sin, past[i, 0], past[i, 1], allowed)
+            x, _, _ = layer(x, cos, sin, *layer_kv(past_kv, i, span), allowed)
         return self.action_out_proj(self.norm(x)).unsqueeze(0)
 
 

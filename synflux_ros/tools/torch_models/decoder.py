@@ -129,6 +129,27 @@ def fuse_projections(module: nn.Module) -> nn.Module:
     return module
 
 
+def layer_kv(past, layer: int, span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [KV, span, Dh] (float32) of ``layer`` from the cache ``past``: either the contract
+    tensor [L, 2, KV, S, Dh] or its per-layer views, a sequence of L (keys, values) pairs [KV, S, Dh]
+    (how the build tool exports the graphs, see ``graphset.VIEW_INPUTS``: each view is bound in place,
+    so a layer that reads the whole cache copies nothing). Only the first ``span`` positions are read
+    (default all); reading fewer copies just those."""
+    if isinstance(past, torch.Tensor):
+        kv, s, dh = past.shape[2], past.shape[3], past.shape[4]
+        span = s if span is None else span
+        # one multi-axis Slice per tensor: ONNX Slice/Split copy, so cut exactly what is read
+        pk = past[layer:layer + 1, 0:1, :, :span].reshape(kv, span, dh)
+        pv = past[layer:layer + 1, 1:2, :, :span].reshape(kv, span, dh)
+    else:
+        pk, pv = past[layer]
+        if span is not None and span < pk.shape[1]:
+            pk, pv = pk[:, :span], pv[:, :span]
+    if pk.dtype != torch.float32:
+        pk, pv = pk.to(torch.float32), pv.to(torch.float32)
+    return pk, pv
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
     """Masked attention with grouped-query heads.
 
@@ -300,23 +321,15 @@ class CausalLM(nn.Module):
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, allowed: torch.Tensor,
             kv_dtype: torch.dtype = torch.float32, span: int | None = None):
-        """x [T, H] at ``positions`` [T]; past [L, 2, KV, S, Dh] (the cache as bound, any dtype); only its
-        first ``span`` positions are read (default all); allowed [T, span + T].
+        """x [T, H] at ``positions`` [T]; past: the cache (see :func:`layer_kv`); only its first ``span``
+        positions are read (default all); allowed [T, span + T].
 
         Returns the last hidden states [T, H] (before the final norm) and new_kv [L, 2, KV, T, Dh].
-        Each layer slices its own keys/values straight from the bound cache (one copy of what it reads,
-        never of the whole cache), cast to float32 only if the cache is stored narrower.
         """
         cos, sin = rope_cos_sin(positions, self.inv_freq)
-        span = past.shape[3] if span is None else span
         new = []
-        kv, dh = past.shape[2], past.shape[4]
         for i, layer in enumerate(self.model.layers):
-            # one multi-axis Slice per tensor: ONNX Slice/Split copy, so cut exactly what is read
-            pk = past[i:i + 1, 0:1, :, :span].reshape(kv, span, dh)
-            pv = past[i:i + 1, 1:2, :, :span].reshape(kv, span, dh)
-            if pk.dtype != torch.float32:
-                pk, pv = pk.to(torch.float32), pv.to(torch.float32)
+            pk, pv = layer_kv(past, i, span)
             x, k, v = layer(x, cos, sin, pk, pv, allowed, kv_dtype)
             new.append(torch.stack((k, v)))
         return x, torch.stack(new)
