@@ -56,73 +56,151 @@ def synthetic_ids(n: int, vocab: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, min(vocab, 30000), n).astype(np.int64)
 
 
-# ------------------------------------------------------------------------------------------- synflux
-def graph_config(graph_dir: str, threads: int) -> ModelConfig:
+# ------------------------------------------------------------------------------------------- engines
+# Each engine measures one batch: ``once(ids, output_len) -> (prefill_s, decode_s)``. The comparison runs
+# the engines' repeats round-robin, so that a slow spell of a shared machine hits every engine alike.
+
+def graph_config(graph_dir: str, threads: int, options: dict | None = None) -> ModelConfig:
+    """The graph set's config on the onnxruntime executor with ``threads`` intra-op threads and
+    ``options`` (executor options) on top of its own."""
     path = os.path.join(graph_dir, "config.yaml")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: build the graph set with synflux-build first")
     cfg = load_config(path)
-    opts = dict(cfg.executor.options)
+    opts = {**cfg.executor.options, **(options or {})}
     opts["intra_op_num_threads"] = threads
     return cfg.with_overrides(executor={"backend": "onnxruntime", "graph_dir": os.path.abspath(graph_dir),
                                         "options": opts})
 
 
-def bench_synflux(graph_dir: str, input_lens, output_len: int, threads: int, repeats: int = 3) -> list[dict]:
-    cfg = graph_config(graph_dir, threads)
-    ex = create_executor(cfg)
-    pool = KVCachePool(ex, 1, cfg.llm.kv_shape, cfg.llm.kv_dtype, "bench_kv")
-    ex.freeze()
-    llm = LLMBackbone(cfg, ex)
-    slot = pool.tensor(0)
-    rows = []
-    for n in input_lens:
-        if n + output_len > cfg.llm.max_seq_len:
-            raise ValueError(f"input {n} + output {output_len} exceed the graph set's context {cfg.llm.max_seq_len}")
-        ids = synthetic_ids(n, cfg.llm.vocab_size)
-        best = None
-        for _ in range(repeats + 1):  # first run warms up
-            t0 = time.perf_counter()
-            logits = llm.prefill(slot, 0, llm.embed(ids))
-            t1 = time.perf_counter()
-            pos = n
-            for _ in range(output_len - 1):
-                logits = llm.decode(slot, pos, int(np.argmax(logits)))
-                pos += 1
-            t2 = time.perf_counter()
-            if best is None or (t2 - t1) < best[1]:
-                best = (t1 - t0, t2 - t1)
-        buckets = f"prefill_{select_bucket(cfg.llm.prefill_buckets, min(n, cfg.llm.prefill_buckets[-1]))}/" \
-                  f"decode_{select_bucket(cfg.llm.decode_buckets, n + 1)}..{select_bucket(cfg.llm.decode_buckets, n + output_len - 1)}"
-        rows.append(_row("synflux", n, output_len, best[0], best[1], threads, buckets))
-    ex.close()
-    return rows
+class SynfluxEngine:
+    name = "synflux"
+
+    def __init__(self, graph_dir: str, threads: int, options: dict | None = None, name: str = "synflux"):
+        self.name = name
+        self.cfg = cfg = graph_config(graph_dir, threads, options)
+        self.ex = create_executor(cfg)
+        pool = KVCachePool(self.ex, 1, cfg.llm.kv_shape, cfg.llm.kv_dtype, "bench_kv")
+        self.ex.freeze()
+        self.llm = LLMBackbone(cfg, self.ex)
+        self.slot = pool.tensor(0)
+        self.vocab = cfg.llm.vocab_size
+
+    def check(self, n: int, output_len: int) -> None:
+        if n + output_len > self.cfg.llm.max_seq_len:
+            raise ValueError(f"input {n} + output {output_len} exceed the graph set's context "
+                             f"{self.cfg.llm.max_seq_len}")
+
+    def bucket(self, n: int, output_len: int) -> str:
+        llm = self.cfg.llm
+        return (f"prefill_{select_bucket(llm.prefill_buckets, min(n, llm.prefill_buckets[-1]))}/"
+                f"decode_{select_bucket(llm.decode_buckets, n + 1)}.."
+                f"{select_bucket(llm.decode_buckets, n + output_len - 1)}")
+
+    def once(self, ids: np.ndarray, output_len: int):
+        t0 = time.perf_counter()
+        logits = self.llm.prefill(self.slot, 0, self.llm.embed(ids))
+        t1 = time.perf_counter()
+        pos = len(ids)
+        for _ in range(output_len - 1):
+            logits = self.llm.decode(self.slot, pos, int(np.argmax(logits)))
+            pos += 1
+        return t1 - t0, time.perf_counter() - t1
+
+    def close(self) -> None:
+        self.ex.close()
 
 
-# ------------------------------------------------------------------------------------------- transformers
-def bench_transformers(ckpt: str, input_lens, output_len: int, threads: int, repeats: int = 3) -> list[dict]:
-    import torch
-    from transformers import AutoModelForCausalLM
-    torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    rows = []
-    for n in input_lens:
-        ids = torch.from_numpy(synthetic_ids(n, model.config.vocab_size))[None]
-        best = None
+class TransformersEngine:
+    name = "transformers"
+
+    def __init__(self, ckpt: str, threads: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        self.vocab = self.model.config.vocab_size
+
+    def once(self, ids: np.ndarray, output_len: int):
+        torch = self.torch
+        x = torch.from_numpy(ids)[None]
         with torch.inference_mode():
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                model(ids, use_cache=True)
-                t1 = time.perf_counter()
-                model.generate(ids, do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
-                               attention_mask=torch.ones_like(ids), pad_token_id=0)
-                t2 = time.perf_counter()
-                prefill = t1 - t0
-                decode = max((t2 - t1) - prefill, 1e-9)
-                if best is None or decode < best[1]:
-                    best = (prefill, decode)
-        rows.append(_row("transformers", n, output_len, best[0], best[1], threads))
+            t0 = time.perf_counter()
+            self.model(x, use_cache=True)
+            t1 = time.perf_counter()
+            self.model.generate(x, do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
+                                attention_mask=torch.ones_like(x), pad_token_id=0)
+            t2 = time.perf_counter()
+        # generate() runs the prefill again: its decode time is the rest
+        return t1 - t0, max((t2 - t1) - (t1 - t0), 1e-9)
+
+    def close(self) -> None:
+        self.model = None
+
+
+class GenaiEngine:
+    name = "onnxruntime-genai"
+
+    def __init__(self, genai_dir: str, threads: int):
+        import onnxruntime_genai as og
+        cfg_path = os.path.join(genai_dir, "genai_config.json")
+        with open(cfg_path, encoding="utf-8") as fh:
+            gcfg = json.load(fh)
+        so = gcfg["model"]["decoder"].setdefault("session_options", {})
+        if so.get("intra_op_num_threads") != threads:
+            so["intra_op_num_threads"] = threads
+            with open(cfg_path, "w", encoding="utf-8") as fh:
+                json.dump(gcfg, fh, indent=2)
+        self.og = og
+        self.model = og.Model(genai_dir)
+        self.vocab = gcfg["model"]["vocab_size"]
+
+    def once(self, ids: np.ndarray, output_len: int):
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(ids) + output_len, do_sample=False)
+        gen = og.Generator(self.model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(ids.astype(np.int32))  # prefill
+        t1 = time.perf_counter()
+        for _ in range(output_len - 1):
+            gen.generate_next_token()
+        t2 = time.perf_counter()
+        del gen
+        return t1 - t0, t2 - t1
+
+    def close(self) -> None:
+        self.model = None
+
+
+def measure(engines, input_lens, output_len: int, threads: int, repeats: int = 3) -> list[dict]:
+    """One row per engine and input length: the best of ``repeats`` runs (after one warm-up run), the
+    engines taking turns run by run."""
+    rows = []
+    for n in input_lens:
+        for e in engines:
+            if hasattr(e, "check"):
+                e.check(n, output_len)
+        best: dict[str, tuple] = {}
+        for _ in range(repeats + 1):
+            for e in engines:
+                ids = synthetic_ids(n, e.vocab)
+                prefill, decode = e.once(ids, output_len)
+                if e.name not in best or decode < best[e.name][1]:
+                    best[e.name] = (prefill, decode)
+        for e in engines:
+            bucket = e.bucket(n, output_len) if hasattr(e, "bucket") else ""
+            rows.append(_row(e.name, n, output_len, *best[e.name], threads, bucket))
     return rows
+
+
+def bench_synflux(graph_dir: str, input_lens, output_len: int, threads: int, repeats: int = 3) -> list[dict]:
+    engine = SynfluxEngine(graph_dir, threads)
+    try:
+        return measure([engine], input_lens, output_len, threads, repeats)
+    finally:
+        engine.close()
 
 
 # ------------------------------------------------------------------------------------------- onnxruntime-genai
@@ -139,51 +217,67 @@ def build_genai(ckpt: str, out: str) -> str:
     return out
 
 
-def bench_genai(genai_dir: str, input_lens, output_len: int, threads: int, repeats: int = 3) -> list[dict]:
-    import onnxruntime_genai as og
-    cfg_path = os.path.join(genai_dir, "genai_config.json")
-    with open(cfg_path, encoding="utf-8") as fh:
-        gcfg = json.load(fh)
-    so = gcfg["model"]["decoder"].setdefault("session_options", {})
-    if so.get("intra_op_num_threads") != threads:
-        so["intra_op_num_threads"] = threads
-        with open(cfg_path, "w", encoding="utf-8") as fh:
-            json.dump(gcfg, fh, indent=2)
-    model = og.Model(genai_dir)
-    rows = []
-    for n in input_lens:
-        ids = synthetic_ids(n, gcfg["model"]["vocab_size"]).astype(np.int32)
-        best = None
-        for _ in range(repeats + 1):
-            params = og.GeneratorParams(model)
-            params.set_search_options(max_length=n + output_len, do_sample=False)
-            gen = og.Generator(model, params)
-            t0 = time.perf_counter()
-            gen.append_tokens(ids)  # prefill
-            t1 = time.perf_counter()
-            for _ in range(output_len - 1):
-                gen.generate_next_token()
-            t2 = time.perf_counter()
-            if best is None or (t2 - t1) < best[1]:
-                best = (t1 - t0, t2 - t1)
-            del gen
-        rows.append(_row("onnxruntime-genai", n, output_len, best[0], best[1], threads))
-    return rows
-
-
 # ------------------------------------------------------------------------------------------- bounds
-def memory_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
-    """Read bandwidth (bytes/s) of ``threads`` threads summing disjoint parts of a large array."""
-    a = np.ones(mib * 2**20 // 8, np.float64)
-    parts = np.array_split(a, threads)
+def memory_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> dict:
+    """Read bandwidth (bytes/s) with ``threads`` threads, two ways, over ``mib`` MiB per array (far beyond
+    the caches):
+
+    * ``dot``: numpy dot products of two float32 arrays, split into a part per thread (both arrays'
+      bytes count; numpy's BLAS may add threads of its own, up to the machine's cores);
+    * ``gemv``: ONNX Runtime's one-row MatMul streaming a float32 [K, N] matrix, the kernel of a decode
+      step, with ``threads`` intra-op threads (the weight as stored and prepacked, the faster counts).
+
+    ``bound`` is the larger: the decode-time bound uses the fastest read rate seen on this machine, so
+    no engine can beat it by reading the weights faster than the probes did.
+    """
+    a = np.ones(mib * 2**20 // 4, np.float32)
+    b = np.ones_like(a)
+    pa, pb = np.array_split(a, threads), np.array_split(b, threads)
     best = None
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(repeats):
             t0 = time.perf_counter()
-            list(pool.map(np.sum, parts))
+            list(pool.map(np.dot, pa, pb))
             dt = time.perf_counter() - t0
             best = dt if best is None else min(best, dt)
-    return a.nbytes / best
+    res = {"dot": 2 * a.nbytes / best}
+    del a, b, pa, pb
+    res["gemv"] = _gemv_bandwidth(threads, mib, repeats)
+    res["bound"] = max(res["dot"], res["gemv"])
+    return res
+
+
+def _gemv_bandwidth(threads: int, mib: int, repeats: int) -> float:
+    """The faster of a one-row MatMul against a [K, N] weight fed as an input (read as stored, like
+    shared weights) and stored as a constant (which ONNX Runtime prepacks)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    k = 4096
+    n = mib * 2**20 // (4 * k)
+    w = np.random.default_rng(0).standard_normal((k, n), dtype=np.float32)
+    x = np.ones((1, k), np.float32)
+    best = None
+    for constant in (False, True):
+        inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])]
+        if not constant:
+            inputs.append(helper.make_tensor_value_info("w", TensorProto.FLOAT, [k, n]))
+        graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "gemv", inputs,
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+                                  [numpy_helper.from_array(w, "w")] if constant else [])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        del model, graph
+        feeds = {"x": x} if constant else {"x": x, "w": w}
+        sess.run(None, feeds)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sess.run(None, feeds)
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+        del sess
+    return w.nbytes / best
 
 
 def weight_bytes_per_token(ckpt: str) -> int:
@@ -205,25 +299,29 @@ def weight_bytes_per_token(ckpt: str) -> int:
 
 # ------------------------------------------------------------------------------------------- memory
 _MEMORY_PROBE = r"""
-import json, sys
-def status(key):
-    for line in open("/proc/self/status"):
+import json, os, sys
+def status(key, path="/proc/self/status"):
+    for line in open(path):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
+def pss():
+    return status("Pss:", "/proc/self/smaps_rollup")
 from synflux_ros.tools.bench import graph_config
 from synflux_ros.runtime.factory import create_executor
 import onnxruntime
-base = status("VmRSS:")
-ex = create_executor(graph_config(sys.argv[1], int(sys.argv[2])))
+base, base_pss = status("VmRSS:"), pss()
+ex = create_executor(graph_config(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])))
 print(json.dumps({"rss_peak_growth": status("VmHWM:") - base, "rss_growth": status("VmRSS:") - base,
-                  "graphs": len(ex.graphs), "weights": ex.weights_bytes}))
+                  "pss_growth": pss() - base_pss, "graphs": len(ex.graphs),
+                  "weights_file": os.path.getsize(os.path.join(sys.argv[1], "weights.bin"))}))
 """
 
 
-def graph_set_memory(graph_dir: str, threads: int) -> dict:
-    """Peak RSS growth of a fresh process that loads every graph of a set, against the weights' size."""
-    out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, os.path.abspath(graph_dir), str(threads)],
-                         check=True, capture_output=True, text=True)
+def graph_set_memory(graph_dir: str, threads: int, options: dict | None = None) -> dict:
+    """Memory growth (peak and final RSS, and PSS: shared file pages counted once) of a fresh process that
+    loads every graph of a set with the given executor options, and the size of the set's weights file."""
+    out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, os.path.abspath(graph_dir), str(threads),
+                          json.dumps(options or {})], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -270,42 +368,67 @@ def bench_graph_config(input_len: int, output_len: int, context: int = 0) -> Mod
         "name": "bench", "mode": "vlm",
         "vision": {"resolution": [224, 224], "tile_size": [224, 224], "tokens_per_tile": 16},
         "llm": {"num_layers": 1, "hidden_dim": 64, "num_heads": 1, "vocab_size": VOCAB,
-                "prefill_buckets": sorted({64, input_len}), "decode_buckets": sorted({span, context}),
+                "prefill_buckets": sorted({min(64, context), input_len}), "decode_buckets": sorted({span, context}),
                 "max_seq_len": context},
         "text": {"max_new_tokens": output_len},
         "executor": {"backend": "onnxruntime"},
     })
 
 
+SYNFLUX_VARIANTS = ("synflux", "synflux-prepacked")
+
+
+def prepacked_options(work: str, name: str) -> dict:
+    """Executor options of the ``synflux-prepacked`` rows: ONNX Runtime's optimised graphs with their
+    prepacked weights saved once (``optimized_model_dir``) and mapped by every session."""
+    return {"optimized_model_dir": os.path.join(work, f"{name}.ort"), "prepack": True}
+
+
 def compare(ckpt: str, work: str, input_lens, output_len: int, threads: int, jsonl=None) -> dict:
+    """The checkpoint through synflux (default executor options, and prepacked), transformers and
+    onnxruntime-genai; rows, and each synflux variant's decode ratios to the other two."""
     from .build import build
     name = os.path.basename(os.path.normpath(ckpt))
     gdir = os.path.join(work, f"{name}.synflux")
     build(bench_graph_config(max(input_lens), output_len), gdir, hf_dir=ckpt, threads=threads)
     genai = build_genai(ckpt, os.path.join(work, f"{name}.genai"))
-    rows = (bench_synflux(gdir, input_lens, output_len, threads) + bench_transformers(ckpt, input_lens, output_len,
-            threads) + bench_genai(genai, input_lens, output_len, threads))
+    engines = []
+    try:
+        engines += [SynfluxEngine(gdir, threads),
+                    SynfluxEngine(gdir, threads, prepacked_options(work, name), "synflux-prepacked"),
+                    TransformersEngine(ckpt, threads), GenaiEngine(genai, threads)]
+        rows = measure(engines, input_lens, output_len, threads)
+    finally:
+        for e in engines:
+            e.close()
     for r in rows:
         r["model"] = name
         if jsonl:
             jsonl.write(json.dumps(r) + "\n")
-    print(f"\n  {name}: one batch, {threads} threads, fp32")
+    print(f"\n  {name}: one batch, {threads} threads, fp32 (engines take turns run by run; best of 3)")
     print(f"  {'engine':<18} {'input':>5} {'prefill ms':>11} {'decode ms/tok':>14} {'tok/s':>8}  bucket")
     for r in rows:
         print(f"  {r['engine']:<18} {r['input_len']:>5} {r['prefill_ms']:>11.2f} {r['decode_ms_per_token']:>14.2f} "
               f"{r['tokens_per_s']:>8.1f}  {r['bucket']}")
-    by = {(r["engine"], r["input_len"]): r for r in rows}
+    by = {(r["engine"], r["input_len"]): r["decode_ms_per_token"] for r in rows}
     ratios = {}
     for n in input_lens:
-        s = by[("synflux", n)]["decode_ms_per_token"]
-        ratios[n] = {"vs_genai": s / by[("onnxruntime-genai", n)]["decode_ms_per_token"],
-                     "vs_transformers": s / by[("transformers", n)]["decode_ms_per_token"]}
-        print(f"  decode ratio at input {n}: synflux/genai {ratios[n]['vs_genai']:.2f}x, "
-              f"synflux/transformers {ratios[n]['vs_transformers']:.2f}x")
-    return {"rows": rows, "ratios": ratios, "graph_dir": gdir}
+        ratios[n] = {}
+        for v in SYNFLUX_VARIANTS:
+            ratios[n][v] = {"vs_genai": by[(v, n)] / by[("onnxruntime-genai", n)],
+                            "vs_transformers": by[(v, n)] / by[("transformers", n)]}
+            print(f"  decode ratio at input {n}: {v}/genai {ratios[n][v]['vs_genai']:.2f}x, "
+                  f"{v}/transformers {ratios[n][v]['vs_transformers']:.2f}x")
+    return {"rows": rows, "ratios": ratios, "graph_dir": gdir, "name": name}
+
+
+def _both(ratios: dict, key: str) -> str:
+    return ", ".join(f"{v} {ratios[v][key]:.2f}x" for v in SYNFLUX_VARIANTS)
 
 
 def suite(work: str, threads: int, input_len: int, output_len: int, jsonl=None) -> int:
+    """The issue's reference targets. A target counts as met when the better synflux configuration meets
+    it (``synflux-prepacked`` is the documented deployment setting); both are printed."""
     os.makedirs(work, exist_ok=True)
     met = []
     results = {}
@@ -315,25 +438,29 @@ def suite(work: str, threads: int, input_len: int, output_len: int, jsonl=None) 
     tiny = results["qwen3-tiny"]["ratios"][input_len]
     mid = results["qwen3-h1024-l8"]["ratios"][input_len]
     print("\n== targets ==")
-    met.append(mid["vs_genai"] <= 1.2)
-    print(f"  hidden-1024 8-layer decode vs onnxruntime-genai: {mid['vs_genai']:.2f}x (target <= 1.2x) "
+    met.append(min(mid[v]["vs_genai"] for v in SYNFLUX_VARIANTS) <= 1.2)
+    print(f"  hidden-1024 8-layer decode vs onnxruntime-genai: {_both(mid, 'vs_genai')} (target <= 1.2x) "
           f"{'PASS' if met[-1] else 'FAIL'}")
-    met.append(tiny["vs_transformers"] <= 0.5)
-    print(f"  tiny decode vs transformers: {tiny['vs_transformers']:.2f}x (target <= 0.5x) "
+    met.append(min(tiny[v]["vs_transformers"] for v in SYNFLUX_VARIANTS) <= 0.5)
+    print(f"  tiny decode vs transformers: {_both(tiny, 'vs_transformers')} (target <= 0.5x) "
           f"{'PASS' if met[-1] else 'FAIL'}")
     bw = memory_bandwidth(threads)
     ckpt = os.path.join(work, "qwen3-h1024-l8")
     wbytes = weight_bytes_per_token(ckpt)
-    bound_ms = wbytes / bw * 1e3
-    ours = next(r for r in results["qwen3-h1024-l8"]["rows"] if r["engine"] == "synflux")["decode_ms_per_token"]
-    met.append(ours <= 1.3 * bound_ms)
-    print(f"  memory bandwidth {bw / 1e9:.1f} GB/s ({threads} threads), weights read per token "
-          f"{wbytes / 2**20:.0f} MiB -> bound {bound_ms:.1f} ms/token; synflux {ours:.1f} ms/token = "
-          f"{ours / bound_ms:.2f}x the bound (target <= 1.3x) {'PASS' if met[-1] else 'FAIL'}")
-    mem = graph_set_memory(results["qwen3-h1024-l8"]["graph_dir"], threads)
-    print(f"  weights once: loading all {mem['graphs']} graphs of qwen3-h1024-l8 grows peak RSS by "
-          f"{mem['rss_peak_growth'] / 2**20:.0f} MiB for {mem['weights'] / 2**20:.0f} MiB of weights "
-          f"({mem['rss_peak_growth'] / mem['weights']:.2f}x)")
+    bound_ms = wbytes / bw["bound"] * 1e3
+    by_engine = {r["engine"]: r["decode_ms_per_token"] for r in results["qwen3-h1024-l8"]["rows"]}
+    met.append(min(by_engine[v] for v in SYNFLUX_VARIANTS) <= 1.3 * bound_ms)
+    print(f"  memory bandwidth {bw['bound'] / 1e9:.1f} GB/s ({threads} threads; numpy dot {bw['dot'] / 1e9:.1f}, "
+          f"onnxruntime GEMV {bw['gemv'] / 1e9:.1f}), weights read per token {wbytes / 2**20:.0f} MiB -> bound "
+          f"{bound_ms:.1f} ms/token; " + ", ".join(f"{e} {by_engine[e]:.1f} ms = {by_engine[e] / bound_ms:.2f}x"
+                                                   for e in (*SYNFLUX_VARIANTS, "onnxruntime-genai", "transformers"))
+          + f" (target <= 1.3x) {'PASS' if met[-1] else 'FAIL'}")
+    mid_dir = results["qwen3-h1024-l8"]["graph_dir"]
+    for label, options in (("synflux", {}), ("synflux-prepacked", prepacked_options(work, "qwen3-h1024-l8"))):
+        mem = graph_set_memory(mid_dir, threads, options)
+        print(f"  weights once ({label}): loading all {mem['graphs']} graphs of qwen3-h1024-l8 grows peak RSS by "
+              f"{mem['rss_peak_growth'] / 2**20:.0f} MiB and PSS by {mem['pss_growth'] / 2**20:.0f} MiB for "
+              f"{mem['weights_file'] / 2**20:.0f} MiB of weights ({mem['pss_growth'] / mem['weights_file']:.2f}x)")
     from .build import build
     ttft_dir = os.path.join(work, "qwen3-tiny.ttft.synflux")
     build(bench_graph_config(input_len, output_len, TTFT_CONTEXT), ttft_dir, hf_dir=os.path.join(work, "qwen3-tiny"),

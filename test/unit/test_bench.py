@@ -1,0 +1,71 @@
+"""synflux-bench on a tiny checkpoint: the one-batch rows of a graph set, and the comparison with
+transformers and onnxruntime-genai on the same checkpoint (their figures are not checked for speed,
+only for being measured and reported)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("onnxruntime")
+
+from synflux_ros.tools import bench  # noqa: E402
+
+ROW_KEYS = {"engine", "input_len", "output_len", "prefill_ms", "decode_ms_per_token", "tokens_per_s", "bucket",
+            "threads"}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    import torch
+    from test_graphs_parity import write_tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("bench_ckpt")
+    Qwen3ForCausalLM(Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=16, intermediate_size=128, vocab_size=512, max_position_embeddings=256,
+                                 tie_word_embeddings=True)).save_pretrained(out)
+    write_tokenizer(str(out))
+    return str(out)
+
+
+def test_graph_set_rows_follow_the_one_batch_semantics(ckpt, tmp_path, capsys):
+    from synflux_ros.tools.build import build
+    gdir = str(tmp_path / "graphs")
+    build(bench.bench_graph_config(20, 6), gdir, hf_dir=ckpt, threads=1)  # prefill 20, decode span 32
+    jsonl = tmp_path / "rows.jsonl"
+    assert bench.main(["--graphs", gdir, "--input-len", "5", "--input-len", "20", "--output-len", "6",
+                       "--threads", "1", "--jsonl", str(jsonl)]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert printed == rows and [r["input_len"] for r in rows] == [5, 20]
+    for r in rows:
+        assert set(r) == ROW_KEYS and r["engine"] == "synflux" and r["output_len"] == 6 and r["threads"] == 1
+        assert r["prefill_ms"] > 0 and r["decode_ms_per_token"] > 0
+        # 5 decode steps in the measured decode time
+        assert r["tokens_per_s"] == pytest.approx(1e3 / r["decode_ms_per_token"], rel=0.01)
+    # prompt 5 fits the smallest prefill bucket, prompt 20 the next; 26 tokens fit the 32-position span
+    assert rows[0]["bucket"] == "prefill_20/decode_32..32" and rows[1]["bucket"] == "prefill_20/decode_32..32"
+    with pytest.raises(ValueError, match=r"input 30 \+ output 6 exceed the graph set's context 32"):
+        bench.bench_synflux(gdir, [30], 6, 1, repeats=0)
+
+
+def test_compare_times_every_engine_on_one_checkpoint(ckpt, tmp_path, capsys):
+    jsonl = tmp_path / "cmp.jsonl"
+    assert bench.main(["--compare", "--hf", ckpt, "--work", str(tmp_path / "work"), "--input-len", "12",
+                       "--output-len", "4", "--threads", "1", "--jsonl", str(jsonl)]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [r["engine"] for r in rows] == ["synflux", "synflux-prepacked", "transformers", "onnxruntime-genai"]
+    for r in rows:
+        assert set(r) - {"model"} == ROW_KEYS and r["input_len"] == 12 and r["decode_ms_per_token"] > 0
+    assert "decode ratio at input 12: synflux/genai" in out and "synflux-prepacked/transformers" in out
+    # both models were built from the same checkpoint, offline
+    name = os.path.basename(ckpt)
+    assert (tmp_path / "work" / f"{name}.genai" / "genai_config.json").is_file()
+    assert (tmp_path / "work" / f"{name}.synflux" / "manifest.json").is_file()
+    # the prepacked variant ran from the optimised copy of the graph set
+    assert any((tmp_path / "work" / f"{name}.ort").rglob("manifest.json"))
