@@ -69,3 +69,25 @@ def test_compare_times_every_engine_on_one_checkpoint(ckpt, tmp_path, capsys):
     assert (tmp_path / "work" / f"{name}.synflux" / "manifest.json").is_file()
     # the prepacked variant ran from the optimised copy of the graph set
     assert any((tmp_path / "work" / f"{name}.ort").rglob("manifest.json"))
+
+
+def test_bandwidth_probe_samples_between_engine_runs(ckpt, tmp_path):
+    from synflux_ros.tools.build import build
+    gdir = str(tmp_path / "graphs")
+    build(bench.bench_graph_config(8, 4), gdir, hf_dir=ckpt, threads=1)
+    calls = []
+
+    class Counting(bench.BandwidthProbe):
+        def sample(self):
+            calls.append(len(calls))
+            super().sample()
+
+    probe = Counting(1, mib=8, repeats=1)
+    engine = bench.SynfluxEngine(gdir, 1)
+    try:
+        rows = bench.measure([engine], [8], 4, 1, repeats=2, probes=[probe])
+    finally:
+        engine.close()
+    assert len(rows) == 1 and len(calls) == 3  # one sample per turn: warm-up + 2 repeats
+    assert set(probe.best) == {"dot", "gemv", "bound"} and min(probe.best.values()) > 0
+    assert probe.best["bound"] == max(probe.best["dot"], probe.best["gemv"])
