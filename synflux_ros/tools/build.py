@@ -56,14 +56,16 @@ def _versions() -> dict:
 
 
 def _exporter_fingerprint() -> str:
-    """Hash of the model definitions and this file: editing them invalidates the exported graphs."""
+    """Hash of the model definitions, this file and the graph-set format: editing them invalidates the
+    exported graphs (the other tools, e.g. the benchmark, do not)."""
     here = os.path.dirname(os.path.abspath(__file__))
+    models = os.path.join(here, "torch_models")
+    paths = [os.path.join(here, "build.py"), os.path.join(here, "graphset.py")]
+    paths += [os.path.join(models, n) for n in sorted(os.listdir(models)) if n.endswith(".py")]
     h = hashlib.sha256()
-    for folder in (here, os.path.join(here, "torch_models")):
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".py"):
-                with open(os.path.join(folder, name), "rb") as fh:
-                    h.update(name.encode() + fh.read())
+    for path in paths:
+        with open(path, "rb") as fh:
+            h.update(os.path.basename(path).encode() + fh.read())
     return h.hexdigest()[:12]
 
 
