@@ -91,3 +91,17 @@ def test_bandwidth_probe_samples_between_engine_runs(ckpt, tmp_path):
     assert len(rows) == 1 and len(calls) == 3  # one sample per turn: warm-up + 2 repeats
     assert set(probe.best) == {"dot", "gemv", "bound"} and min(probe.best.values()) > 0
     assert probe.best["bound"] == max(probe.best["dot"], probe.best["gemv"])
+
+
+def test_ttft_turns_reuse_the_cache_and_recompute_the_history(ckpt, tmp_path):
+    from synflux_ros.tools.build import build
+    gdir = str(tmp_path / "graphs")
+    build(bench.bench_graph_config(64, 8, 256), gdir, hf_dir=ckpt, threads=1)
+    tt = bench.ttft_turns(gdir, 1, turns=3, max_new=2, repeats=2)
+    reuse, rec = tt["reuse"], tt["recompute"]
+    assert len(reuse["ttft_ms"]) == len(rec["ttft_ms"]) == 3
+    assert all(0 < t < float("inf") for t in reuse["ttft_ms"] + rec["ttft_ms"])
+    # equal new-token counts per turn; with reuse the history comes from the cache, without it is recomputed
+    assert reuse["prompt_tokens"] == rec["prompt_tokens"] and min(reuse["prompt_tokens"]) > 0
+    assert reuse["cached_tokens"][0] == 0 < reuse["cached_tokens"][1] < reuse["cached_tokens"][2]
+    assert rec["cached_tokens"] == [0, 0, 0]
