@@ -123,17 +123,26 @@ class TransformersEngine:
         self.vocab = self.model.config.vocab_size
 
     def once(self, ids: np.ndarray, output_len: int):
+        """One ``generate`` call, timed inside: a logits processor stamps the time at every step, so the
+        prefill is the time to the first stamp and the decode the time between the first and the last
+        (``output_len - 1`` forward passes with the cache, and generate's own work per token)."""
+        from transformers import LogitsProcessorList
         torch = self.torch
         x = torch.from_numpy(ids)[None]
+        stamps: list[float] = []
+
+        def stamp(input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
         with torch.inference_mode():
             t0 = time.perf_counter()
-            self.model(x, use_cache=True)
-            t1 = time.perf_counter()
             self.model.generate(x, do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
-                                attention_mask=torch.ones_like(x), pad_token_id=0)
-            t2 = time.perf_counter()
-        # generate() runs the prefill again: its decode time is the rest
-        return t1 - t0, max((t2 - t1) - (t1 - t0), 1e-9)
+                                attention_mask=torch.ones_like(x), pad_token_id=0,
+                                logits_processor=LogitsProcessorList([stamp]))
+        if len(stamps) != output_len:
+            raise RuntimeError(f"transformers generate ran {len(stamps)} steps, expected {output_len}")
+        return stamps[0] - t0, stamps[-1] - stamps[0]
 
     def close(self) -> None:
         self.model = None
