@@ -418,7 +418,8 @@ def prepacked_options(work: str, name: str) -> dict:
     return {"optimized_model_dir": os.path.join(work, f"{name}.ort"), "prepack": True}
 
 
-def compare(ckpt: str, work: str, input_lens, output_len: int, threads: int, jsonl=None, probes=()) -> dict:
+def compare(ckpt: str, work: str, input_lens, output_len: int, threads: int, jsonl=None, probes=(),
+            repeats: int = 5) -> dict:
     """The checkpoint through synflux (default executor options, and prepacked), transformers and
     onnxruntime-genai; rows, and each synflux variant's decode ratios to the other two."""
     from .build import build
@@ -431,7 +432,7 @@ def compare(ckpt: str, work: str, input_lens, output_len: int, threads: int, jso
         engines += [SynfluxEngine(gdir, threads),
                     SynfluxEngine(gdir, threads, prepacked_options(work, name), "synflux-prepacked"),
                     TransformersEngine(ckpt, threads), GenaiEngine(genai, threads)]
-        rows = measure(engines, input_lens, output_len, threads, probes=probes)
+        rows = measure(engines, input_lens, output_len, threads, repeats, probes)
     finally:
         for e in engines:
             e.close()
@@ -439,7 +440,7 @@ def compare(ckpt: str, work: str, input_lens, output_len: int, threads: int, jso
         r["model"] = name
         if jsonl:
             jsonl.write(json.dumps(r) + "\n")
-    print(f"\n  {name}: one batch, {threads} threads, fp32 (engines take turns run by run; best of 3)")
+    print(f"\n  {name}: one batch, {threads} threads, fp32 (engines take turns run by run; best of {repeats})")
     print(f"  {'engine':<18} {'input':>5} {'prefill ms':>11} {'decode ms/tok':>14} {'tok/s':>8}  bucket")
     for r in rows:
         print(f"  {r['engine']:<18} {r['input_len']:>5} {r['prefill_ms']:>11.2f} {r['decode_ms_per_token']:>14.2f} "
@@ -460,7 +461,7 @@ def _both(ratios: dict, key: str) -> str:
     return ", ".join(f"{v} {ratios[v][key]:.2f}x" for v in SYNFLUX_VARIANTS)
 
 
-def suite(work: str, threads: int, input_len: int, output_len: int, jsonl=None) -> int:
+def suite(work: str, threads: int, input_len: int, output_len: int, jsonl=None, repeats: int = 5) -> int:
     """The issue's reference targets. A target counts as met when the better synflux configuration meets
     it (``synflux-prepacked`` is the documented deployment setting); both are printed."""
     os.makedirs(work, exist_ok=True)
@@ -471,7 +472,7 @@ def suite(work: str, threads: int, input_len: int, output_len: int, jsonl=None) 
         ckpt = make_reference_checkpoint(name, os.path.join(work, name))
         # the bound's probe samples between the runs of the model it bounds
         results[name] = compare(ckpt, work, [input_len], output_len, threads, jsonl,
-                                [probe] if name == "qwen3-h1024-l8" else ())
+                                [probe] if name == "qwen3-h1024-l8" else (), repeats)
     tiny = results["qwen3-tiny"]["ratios"][input_len]
     mid = results["qwen3-h1024-l8"]["ratios"][input_len]
     print("\n== targets ==")
@@ -528,21 +529,23 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--jsonl", help="append JSONL rows to this file")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed runs per engine after a warm-up run; each row is the best (default 5)")
     args = ap.parse_args(argv)
     input_lens = args.input_len or [128]
     jsonl = open(args.jsonl, "a", encoding="utf-8") if args.jsonl else None
     try:
         if args.graphs:
-            for r in bench_synflux(args.graphs, input_lens, args.output_len, args.threads):
+            for r in bench_synflux(args.graphs, input_lens, args.output_len, args.threads, args.repeats):
                 print(json.dumps(r))
                 if jsonl:
                     jsonl.write(json.dumps(r) + "\n")
         elif args.compare:
             if not args.hf:
                 ap.error("--compare needs --hf CHECKPOINT_DIR")
-            compare(args.hf, args.work, input_lens, args.output_len, args.threads, jsonl)
+            compare(args.hf, args.work, input_lens, args.output_len, args.threads, jsonl, repeats=args.repeats)
         else:
-            return suite(args.work, args.threads, input_lens[0], args.output_len, jsonl)
+            return suite(args.work, args.threads, input_lens[0], args.output_len, jsonl, args.repeats)
     finally:
         if jsonl:
             jsonl.close()

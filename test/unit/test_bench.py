@@ -56,8 +56,9 @@ def test_graph_set_rows_follow_the_one_batch_semantics(ckpt, tmp_path, capsys):
 def test_compare_times_every_engine_on_one_checkpoint(ckpt, tmp_path, capsys):
     jsonl = tmp_path / "cmp.jsonl"
     assert bench.main(["--compare", "--hf", ckpt, "--work", str(tmp_path / "work"), "--input-len", "12",
-                       "--output-len", "4", "--threads", "1", "--jsonl", str(jsonl)]) == 0
+                       "--output-len", "4", "--threads", "1", "--repeats", "2", "--jsonl", str(jsonl)]) == 0
     out = capsys.readouterr().out
+    assert "best of 2" in out
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [r["engine"] for r in rows] == ["synflux", "synflux-prepacked", "transformers", "onnxruntime-genai"]
     for r in rows:
