@@ -74,8 +74,6 @@ def graph_config(graph_dir: str, threads: int, options: dict | None = None) -> M
 
 
 class SynfluxEngine:
-    name = "synflux"
-
     def __init__(self, graph_dir: str, threads: int, options: dict | None = None, name: str = "synflux"):
         self.name = name
         self.cfg = cfg = graph_config(graph_dir, threads, options)

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -152,9 +153,7 @@ def _with_views(module, meta: GraphMeta):
                     args.append(flat[pos])
                     pos += 1
                     continue
-                count = 1
-                for d in spec.shape[:lead]:
-                    count *= int(d)
+                count = math.prod(int(d) for d in spec.shape[:lead])
                 views = list(flat[pos:pos + count])
                 pos += count
                 for d in reversed(spec.shape[1:lead]):

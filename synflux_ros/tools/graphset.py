@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -86,10 +87,7 @@ def input_views(name: str, shape, dtype_size: int, onnx_name: str):
     flat = 0
     for i, d in zip(index, shape):
         flat = flat * int(d) + i
-    count = 1
-    for d in rest:
-        count *= d
-    return flat * count * dtype_size, rest
+    return flat * math.prod(rest) * dtype_size, rest
 
 
 class GraphSetError(ValueError):

@@ -319,7 +319,7 @@ class CausalLM(nn.Module):
             x = x * self.embed_scale
         return x
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, past: torch.Tensor, allowed: torch.Tensor,
+    def run(self, x: torch.Tensor, positions: torch.Tensor, past, allowed: torch.Tensor,
             kv_dtype: torch.dtype = torch.float32, span: int | None = None):
         """x [T, H] at ``positions`` [T]; past: the cache (see :func:`layer_kv`); only its first ``span``
         positions are read (default all); allowed [T, span + T].
