@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(abspath $(VENV))/bin/python
 PREFIX := $(abspath $(VENV))
 BUILD := build
+SITE = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" 2>/dev/null)
 export AMENT_PREFIX_PATH := $(PREFIX)
 export CMAKE_PREFIX_PATH := $(PREFIX)
 # Keep DDS traffic on this machine.
@@ -36,6 +37,9 @@ $(VENV)/.stamp-install: $(VENV)/.stamp-deps $(SOURCES)
 	      -DPython3_EXECUTABLE=$(PY) -DCMAKE_BUILD_TYPE=Release > $(BUILD)/synflux-cmake.log 2>&1 \
 	      || { tail -40 $(BUILD)/synflux-cmake.log; exit 1; }
 	cmake --build $(BUILD) -j2 >> $(BUILD)/synflux-cmake.log 2>&1 || { tail -40 $(BUILD)/synflux-cmake.log; exit 1; }
+	# The Python sources are installed anew: a module moved or removed in the tree must not linger in the
+	# venv (msg/ and srv/ are the generated interfaces and stay).
+	find $(SITE)/synflux_ros -mindepth 1 -maxdepth 1 -type d ! -name msg ! -name srv -exec rm -rf {} + 2>/dev/null || true
 	cmake --install $(BUILD) >> $(BUILD)/synflux-cmake.log 2>&1 || { tail -40 $(BUILD)/synflux-cmake.log; exit 1; }
 	touch $@
 
@@ -55,8 +59,8 @@ demo: install
 # Real graphs: export the demo configs with random weights, then the same demo on onnxruntime.
 ENGINES := $(abspath engines)
 graphs: install
-	cd $(BUILD) && $(PY) -m synflux_ros.tools.build --config $(abspath config/vla_demo_orin.yaml) --out $(ENGINES)/vla_demo_orin
-	cd $(BUILD) && $(PY) -m synflux_ros.tools.build --config $(abspath config/vlm_demo.yaml) --out $(ENGINES)/vlm_demo
+	cd $(BUILD) && $(PY) -m synflux_ros.build --config $(abspath config/vla_demo_orin.yaml) --out $(ENGINES)/vla_demo_orin
+	cd $(BUILD) && $(PY) -m synflux_ros.build --config $(abspath config/vlm_demo.yaml) --out $(ENGINES)/vlm_demo
 
 demo-onnx: graphs
 	cd $(BUILD) && $(PY) -m synflux_ros.nodes.demo --vla-config $(ENGINES)/vla_demo_orin/config.yaml \
@@ -64,11 +68,11 @@ demo-onnx: graphs
 
 # Node/pipeline figures, then the LLM figures against transformers and onnxruntime-genai.
 bench: install
-	cd $(BUILD) && $(PY) -m synflux_ros.nodes.bench $(ARGS)
-	cd $(BUILD) && $(PY) -m synflux_ros.tools.bench --suite --work $(abspath $(BUILD))/bench
+	cd $(BUILD) && $(PY) -m synflux_ros.bench.nodes $(ARGS)
+	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench
 
 bench-llm: install
-	cd $(BUILD) && $(PY) -m synflux_ros.tools.bench --suite --work $(abspath $(BUILD))/bench
+	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench
 
 clean:
 	rm -rf $(BUILD) $(BUILD)/synflux-cmake.log $(VENV)

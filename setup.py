@@ -23,7 +23,7 @@ setup(
         "bench": ["onnxruntime-genai"],
     },
     entry_points={"console_scripts": [
-        "synflux-build=synflux_ros.tools.build:main",
-        "synflux-bench=synflux_ros.tools.bench:main",
+        "synflux-build=synflux_ros.build.export:main",
+        "synflux-bench=synflux_ros.bench.llm:main",
     ]},
 )

@@ -1,4 +1,4 @@
-"""ONNX Runtime executor: runs a graph set written by ``synflux-build`` (format in ``tools/graphset.py``).
+"""ONNX Runtime executor: runs a graph set written by ``synflux-build`` (format in ``core/graphset.py``).
 
 Weights once
 ------------
@@ -94,8 +94,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..core.executor import Executor, GraphMeta, HostMemoryHooks, ShapeError
-from ..tools import graphset
-from ..tools.graphset import GraphSetError, GraphSetNotFoundError
+from ..core import graphset, graphset_writer
+from ..core.graphset import GraphSetError, GraphSetNotFoundError
 
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
            "all": "ORT_ENABLE_ALL"}
@@ -542,11 +542,11 @@ class OnnxRuntimeExecutor(HostMemoryHooks, Executor):
                 del session
                 paths[meta.name] = out
             self._release_sessions()
-            info = graphset.write_weights_and_models(_LazyModels(paths), work, base_dir=raw_dir)
+            info = graphset_writer.write_weights_and_models(_LazyModels(paths), work, base_dir=raw_dir)
             shutil.rmtree(raw_dir)
             metas = [GraphMeta(m.name, m.kind, m.inputs, m.outputs, m.group, f"{m.name}.onnx", dict(m.attrs))
                      for m in self.graphs.values()]
-            graphset.write_manifest(work, metas, info, model=manifest.get("model", ""),
+            graphset_writer.write_manifest(work, metas, info, model=manifest.get("model", ""),
                                     config_hash=manifest.get("config_hash", ""), **{_CACHE_KEY: fingerprint})
             try:
                 os.rename(work, target)

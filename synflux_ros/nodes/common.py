@@ -15,7 +15,7 @@ from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import Node as LifecycleNode
 from rclpy.lifecycle import State, TransitionCallbackReturn
 
-from ..models.config import ConfigError, ModelConfig, load_config
+from ..core.config import ConfigError, ModelConfig, load_config
 
 PACKAGE = "synflux_ros"
 GIL_SWITCH_INTERVAL_S = 0.0005

@@ -5,6 +5,7 @@ Used by the integration tests, ``make demo`` and ``make bench``. DDS traffic sta
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -16,8 +17,10 @@ import time
 import numpy as np
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
+from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import Image
 
+from ..msg import ActionChunk
 from .common import PACKAGE, share_dir
 
 
@@ -58,6 +61,19 @@ def use_env(env: dict) -> None:
                 "FASTDDS_DEFAULT_PROFILES_FILE", "ROS_LOG_DIR"):
         if key in env:
             os.environ[key] = env[key]
+
+
+@contextlib.contextmanager
+def client_node(name: str, env: dict):
+    """An rclpy node of this process on the DDS set-up of ``env`` (rclpy initialised and shut down here)."""
+    use_env(env)
+    rclpy.init()
+    node = rclpy.create_node(name)
+    try:
+        yield node
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
 
 
 def _param_arg(value) -> str:
@@ -170,3 +186,35 @@ def call_service(node, client, request, timeout: float):
     if not future.done():
         raise TimeoutError(f"service {client.srv_name} did not answer within {timeout} s")
     return future.result()
+
+
+def stream_camera(node, ns: str, rate_hz: float, seconds: float, warmup: int = 10, size: int = 448):
+    """Publish ``size``x``size`` rgb8 frames on ``<ns>/image`` at ``rate_hz`` for ``seconds`` (after
+    ``warmup`` frames) and collect ``<ns>/action_chunk``. Returns (chunks, receive times on the monotonic
+    clock, camera-stamp-to-receipt milliseconds), all counted from the end of the warm-up."""
+    chunks, times, wire = [], [], []
+
+    def on_chunk(msg):
+        wire.append((time.time_ns() - (msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec)) / 1e6)
+        chunks.append(msg)
+        times.append(time.monotonic())
+    pub = node.create_publisher(Image, f"{ns}/image", qos_profile_sensor_data)
+    sub = node.create_subscription(ActionChunk, f"{ns}/action_chunk", on_chunk, 100)
+    try:
+        if not spin_until(node, lambda: pub.get_subscription_count() > 0, 30):
+            raise RuntimeError(f"nothing subscribed to {ns}/image within 30 s")
+        frames = [rgb_image(size, size, i) for i in range(8)]
+        period = 1.0 / rate_hz
+        start = time.monotonic()
+        for i in range(int(seconds * rate_hz) + warmup):
+            msg = frames[i % len(frames)]
+            msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(time.time_ns(), 10**9)
+            pub.publish(msg)
+            spin_until(node, lambda: False, max(0.0, start + (i + 1) * period - time.monotonic()))
+            if i == warmup - 1:
+                del chunks[:], times[:], wire[:]
+        spin_until(node, lambda: False, 0.5)
+    finally:
+        node.destroy_publisher(pub)
+        node.destroy_subscription(sub)
+    return chunks, times, wire

@@ -28,8 +28,8 @@ from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from ..msg import ActionChunk
-from ..runtime.image import ImageError, decode_compressed, decode_raw
-from ..runtime.vla_runtime import Frame, VLAPipeline, VLARuntime
+from ..core.image import ImageError, decode_compressed, decode_raw
+from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
 from .common import COMMON_PARAMS, OK, WARN, Param, SynfluxNode, median, run_lifecycle_node
 
 PARAMS = [

@@ -15,9 +15,9 @@ import traceback
 
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 
-from ..runtime.image import ImageError, decode_raw
-from ..runtime.session import RequestError
-from ..runtime.vlm_runtime import ChatRequest, VLMRuntime
+from ..core.image import ImageError, decode_raw
+from ..runtimes.sessions import RequestError
+from ..runtimes.vlm import ChatRequest, VLMRuntime
 from ..srv import Chat, EndSession
 from .common import COMMON_PARAMS, OK, Param, SynfluxNode, median, run_lifecycle_node
 

@@ -7,9 +7,9 @@ import pytest
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs onnxruntime")
 
-from synflux_ros.models.config import load_config  # noqa: E402
+from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.nodes.testing import config_path, rgb_image  # noqa: E402
-from synflux_ros.tools.build import build  # noqa: E402
+from synflux_ros.build.export import build  # noqa: E402
 
 from test_vla_node import Harness, stamp_ns  # noqa: E402
 from test_vlm_node import ChatClient, ok  # noqa: E402

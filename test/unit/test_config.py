@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from synflux_ros.models.config import (
+from synflux_ros.core.config import (
     ConfigError,
     LLMConfig,
     ModelConfig,

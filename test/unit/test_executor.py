@@ -28,10 +28,10 @@ from synflux_ros.core.executor import (
 )
 from synflux_ros.core.kv_cache import KVCachePool
 from synflux_ros.core.memory import PoolFrozenError, StaticMemoryPool
-from synflux_ros.models.config import ConfigError, load_config
-from synflux_ros.models.graphs import graph_set, select_bucket
-from synflux_ros.models.llm_backbone import LLMBackbone
-from synflux_ros.runtime.factory import create_executor, load_graph_metas
+from synflux_ros.core.config import ConfigError, load_config
+from synflux_ros.core.graphs import graph_set, select_bucket
+from synflux_ros.pieces.backbone import LLMBackbone
+from synflux_ros.runtimes.stack import create_executor, load_graph_metas
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "config"

@@ -13,12 +13,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
 from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402
-from synflux_ros.models.config import from_dict, load_config  # noqa: E402
-from synflux_ros.models.llm_backbone import LLMBackbone  # noqa: E402
-from synflux_ros.models.tokenizer import HFTokenizer  # noqa: E402
-from synflux_ros.runtime.factory import create_executor  # noqa: E402
-from synflux_ros.runtime.vlm_runtime import ChatRequest, VLMRuntime  # noqa: E402
-from synflux_ros.tools import build as build_tool  # noqa: E402
+from synflux_ros.core.config import from_dict, load_config  # noqa: E402
+from synflux_ros.pieces.backbone import LLMBackbone  # noqa: E402
+from synflux_ros.pieces.tokenizer import HFTokenizer  # noqa: E402
+from synflux_ros.runtimes.stack import create_executor  # noqa: E402
+from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime  # noqa: E402
+from synflux_ros.build import export as build_tool  # noqa: E402
+from checkpoints import write_tokenizer  # noqa: E402
 
 VOCAB = 512
 BUCKET = 16  # smallest prefill bucket
@@ -36,20 +37,6 @@ def base_yaml(tmp_path, **over) -> str:
     path = tmp_path / "base.yaml"
     path.write_text(yaml.safe_dump(raw))
     return str(path)
-
-
-def write_tokenizer(path: str) -> None:
-    """A small byte-level BPE tokenizer.json with the chat special tokens, as a checkpoint ships one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                "<|image_pad|>"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the robot picks up the red block and puts it in the bowl"] * 50, trainer)
-    tok.save(os.path.join(path, "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +175,7 @@ def test_qwen3_vl_image_embeddings_match_transformers(tmp_path):
                                        "architecture": "qwen3_vl"})
     out = tmp_path / "graphs"
     assert build_tool.main(["--config", base, "--out", str(out), "--from-hf", str(ckpt)]) == 0
-    from synflux_ros.models.vision_encoder import VisionEncoder
+    from synflux_ros.pieces.vision import VisionEncoder
     cfg, llm, slot = backbone(str(out))
     image = np.random.default_rng(0).integers(0, 256, (H, W, 3), dtype=np.uint8)
     ours = VisionEncoder(cfg, llm.ex)(image)  # Preprocessor + vision_encoder graph on onnxruntime

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 from synflux_ros.core.kv_cache import KVCachePool
-from synflux_ros.models.ar_decoder import ActionTokenizer, unnormalize
-from synflux_ros.models.config import ActionConfig, load_config
-from synflux_ros.models.flow_decoder import FlowMatchingHead
-from synflux_ros.models.llm_backbone import LLMBackbone
-from synflux_ros.models.text_decoder import Generation, SamplingParams, generate, sample_token
-from synflux_ros.runtime.factory import create_executor
+from synflux_ros.pieces.heads.action_tokens import ActionTokenizer, unnormalize
+from synflux_ros.core.config import ActionConfig, load_config
+from synflux_ros.pieces.heads.flow_matching import FlowMatchingHead
+from synflux_ros.pieces.backbone import LLMBackbone
+from synflux_ros.pieces.heads.text_sampling import Generation, SamplingParams, generate, sample_token
+from synflux_ros.runtimes.stack import create_executor
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 

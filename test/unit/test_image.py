@@ -1,4 +1,4 @@
-"""Unit tests for synflux_ros.runtime.image (no ROS required)."""
+"""Unit tests for synflux_ros.core.image (no ROS required)."""
 
 import array
 import io
@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from synflux_ros.runtime.image import (
+from synflux_ros.core.image import (
     SUPPORTED_ENCODINGS,
     ImageError,
     PreprocessSpec,
@@ -215,7 +215,7 @@ def test_module_is_ros_free_and_imports_pillow_lazily():
         "import sys\n"
         "for name in ('rclpy', 'sensor_msgs', 'PIL'):\n"
         "    sys.modules[name] = None\n"
-        "import synflux_ros.runtime.image as m\n"
+        "import synflux_ros.core.image as m\n"
         "assert m.decode_raw('mono8', 1, 1, 1, b'x').shape == (1, 1, 3)\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

@@ -9,7 +9,7 @@ from synflux_ros.backends.mock import MockExecutor
 from synflux_ros.core.executor import DeviceTensor
 from synflux_ros.core.kv_cache import KVCachePool, NoFreeSlotError
 from synflux_ros.core.memory import PoolFrozenError
-from synflux_ros.runtime.session import RequestError, Segment, SessionManager
+from synflux_ros.runtimes.sessions import RequestError, Segment, SessionManager
 
 SHAPE = (2, 2, 1, 16, 4)
 

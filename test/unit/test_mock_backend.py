@@ -9,10 +9,10 @@ import pytest
 from synflux_ros.backends.mock import MockExecutor
 from synflux_ros.core.executor import GraphMeta, TensorSpec
 from synflux_ros.core.kv_cache import KVCachePool
-from synflux_ros.models.config import load_config
-from synflux_ros.models.graphs import graph_set
-from synflux_ros.models.llm_backbone import ContextOverflowError, LLMBackbone
-from synflux_ros.runtime.factory import create_executor
+from synflux_ros.core.config import load_config
+from synflux_ros.core.graphs import graph_set
+from synflux_ros.pieces.backbone import ContextOverflowError, LLMBackbone
+from synflux_ros.runtimes.stack import create_executor
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 IDS = (np.arange(300) * 37 + 11) % 500

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from synflux_ros.backends import BackendUnavailableError, build_executor, resolve_executor_class  # noqa: E402
 from synflux_ros.core.executor import GraphMeta, ShapeError, TensorSpec  # noqa: E402
 from synflux_ros.core.memory import PoolFrozenError  # noqa: E402
-from synflux_ros.tools import graphset  # noqa: E402
+from synflux_ros.core import graphset, graphset_writer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,9 +88,9 @@ def reference(w, x, num_tokens, cache_position, past_kv):
 def write_graph_set(out, kv_dtype="float32", buckets=BUCKETS, seed=0):
     w = _weights(seed)
     models = {f"prefill_{p}": prefill_model(p, w, kv_dtype) for p in buckets}
-    info = graphset.write_weights_and_models(models, str(out))
+    info = graphset_writer.write_weights_and_models(models, str(out))
     metas = [prefill_meta(p, kv_dtype) for p in buckets]
-    graphset.write_manifest(str(out), metas, info, model="tiny", config_hash="x")
+    graphset_writer.write_manifest(str(out), metas, info, model="tiny", config_hash="x")
     return metas, w, info
 
 
@@ -310,7 +310,7 @@ def test_weights_are_written_once_aligned_and_models_are_left_intact(tmp_path):
     w = _weights()
     models = {f"prefill_{p}": prefill_model(p, w) for p in (2, 4, 8)}
     before = {k: m.SerializeToString() for k, m in models.items()}
-    info = graphset.write_weights_and_models(models, str(tmp_path))
+    info = graphset_writer.write_weights_and_models(models, str(tmp_path))
     one_copy = w["w_lm"].nbytes + w["w_kv"].nbytes
     assert info["file"] == "weights.bin" and info["unique_tensors"] == 2 and info["shared_tensors"] == 4
     assert info["bytes"] == os.path.getsize(tmp_path / "weights.bin")
@@ -346,11 +346,11 @@ def test_typed_field_initializers_and_other_dtypes(tmp_path):
          helper.make_tensor_value_info("z", TensorProto.FLOAT, [256])],
         [typed, numpy_helper.from_array(big_f16, "h"), i64])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    info = graphset.write_weights_and_models({"g": model}, str(tmp_path))
+    info = graphset_writer.write_weights_and_models({"g": model}, str(tmp_path))
     assert info["unique_tensors"] == 3 and list(model.graph.initializer[0].float_data)  # restored
     metas = [GraphMeta("g", "embed", (TensorSpec("x", (512,), "float32"),),
                        (TensorSpec("y", (512,), "float32"), TensorSpec("z", (256,), "float32")), file="g.onnx")]
-    graphset.write_manifest(str(tmp_path), metas, info)
+    graphset_writer.write_manifest(str(tmp_path), metas, info)
     ex = build_executor("onnxruntime", metas, str(tmp_path)).load()
     x = np.ones(512, np.float32)
     out = ex.run("g", {"x": x})
@@ -369,7 +369,7 @@ def test_models_with_external_data_files_and_prepacked_blobs(tmp_path):
                   all_tensors_to_one_file=True, location=f"prefill_{p}.data", size_threshold=1024)
     models = {f"prefill_{p}": onnx.load(str(src / f"prefill_{p}.onnx"), load_external_data=False) for p in (4, 8)}
     with pytest.raises(graphset.GraphSetError, match=r"w_\w+.*not loaded.*load_external_data=True"):
-        graphset.write_weights_and_models(models, str(tmp_path / "a"))
+        graphset_writer.write_weights_and_models(models, str(tmp_path / "a"))
     # pretend ORT saved a prepacked copy of w_kv next to it in each file (same bytes in both)
     blob = np.arange(3000, dtype=np.uint8).tobytes()
     for name, model in models.items():
@@ -380,7 +380,7 @@ def test_models_with_external_data_files_and_prepacked_blobs(tmp_path):
         e = t.external_data.add()
         e.key, e.value = "prepacked_0", f"MatMul+123|{start};{len(blob)};0"
     out = tmp_path / "b"
-    info = graphset.write_weights_and_models(models, str(out), base_dir=str(src))
+    info = graphset_writer.write_weights_and_models(models, str(out), base_dir=str(src))
     assert info["unique_tensors"] == 2 and info["shared_tensors"] == 2
     data = (out / "weights.bin").read_bytes()
     ranges = set()
@@ -390,12 +390,12 @@ def test_models_with_external_data_files_and_prepacked_blobs(tmp_path):
         entry = {e.key: e.value for e in t.external_data}["prepacked_0"]
         key, blob_range = entry.split("|")
         off, n, checksum = blob_range.split(";")
-        assert key == "MatMul+123" and checksum == "0" and int(off) % graphset.PREPACKED_ALIGNMENT == 0
+        assert key == "MatMul+123" and checksum == "0" and int(off) % graphset_writer.PREPACKED_ALIGNMENT == 0
         assert data[int(off):int(off) + int(n)] == blob
         ranges.add(blob_range)
     assert len(ranges) == 1 and len(data) < w["w_lm"].nbytes + w["w_kv"].nbytes + len(blob) + 8192
     metas = [prefill_meta(p) for p in (4, 8)]
-    graphset.write_manifest(str(out), metas, info)
+    graphset_writer.write_manifest(str(out), metas, info)
     ex, kv = loaded(out, metas)
     f = feeds(8, 8, 0, kv)
     np.testing.assert_allclose(ex.run("prefill_8", f)["logits"],
@@ -409,20 +409,20 @@ def test_append_reuses_what_the_weights_file_holds(tmp_path):
     before = (tmp_path / "prefill_4.onnx").read_bytes()
     # rebuild prefill_8 only, with a new w_kv: w_lm is found in the file, w_kv appended
     w2 = dict(w, w_kv=w["w_kv"] + 1.0)
-    info2 = graphset.write_weights_and_models({"prefill_8": prefill_model(8, w2)}, str(tmp_path), append=True)
+    info2 = graphset_writer.write_weights_and_models({"prefill_8": prefill_model(8, w2)}, str(tmp_path), append=True)
     assert info2["bytes"] == os.path.getsize(tmp_path / "weights.bin")
     assert size + w["w_kv"].nbytes <= info2["bytes"] < size + w["w_kv"].nbytes + 64
     assert info2["shared_tensors"] == 1 and info2["unique_tensors"] == 3
     assert (tmp_path / "prefill_4.onnx").read_bytes() == before
     # a failing append leaves the set as it was
     with pytest.raises(TypeError, match="prefill_9"):
-        graphset.write_weights_and_models({"prefill_4": prefill_model(4, dict(w, w_lm=w["w_lm"] * 2)),
+        graphset_writer.write_weights_and_models({"prefill_4": prefill_model(4, dict(w, w_lm=w["w_lm"] * 2)),
                                            "prefill_9": "not a model"}, str(tmp_path), append=True)
     assert os.path.getsize(tmp_path / "weights.bin") == info2["bytes"]
     assert (tmp_path / "prefill_4.onnx").read_bytes() == before
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".partial")]
     # the manifest as one dict, as the build tool writes it
-    graphset.write_manifest(str(tmp_path), {"model": "tiny", "weights": info2, "graphs": [m.to_dict() for m in metas]})
+    graphset_writer.write_manifest(str(tmp_path), {"model": "tiny", "weights": info2, "graphs": [m.to_dict() for m in metas]})
     assert graphset.read_manifest(str(tmp_path))["format"] == graphset.FORMAT
     ex, kv = loaded(tmp_path, metas)
     for p, weights in ((4, w), (8, w2)):
@@ -475,9 +475,9 @@ def big_graph_set(tmp_path_factory):
             [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, p, hidden])],
             [numpy_helper.from_array(weight, "w")])
         models[f"prefill_{p}"] = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    info = graphset.write_weights_and_models(models, str(out))
+    info = graphset_writer.write_weights_and_models(models, str(out))
     del models
-    graphset.write_manifest(str(out), [], info)
+    graphset_writer.write_manifest(str(out), [], info)
     assert info["bytes"] == weight.nbytes and info["shared_tensors"] == len(buckets) - 1
     return out, hidden, buckets, weight.nbytes
 
@@ -544,11 +544,11 @@ def views_graph_set(out, view_names=None, view_shape=(KV, S, DH)):
         [helper.make_tensor_value_info("sums", TensorProto.FLOAT, [len(names)])],
         [numpy_helper.from_array(np.array([0], np.int64), "axis0")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    info = graphset.write_weights_and_models({"views": model}, str(out))
+    info = graphset_writer.write_weights_and_models({"views": model}, str(out))
     meta = GraphMeta("views", "decode", (TensorSpec("x", (1,), "float32"),
                                          TensorSpec("past_kv", (VL, 2, KV, S, DH), "float32", resident=True)),
                      (TensorSpec("sums", (len(names),), "float32"),), file="views.onnx")
-    graphset.write_manifest(str(out), [meta], info, model="views", config_hash="x")
+    graphset_writer.write_manifest(str(out), [meta], info, model="views", config_hash="x")
     return [meta]
 
 

@@ -1,4 +1,4 @@
-"""Qwen3-VL vision encoder (tools/torch_models/qwen3_vl_vision.py): equality with Hugging Face's
+"""Qwen3-VL vision encoder (build/torch_models/qwen3_vl_vision.py): equality with Hugging Face's
 vision tower on a tiny random checkpoint, the graph contract, ONNX export, config errors."""
 import json
 import os
@@ -10,10 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from synflux_ros.models.config import ConfigError, from_dict  # noqa: E402
-from synflux_ros.models.graphs import graph_set  # noqa: E402
-from synflux_ros.runtime.image import Preprocessor, PreprocessSpec  # noqa: E402
-from synflux_ros.tools.torch_models.qwen3_vl_vision import (  # noqa: E402
+from synflux_ros.core.config import ConfigError, from_dict  # noqa: E402
+from synflux_ros.core.graphs import graph_set  # noqa: E402
+from synflux_ros.core.image import Preprocessor, PreprocessSpec  # noqa: E402
+from synflux_ros.build.torch_models.qwen3_vl_vision import (  # noqa: E402
     Qwen3VLVision,
     build_qwen3_vl_vision,
     export_onnx,
@@ -240,7 +240,7 @@ def test_onnx_export_matches_onnxruntime(tmp_path):
 def test_shipped_qwen3_config_geometry():
     from pathlib import Path
 
-    from synflux_ros.models.config import load_config
+    from synflux_ros.core.config import load_config
     cfg = load_config(str(Path(__file__).resolve().parents[2] / "config" / "vlm_qwen3.yaml"))
     assert vision_geometry(cfg) == (28, 28, cfg.vision.tokens_per_tile)
 

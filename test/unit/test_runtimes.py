@@ -6,12 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from synflux_ros.models.ar_decoder import ActionTokenizer
-from synflux_ros.models.config import ConfigError, load_config
-from synflux_ros.runtime.image import ImageError
-from synflux_ros.runtime.session import RequestError
-from synflux_ros.runtime.vla_runtime import MAX_INSTRUCTION_CHARS, Frame, VLAPipeline, VLARuntime
-from synflux_ros.runtime.vlm_runtime import ChatRequest, VLMRuntime
+from synflux_ros.pieces.heads.action_tokens import ActionTokenizer
+from synflux_ros.core.config import ConfigError, load_config
+from synflux_ros.core.image import ImageError
+from synflux_ros.runtimes.sessions import RequestError
+from synflux_ros.runtimes.vla import MAX_INSTRUCTION_CHARS, Frame, VLAPipeline, VLARuntime
+from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from synflux_ros.models.config import ConfigError, from_dict
-from synflux_ros.models.tokenizer import CHAT_SPECIALS, ByteTokenizer, HFTokenizer, load_tokenizer
+from synflux_ros.core.config import ConfigError, from_dict
+from synflux_ros.pieces.tokenizer import CHAT_SPECIALS, ByteTokenizer, HFTokenizer, load_tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -158,7 +158,7 @@ def test_load_tokenizer_selects_by_path(tmp_path, bpe_path):
 
 
 def test_vlm_runtime_with_a_tokenizer_json(tmp_path, bpe_path):
-    from synflux_ros.runtime.vlm_runtime import ChatRequest, VLMRuntime
+    from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime
     d = vlm_raw()
     d["tokenizer"] = {"path": str(bpe_path)}
     d["session"]["max_sessions"] = 1

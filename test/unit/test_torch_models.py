@@ -14,11 +14,12 @@ transformers = pytest.importorskip("transformers")
 
 from synflux_ros.backends.mock import MockExecutor  # noqa: E402
 from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402
-from synflux_ros.models.config import ConfigError, load_config  # noqa: E402
-from synflux_ros.models.graphs import graph_set, select_bucket  # noqa: E402
-from synflux_ros.models.llm_backbone import LLMBackbone  # noqa: E402
-from synflux_ros.tools import build as build_tool, graphset  # noqa: E402
-from synflux_ros.tools.torch_models import build_graph_modules, config_from_hf  # noqa: E402
+from synflux_ros.core.config import ConfigError, load_config  # noqa: E402
+from synflux_ros.core.graphs import graph_set, select_bucket  # noqa: E402
+from synflux_ros.pieces.backbone import LLMBackbone  # noqa: E402
+from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.core import graphset  # noqa: E402
+from synflux_ros.build.torch_models import build_graph_modules, config_from_hf  # noqa: E402
 
 torch.set_num_threads(2)
 

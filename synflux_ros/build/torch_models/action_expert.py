@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ...models.config import ModelConfig
+from ...core.config import ModelConfig
 from .decoder import DecoderLayer, RMSNorm, layer_kv, rope_cos_sin, rope_inv_freq
 
 MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0

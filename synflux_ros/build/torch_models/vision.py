@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ...models.config import ConfigError, ModelConfig
+from ...core.config import ConfigError, ModelConfig
 
 
 def _factor_pairs(n: int):

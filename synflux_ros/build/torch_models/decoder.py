@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ...models.config import ConfigError, LLMConfig
+from ...core.config import ConfigError, LLMConfig
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 

@@ -1,4 +1,4 @@
-"""torch modules implementing the graph contracts of ``synflux_ros.models.graphs.graph_set`` (build time only).
+"""torch modules implementing the graph contracts of ``synflux_ros.core.graphs.graph_set`` (build time only).
 
 ::
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ...models.config import ConfigError, ModelConfig
-from ...models.graphs import graph_set
+from ...core.config import ConfigError, ModelConfig
+from ...core.graphs import graph_set
 from .action_expert import ActionExpert, ActionExpertGraph
 from .decoder import (CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, fuse_projections, hf_llm_fields,
                       init_random, load_hf_weights, materialize)

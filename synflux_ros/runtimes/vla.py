@@ -20,14 +20,14 @@ import numpy as np
 
 from ..core.executor import Executor
 from ..core.kv_cache import KVCachePool
-from ..core.scheduler import Pipeline
-from ..models.ar_decoder import ActionTokenizer, unnormalize
-from ..models.config import ConfigError, ModelConfig
-from ..models.flow_decoder import FlowMatchingHead
-from ..models.llm_backbone import LLMBackbone
-from ..models.tokenizer import Tokenizer, load_tokenizer
-from ..models.vision_encoder import VisionEncoder
-from .factory import create_executor, resolve_graph_dir
+from ..core.pipeline import Pipeline
+from ..pieces.heads.action_tokens import ActionTokenizer, unnormalize
+from ..core.config import ConfigError, ModelConfig
+from ..pieces.heads.flow_matching import FlowMatchingHead
+from ..pieces.backbone import LLMBackbone
+from ..pieces.tokenizer import Tokenizer, load_tokenizer
+from ..pieces.vision import VisionEncoder
+from .stack import create_executor, resolve_graph_dir
 
 MAX_INSTRUCTION_CHARS = 2000
 

@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
-from synflux_ros.tools import bench  # noqa: E402
+from synflux_ros.bench import llm as bench  # noqa: E402
 
 ROW_KEYS = {"engine", "input_len", "output_len", "prefill_ms", "decode_ms_per_token", "tokens_per_s", "bucket",
             "threads"}
@@ -21,7 +21,7 @@ ROW_KEYS = {"engine", "input_len", "output_len", "prefill_ms", "decode_ms_per_to
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     import torch
-    from test_graphs_parity import write_tokenizer
+    from checkpoints import write_tokenizer
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("bench_ckpt")
@@ -33,7 +33,7 @@ def ckpt(tmp_path_factory):
 
 
 def test_graph_set_rows_follow_the_one_batch_semantics(ckpt, tmp_path, capsys):
-    from synflux_ros.tools.build import build
+    from synflux_ros.build.export import build
     gdir = str(tmp_path / "graphs")
     build(bench.bench_graph_config(20, 6), gdir, hf_dir=ckpt, threads=1)  # prefill 20, decode span 32
     jsonl = tmp_path / "rows.jsonl"
@@ -73,7 +73,7 @@ def test_compare_times_every_engine_on_one_checkpoint(ckpt, tmp_path, capsys):
 
 
 def test_bandwidth_probe_samples_between_engine_runs(ckpt, tmp_path):
-    from synflux_ros.tools.build import build
+    from synflux_ros.build.export import build
     gdir = str(tmp_path / "graphs")
     build(bench.bench_graph_config(8, 4), gdir, hf_dir=ckpt, threads=1)
     calls = []
@@ -95,7 +95,7 @@ def test_bandwidth_probe_samples_between_engine_runs(ckpt, tmp_path):
 
 
 def test_ttft_turns_reuse_the_cache_and_recompute_the_history(ckpt, tmp_path):
-    from synflux_ros.tools.build import build
+    from synflux_ros.build.export import build
     gdir = str(tmp_path / "graphs")
     build(bench.bench_graph_config(64, 8, 256), gdir, hf_dir=ckpt, threads=1)
     tt = bench.ttft_turns(gdir, 1, turns=3, max_new=2, repeats=2)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import ActionConfig
+from ...core.config import ActionConfig
 
 
 class ActionTokenizer:

@@ -32,9 +32,9 @@ import warnings
 import yaml
 
 from ..core.executor import GraphMeta
-from ..models.config import ConfigError, ModelConfig, load_config
-from ..models.graphs import graph_set
-from . import graphset
+from ..core.config import ConfigError, ModelConfig, load_config
+from ..core.graphs import graph_set
+from ..core import graphset, graphset_writer
 
 OPSET = 17
 BUILDERS = {
@@ -61,7 +61,8 @@ def _exporter_fingerprint() -> str:
     exported graphs (the other tools, e.g. the benchmark, do not)."""
     here = os.path.dirname(os.path.abspath(__file__))
     models = os.path.join(here, "torch_models")
-    paths = [os.path.join(here, "build.py"), os.path.join(here, "graphset.py")]
+    core = os.path.join(os.path.dirname(here), "core")
+    paths = [os.path.abspath(__file__), os.path.join(core, "graphset.py"), os.path.join(core, "graphset_writer.py")]
     paths += [os.path.join(models, n) for n in sorted(os.listdir(models)) if n.endswith(".py")]
     h = hashlib.sha256()
     for path in paths:
@@ -284,7 +285,7 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
             _progress(f"{tag}: done in {time.perf_counter() - t0:.1f} s")
         # Unchanged graphs keep their files; tensors already in weights.bin are reused, new ones appended.
         kept = len(exported) < len(metas)
-        info = graphset.write_weights_and_models(exported, out, append=kept)
+        info = graphset_writer.write_weights_and_models(exported, out, append=kept)
     tok_file = ""
     if tokenizer:
         shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.json"))
@@ -298,7 +299,7 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
                 "config": cfg.to_dict(), "weights": info, "tokenizer": tok_file,
                 "source": {"weights": weights, "hf_dir": os.path.abspath(hf_dir) if hf_dir else ""},
                 "tools": versions, "backend": backend, "graphs": graphs}
-    graphset.write_manifest(out, manifest)
+    graphset_writer.write_manifest(out, manifest)
     effective = cfg.with_overrides(executor={"backend": backend, "graph_dir": "."},
                                    tokenizer={"path": tok_file} if tok_file else {})
     with open(os.path.join(out, "config.yaml"), "w", encoding="utf-8") as fh:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.executor import DeviceTensor, Executor
-from .config import ModelConfig
-from .graphs import select_bucket
+from ...core.executor import DeviceTensor, Executor
+from ...core.config import ModelConfig
+from ...core.graphs import select_bucket
 
 
 class FlowMatchingHead:

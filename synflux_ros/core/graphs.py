@@ -17,7 +17,7 @@ entries, which the runtime appends at ``cache_position``. ``logits`` are those o
 """
 from __future__ import annotations
 
-from ..core.executor import GraphMeta, TensorSpec
+from .executor import GraphMeta, TensorSpec
 from .config import ModelConfig
 
 F32, I64 = "float32", "int64"

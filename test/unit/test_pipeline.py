@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from synflux_ros.core.scheduler import EMPTY, Mailbox, Pipeline, PipelineCounters
+from synflux_ros.core.pipeline import EMPTY, Mailbox, Pipeline, PipelineCounters
 
 
 class Recorder:

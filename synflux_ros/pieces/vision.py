@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.executor import Executor
-from ..runtime.image import PreprocessSpec, Preprocessor
-from .config import ModelConfig
+from ..core.image import PreprocessSpec, Preprocessor
+from ..core.config import ModelConfig
 
 
 class VisionEncoder:

@@ -6,8 +6,8 @@ import os
 
 from ..backends import build_executor
 from ..core.executor import Executor, GraphMeta
-from ..models.config import ConfigError, ModelConfig
-from ..models.graphs import graph_set
+from ..core.config import ConfigError, ModelConfig
+from ..core.graphs import graph_set
 
 
 def resolve_graph_dir(cfg: ModelConfig) -> str:

@@ -17,43 +17,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
-import rclpy
 import yaml
-from rclpy.qos import qos_profile_sensor_data
-from sensor_msgs.msg import Image
 
-from ..msg import ActionChunk
-from .testing import NodeProcess, config_path, rgb_image, ros_env, spin_until, use_env
-
-
-def stream(node, ns: str, rate_hz: float, seconds: float, warmup: int = 10):
-    """Publish frames at ``rate_hz``; return (chunks, receive times, camera-to-receipt ms) after warm-up."""
-    chunks, times, wire = [], [], []
-
-    def on_chunk(msg):
-        wire.append((time.time_ns() - (msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec)) / 1e6)
-        chunks.append(msg)
-        times.append(time.monotonic())
-    pub = node.create_publisher(Image, f"{ns}/image", qos_profile_sensor_data)
-    node.create_subscription(ActionChunk, f"{ns}/action_chunk", on_chunk, 100)
-    if not spin_until(node, lambda: pub.get_subscription_count() > 0, 30):
-        raise RuntimeError("vla_node did not subscribe")
-    frames = [rgb_image(448, 448, i) for i in range(8)]
-    period = 1.0 / rate_hz
-    n = int(seconds * rate_hz)
-    start = time.monotonic()
-    for i in range(n + warmup):
-        msg = frames[i % len(frames)]
-        msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(time.time_ns(), 10**9)
-        pub.publish(msg)
-        spin_until(node, lambda: False, max(0.0, start + (i + 1) * period - time.monotonic()))
-        if i == warmup - 1:
-            del chunks[:], times[:], wire[:]
-    spin_until(node, lambda: False, 0.5)
-    return chunks, times, wire
+from ..nodes.testing import NodeProcess, client_node, config_path, ros_env, stream_camera
 
 
 def overhead(node, env, seconds: float) -> bool:
@@ -61,7 +29,7 @@ def overhead(node, env, seconds: float) -> bool:
                      remaps={"__ns": "/bench_overhead"}) as p:
         if not p.wait_output("configured", 60):
             raise RuntimeError(p.output())
-        chunks, _, wire = stream(node, "/bench_overhead", 30.0, seconds)
+        chunks, _, wire = stream_camera(node, "/bench_overhead", 30.0, seconds)
     if not chunks:
         raise RuntimeError("no chunks received")
     lat = [c.latency_ms for c in chunks]
@@ -94,7 +62,7 @@ def throughput(node, env, seconds: float) -> bool:
     with NodeProcess("vla_node", {"config": cfg}, env=env, remaps={"__ns": "/bench_rate"}) as p:
         if not p.wait_output("configured", 60):
             raise RuntimeError(p.output())
-        chunks, times, _ = stream(node, "/bench_rate", CAMERA_HZ, seconds)
+        chunks, times, _ = stream_camera(node, "/bench_rate", CAMERA_HZ, seconds)
     if len(times) < 3:
         raise RuntimeError("too few chunks received")
     rate = (len(times) - 1) / (times[-1] - times[0])
@@ -116,14 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=8.0, help="measurement time per benchmark")
     args = ap.parse_args(argv)
     env = ros_env()
-    use_env(env)
-    rclpy.init()
-    node = rclpy.create_node("synflux_bench")
-    try:
+    with client_node("synflux_bench", env) as node:
         results = [overhead(node, env, args.seconds), throughput(node, env, args.seconds)]
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
     print(f"\n{sum(results)} of {len(results)} targets met")
     return 0
 

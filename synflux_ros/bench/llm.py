@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..core.kv_cache import KVCachePool
-from ..models.config import ModelConfig, from_dict, load_config
-from ..models.graphs import select_bucket
-from ..models.llm_backbone import LLMBackbone
-from ..runtime.factory import create_executor
+from ..core.config import ModelConfig, from_dict, load_config
+from ..core.graphs import select_bucket
+from ..pieces.backbone import LLMBackbone
+from ..runtimes.stack import create_executor
 
 # Reference checkpoints of the targets (random weights, Qwen3 architecture).
 REFERENCE_MODELS = {
@@ -329,8 +329,8 @@ def status(key, path="/proc/self/status"):
             return int(line.split()[1]) * 1024
 def pss():
     return status("Pss:", "/proc/self/smaps_rollup")
-from synflux_ros.tools.bench import graph_config
-from synflux_ros.runtime.factory import create_executor
+from synflux_ros.bench.llm import graph_config
+from synflux_ros.runtimes.stack import create_executor
 import onnxruntime
 base, base_pss = status("VmRSS:"), pss()
 ex = create_executor(graph_config(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])))
@@ -354,7 +354,7 @@ def ttft_turns(graph_dir: str, threads: int, turns: int = 8, prompt_chars: int =
     """Time to first token of each turn of a ``turns``-turn chat, with the session's KV cache reused and
     with the history recomputed. The conversation runs ``repeats`` times (a new session each time), the two
     modes taking turns; each turn's figure is its best."""
-    from ..runtime.vlm_runtime import ChatRequest, VLMRuntime
+    from ..runtimes.vlm import ChatRequest, VLMRuntime
     modes = {"reuse": True, "recompute": False}
     runtimes = {name: VLMRuntime(graph_config(graph_dir, threads).with_overrides(
         session={"reuse_kv_cache": reuse, "max_sessions": repeats})) for name, reuse in modes.items()}
@@ -420,7 +420,7 @@ def compare(ckpt: str, work: str, input_lens, output_len: int, threads: int, jso
             repeats: int = 5) -> dict:
     """The checkpoint through synflux (default executor options, and prepacked), transformers and
     onnxruntime-genai; rows, and each synflux variant's decode ratios to the other two."""
-    from .build import build
+    from ..build.export import build
     name = os.path.basename(os.path.normpath(ckpt))
     gdir = os.path.join(work, f"{name}.synflux")
     build(bench_graph_config(max(input_lens), output_len), gdir, hf_dir=ckpt, threads=threads)
@@ -498,7 +498,7 @@ def suite(work: str, threads: int, input_len: int, output_len: int, jsonl=None, 
         print(f"  weights once ({label}): loading all {mem['graphs']} graphs of qwen3-h1024-l8 grows peak RSS by "
               f"{mem['rss_peak_growth'] / 2**20:.0f} MiB and PSS by {mem['pss_growth'] / 2**20:.0f} MiB for "
               f"{mem['weights_file'] / 2**20:.0f} MiB of weights ({mem['pss_growth'] / mem['weights_file']:.2f}x)")
-    from .build import build
+    from ..build.export import build
     ttft_dir = os.path.join(work, "qwen3-tiny.ttft.synflux")
     build(bench_graph_config(input_len, output_len, TTFT_CONTEXT), ttft_dir, hf_dir=os.path.join(work, "qwen3-tiny"),
           threads=threads)

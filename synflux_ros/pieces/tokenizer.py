@@ -10,7 +10,7 @@ import abc
 import json
 import os
 
-from .config import ConfigError, ModelConfig
+from ..core.config import ConfigError, ModelConfig
 
 CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>")

@@ -20,14 +20,14 @@ import numpy as np
 
 from ..core.executor import Executor
 from ..core.kv_cache import KVCachePool
-from ..models.config import ConfigError, ModelConfig
-from ..models.llm_backbone import LLMBackbone
-from ..models.text_decoder import SamplingParams, generate
-from ..models.tokenizer import Tokenizer, load_tokenizer
-from ..models.vision_encoder import VisionEncoder
-from .factory import create_executor, resolve_graph_dir
-from .image import ImageError
-from .session import RequestError, Segment, Session, SessionManager
+from ..core.config import ConfigError, ModelConfig
+from ..pieces.backbone import LLMBackbone
+from ..pieces.heads.text_sampling import SamplingParams, generate
+from ..pieces.tokenizer import Tokenizer, load_tokenizer
+from ..pieces.vision import VisionEncoder
+from .stack import create_executor, resolve_graph_dir
+from ..core.image import ImageError
+from .sessions import RequestError, Segment, Session, SessionManager
 
 MAX_SESSION_ID_CHARS = 128
 

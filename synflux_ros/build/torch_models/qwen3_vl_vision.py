@@ -1,6 +1,6 @@
 """Qwen3-VL vision tower at a fixed resolution, as the ``vision_encoder`` graph (``vision.architecture: qwen3_vl``).
 
-Graph contract (``models/graphs.py``)::
+Graph contract (``core/graphs.py``)::
 
     pixel_values [T, 3, th, tw] f32  ->  vision_embeds [T * tokens_per_tile, llm.hidden_dim] f32
 
@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...models.config import ConfigError, ModelConfig
+from ...core.config import ConfigError, ModelConfig
 
 __all__ = [
     "Qwen3VLVision",
