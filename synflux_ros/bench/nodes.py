@@ -33,7 +33,7 @@ def overhead(node, env, seconds: float) -> bool:
     if not chunks:
         raise RuntimeError("no chunks received")
     lat = [c.latency_ms for c in chunks]
-    stages = [c.preprocess_ms + c.backbone_ms + c.head_ms for c in chunks]
+    stages = [c.vision_ms + c.backbone_ms + c.head_ms for c in chunks]
     added = [a - b for a, b in zip(lat, stages)]
     med_added = statistics.median(added)
     print("\n[1] node + pipeline overhead, 448x448 rgb8 at 30 Hz, mock executor without simulated latency")
@@ -70,7 +70,7 @@ def throughput(node, env, seconds: float) -> bool:
     ratio = rate / ideal
     med = lambda key: statistics.median(getattr(c, key) for c in chunks)  # noqa: E731
     print("\n[2] pipeline throughput, simulated stage latencies 10 / 30 / 20 ms, camera at 60 Hz")
-    print(f"    stage medians: preprocess+vision {med('preprocess_ms'):.1f} ms, backbone "
+    print(f"    stage medians: vision {med('vision_ms'):.1f} ms, backbone "
           f"{med('backbone_ms'):.1f} ms, head {med('head_ms'):.1f} ms")
     print(f"    sequential bound 1/(sum)     {1000.0 / 60.0:6.2f} Hz")
     print(f"    pipelined bound 1/max(stage) {ideal:6.2f} Hz")

@@ -45,6 +45,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from .executor import GraphMeta
+
 FORMAT = "synflux-graphs/1"
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
@@ -136,7 +138,7 @@ def read_manifest(graph_dir: str) -> dict:
         raise GraphSetError(f"{path}: 'weights' must be an object; rebuild it: {_hint(graph_dir)}")
     wfile = weights.get("file", "")
     if wfile:
-        wpath = os.path.join(graph_dir, wfile)
+        wpath = member_path(graph_dir, str(wfile), "weights file")
         if not os.path.isfile(wpath):
             raise GraphSetNotFoundError(f"{wpath} (named by {path}) not found; {_hint(graph_dir)}")
         expected = weights.get("bytes")
@@ -144,6 +146,51 @@ def read_manifest(graph_dir: str) -> dict:
             raise GraphSetError(f"{wpath}: {os.path.getsize(wpath)} bytes, the manifest says {expected} "
                                 f"(incomplete copy?); {_hint(graph_dir)}")
     return data
+
+
+def find_manifest(graph_dir: str) -> dict | None:
+    """The checked manifest of ``graph_dir`` (see :func:`read_manifest`), or None when no directory is
+    given or it holds no manifest: backends such as the mock run a config's graph set without files."""
+    if not graph_dir or not os.path.isfile(os.path.join(graph_dir, MANIFEST_FILE)):
+        return None
+    return read_manifest(graph_dir)
+
+
+def member_path(graph_dir: str, name: str, what: str) -> str:
+    """``graph_dir/name`` for a file named by the manifest; a name that is absolute or climbs out of the
+    directory (``..``) is refused, so a manifest cannot point a runtime at files elsewhere."""
+    path = os.path.normpath(os.path.join(graph_dir, name))
+    root = os.path.normpath(graph_dir)
+    if os.path.isabs(name) or not path.startswith(root + os.sep):
+        raise GraphSetError(f"{os.path.join(graph_dir, MANIFEST_FILE)}: {what} {name!r} is not a file inside "
+                            f"{graph_dir}; {_hint(graph_dir)}")
+    return path
+
+
+def graph_metas(graph_dir: str, manifest: dict) -> list[GraphMeta]:
+    """The GraphMeta of every graph the manifest lists; a malformed entry is named with the missing or
+    bad field, and every graph file must lie inside ``graph_dir``."""
+    path = os.path.join(graph_dir, MANIFEST_FILE)
+    metas = []
+    for i, entry in enumerate(manifest.get("graphs", [])):
+        try:
+            meta = GraphMeta.from_dict(entry)
+        except KeyError as exc:
+            raise GraphSetError(f"{path}: graphs[{i}] ({entry.get('name')!r}) has no field {exc.args[0]!r}; "
+                                f"rebuild it: {_hint(graph_dir)}") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise GraphSetError(f"{path}: graphs[{i}] ({entry.get('name')!r}) is malformed ({exc}); "
+                                f"rebuild it: {_hint(graph_dir)}") from None
+        if meta.file:
+            member_path(graph_dir, meta.file, f"graph {meta.name!r} file")
+        metas.append(meta)
+    return metas
+
+
+def tokenizer_file(graph_dir: str, manifest: dict | None) -> str:
+    """Path of the ``tokenizer.json`` a graph set ships (built from a checkpoint), or ''."""
+    name = (manifest or {}).get("tokenizer") or ""
+    return member_path(graph_dir, name, "tokenizer") if name else ""
 
 
 # ------------------------------------------------------------------------------ reading initializers

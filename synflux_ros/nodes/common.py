@@ -97,6 +97,12 @@ def load_node_config(node, mode: str, config: str, executor: str, graph_dir: str
     return cfg.with_overrides(executor=overrides) if overrides else cfg
 
 
+def ros_text(text: str) -> str:
+    """``text`` as it can travel in a ROS string. ROS strings end at U+0000, so each is sent as U+2400
+    (SYMBOL FOR NULL) instead of cutting the text there."""
+    return text.replace("\x00", "\u2400")
+
+
 def median(values) -> float:
     values = list(values)
     return float(statistics.median(values)) if values else 0.0
@@ -106,8 +112,10 @@ def diagnostic_array(node, status_name: str, hardware_id: str, level: int, messa
                      values: dict[str, Any]) -> DiagnosticArray:
     arr = DiagnosticArray()
     arr.header.stamp = node.get_clock().now().to_msg()
-    st = DiagnosticStatus(level=bytes([level]), name=status_name, message=message, hardware_id=hardware_id)
-    st.values = [KeyValue(key=k, value=(f"{v:.3f}" if isinstance(v, float) else str(v))) for k, v in values.items()]
+    st = DiagnosticStatus(level=bytes([level]), name=status_name, message=ros_text(message),
+                          hardware_id=hardware_id)
+    st.values = [KeyValue(key=k, value=ros_text(f"{v:.3f}" if isinstance(v, float) else str(v)))
+                 for k, v in values.items()]
     arr.status = [st]
     return arr
 
@@ -175,6 +183,7 @@ class SynfluxNode(LifecycleNode):
 
     # lifecycle -----------------------------------------------------------
     def on_configure(self, state: State) -> TransitionCallbackReturn:
+        self.last_error = ""  # a failed configure must not poison the next attempt
         try:
             p = read(self, self.PARAMS)
             if p["diagnostics_period"] <= 0:

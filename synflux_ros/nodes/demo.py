@@ -70,7 +70,7 @@ def run_vla(node, frames: int) -> bool:
     instr_pub.publish(String(data="put the red block in the bowl"))
     print("\n== VLA: camera 448x448 rgb8 at 10 Hz, instruction 'put the red block in the bowl' ==")
     print(f"{'frame':>5} {'stamp':>16} {'chunk':>7}  first step (7 values)                       "
-          f"{'pre':>5} {'llm':>5} {'head':>5} {'total ms':>8}")
+          f"{'vis':>5} {'llm':>5} {'head':>5} {'total ms':>8}")
     shown = 0
     t0 = time.time()
     for i in range(frames):
@@ -80,7 +80,7 @@ def run_vla(node, frames: int) -> bool:
         for c in chunks[shown:]:
             first = " ".join(f"{v:+.2f}" for v in c.actions[:c.action_dim])
             print(f"{c.frame_seq:>5} {c.header.stamp.sec % 1000:>6}.{c.header.stamp.nanosec:09d} "
-                  f"{c.horizon:>3}x{c.action_dim:<3}  {first:<44} {c.preprocess_ms:5.1f} {c.backbone_ms:5.1f} "
+                  f"{c.horizon:>3}x{c.action_dim:<3}  {first:<44} {c.vision_ms:5.1f} {c.backbone_ms:5.1f} "
                   f"{c.head_ms:5.1f} {c.latency_ms:8.2f}")
         shown = len(chunks)
     spin_until(node, lambda: False, 0.5)

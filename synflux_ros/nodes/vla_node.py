@@ -1,7 +1,8 @@
 """VLA node: camera frames + instruction -> action chunks.
 
 Subscribes ``image`` (sensor_msgs/Image, sensor-data QoS; or ``image/compressed`` with
-``image_transport:=compressed``) and ``instruction`` (std_msgs/String, reliable + transient local);
+``image_transport:=compressed``) and ``instruction`` (std_msgs/String, reliable; from volatile publishers
+such as ``ros2 topic pub`` and from latched (transient-local) ones, whose last message it gets on joining);
 publishes ``action_chunk`` (synflux_ros/msg/ActionChunk), optionally ``joint_trajectory``
 (trajectory_msgs/JointTrajectory) and ``/diagnostics``.
 
@@ -22,6 +23,7 @@ from collections import deque
 
 from builtin_interfaces.msg import Duration
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import String
@@ -41,11 +43,24 @@ PARAMS = [
     Param("joint_names", [""], "joint names for joint_trajectory; their count must equal the action dimension"),
 ]
 
-INSTRUCTION_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
-                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+# A transient-local subscription does not match volatile publishers (the `ros2 topic pub` default) and a
+# volatile one gets no history from latched publishers: the node subscribes with both. A latched
+# publisher matches both, so its messages can arrive twice; an unchanged instruction is not re-applied.
+INSTRUCTION_QOS = (
+    QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.VOLATILE),
+    QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL),
+)
+
+
+RATE_WINDOW = 120
+"""Frames over which the receive and camera rates are estimated."""
+MIN_DELIVERY_RATIO = 0.9
+"""Below this share of the camera's frames received, /diagnostics warns of transport loss."""
 
 
 class VLANode(SynfluxNode):
+    """Lifecycle node serving a VLA model: camera frames + instruction in, action chunks out."""
+
     MODE = "vla"
     PARAMS = PARAMS
 
@@ -54,10 +69,13 @@ class VLANode(SynfluxNode):
         self.pipeline: VLAPipeline | None = None
         self._lock = threading.Lock()
         self._seq = 0
-        self._counts = dict(received=0, rejected=0, dropped=0, failed=0, published=0, inactive=0,
-                            instructions_rejected=0)
+        # Frames are counted here until they reach the pipeline, and by the pipeline after that
+        # (processed = published, dropped, failed); counters of pipelines torn down are carried over.
+        self._counts = dict(received=0, rejected=0, inactive=0, instructions_rejected=0)
+        self._retired = dict(processed=0, dropped=0, failed=0)
         self._latencies = deque(maxlen=200)
         self._published_times = deque(maxlen=200)
+        self._arrivals = deque(maxlen=RATE_WINDOW)  # (receipt monotonic s, camera stamp s)
         self._last_input_error = ""
         self._subs, self._pubs = [], {}
 
@@ -84,8 +102,10 @@ class VLANode(SynfluxNode):
         else:
             self._subs.append(self.create_subscription(Image, "image", self._on_image, qos_profile_sensor_data,
                                                        callback_group=inputs))
-        self._subs.append(self.create_subscription(String, "instruction", self._on_instruction, INSTRUCTION_QOS,
-                                                   callback_group=inputs))
+        quiet = SubscriptionEventCallbacks(incompatible_qos=lambda event: None)
+        for qos in INSTRUCTION_QOS:
+            self._subs.append(self.create_subscription(String, "instruction", self._on_instruction, qos,
+                                                       callback_group=inputs, event_callbacks=quiet))
         return (f"{cfg.name!r} ({cfg.action.head_type}, horizon {cfg.action.action_horizon} x "
                 f"{cfg.action.action_dim}) on {cfg.executor.backend!r}, instruction {self.runtime.instruction!r}")
 
@@ -98,6 +118,10 @@ class VLANode(SynfluxNode):
     def teardown(self) -> None:
         if self.pipeline is not None:
             self.pipeline.stop()
+            c = self.pipeline.pipeline.counters()
+            with self._lock:
+                for key in self._retired:
+                    self._retired[key] += getattr(c, key)
             self.pipeline = None
         for s in self._subs:
             self.destroy_subscription(s)
@@ -118,7 +142,9 @@ class VLANode(SynfluxNode):
 
     def _submit(self, header, decode):
         t_receipt = time.perf_counter()
-        self._count("received")
+        with self._lock:
+            self._counts["received"] += 1
+            self._arrivals.append((time.monotonic(), header.stamp.sec + header.stamp.nanosec * 1e-9))
         if not self._active:
             self._count("inactive")
             return
@@ -130,8 +156,7 @@ class VLANode(SynfluxNode):
         with self._lock:
             seq = self._seq
             self._seq += 1
-        if not self.pipeline.submit(Frame(seq, rgb, t_receipt, meta=header)):
-            self._count("dropped")
+        self.pipeline.submit(Frame(seq, rgb, t_receipt, meta=header))
 
     def _on_image(self, msg: Image):
         self._submit(msg.header, lambda: decode_raw(msg.encoding, msg.height, msg.width, msg.step, msg.data,
@@ -141,6 +166,8 @@ class VLANode(SynfluxNode):
         self._submit(msg.header, lambda: decode_compressed(msg.format, msg.data))
 
     def _on_instruction(self, msg: String):
+        if self.runtime is None or msg.data.strip() == self.runtime.instruction:
+            return
         try:
             self.runtime.set_instruction(msg.data)
         except ValueError as exc:
@@ -160,7 +187,7 @@ class VLANode(SynfluxNode):
         msg.step_period = float(self.cfg.action.step_period)
         msg.actions = array.array("f", frame.actions.astype("float32").tobytes())
         t = frame.timings
-        msg.preprocess_ms = float(t.get("preprocess_ms", 0.0))
+        msg.vision_ms = float(t.get("vision_ms", 0.0))
         msg.backbone_ms = float(t.get("backbone_ms", 0.0))
         msg.head_ms = float(t.get("head_ms", 0.0))
         latency = (time.perf_counter() - frame.t_receipt) * 1e3
@@ -169,7 +196,6 @@ class VLANode(SynfluxNode):
         if "traj" in self._pubs:
             self._pubs["traj"].publish(self._trajectory(frame))
         with self._lock:
-            self._counts["published"] += 1
             self._latencies.append(latency)
             self._published_times.append(time.monotonic())
 
@@ -187,30 +213,71 @@ class VLANode(SynfluxNode):
         return traj
 
     def _on_error(self, frame: Frame, stage: str, exc: Exception):
-        self._count("failed")
         self._last_input_error = f"frame {frame.seq} failed in {stage}: {exc}"
         self.get_logger().error(self._last_input_error, throttle_duration_sec=2.0)
 
     # ---------------------------------------------------------------- diagnostics
-    def diagnostics(self) -> tuple[int, str, dict]:
+    def frame_counts(self) -> dict[str, int]:
+        """Every received frame is in exactly one of published, dropped, rejected, failed, inactive or
+        in flight (inside the pipeline)."""
         with self._lock:
             counts = dict(self._counts)
+            done = dict(self._retired)
+        if self.pipeline is not None:
+            c = self.pipeline.pipeline.counters()
+            for key in done:
+                done[key] += getattr(c, key)
+        counts.update(published=done["processed"], dropped=done["dropped"], failed=done["failed"])
+        counts["in_flight"] = counts["received"] - counts["rejected"] - counts["inactive"] - counts["published"] \
+            - counts["dropped"] - counts["failed"]
+        return counts
+
+    def input_rates(self) -> dict[str, float]:
+        """Receive rate against the camera's rate. The camera's period is estimated as the 10th percentile
+        of the gaps between received header stamps (a lost frame widens a gap, it never narrows one), so
+        frames lost in transport show as ``delivery_ratio`` < 1."""
+        with self._lock:
+            arrivals = list(self._arrivals)
+        out = {"receive_rate_hz": 0.0, "camera_rate_hz": 0.0, "delivery_ratio": 1.0}
+        if len(arrivals) < 3:
+            return out
+        span = arrivals[-1][0] - arrivals[0][0]
+        if span > 0:
+            out["receive_rate_hz"] = (len(arrivals) - 1) / span
+        stamps = sorted(s for _, s in arrivals)
+        gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]) if b > a)
+        if gaps and stamps[-1] > stamps[0]:
+            period = gaps[len(gaps) // 10]
+            expected = (stamps[-1] - stamps[0]) / period + 1.0
+            out["camera_rate_hz"] = 1.0 / period
+            out["delivery_ratio"] = min(1.0, len(stamps) / expected)
+        return out
+
+    def diagnostics(self) -> tuple[int, str, dict]:
+        counts = self.frame_counts()
+        with self._lock:
             lat = list(self._latencies)
             times = list(self._published_times)
         rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+        rates = self.input_rates()
         values = {"backend": self.cfg.executor.backend, "model": self.cfg.name, "instruction":
                   self.runtime.instruction, "frames_received": counts["received"], "frames_published":
                   counts["published"], "frames_dropped": counts["dropped"], "frames_rejected": counts["rejected"],
                   "frames_failed": counts["failed"], "frames_while_inactive": counts["inactive"],
+                  "frames_in_flight": counts["in_flight"],
                   "instructions_rejected": counts["instructions_rejected"], "publish_rate_hz": rate,
-                  "latency_median_ms": median(lat)}
+                  **rates, "latency_median_ms": median(lat)}
         for st in self.pipeline.pipeline.stats if self.pipeline else []:
             values[f"stage_{st.name}_median_ms"] = median(st.recent_ms)
         values["device_memory_mib"] = self.runtime.executor.device_bytes / 2**20
         values["last_error"] = self._last_input_error
-        problems = values["frames_failed"] or values["frames_rejected"]
-        message = f"{rate:.1f} Hz" + (f", {values['frames_rejected']} rejected, {values['frames_failed']} failed"
-                                      if problems else "")
+        problems = []
+        if counts["rejected"] or counts["failed"]:
+            problems.append(f"{counts['rejected']} rejected, {counts['failed']} failed")
+        if rates["delivery_ratio"] < MIN_DELIVERY_RATIO:
+            problems.append(f"receiving {rates['delivery_ratio']:.0%} of the camera's "
+                            f"{rates['camera_rate_hz']:.1f} Hz (frames lost in transport)")
+        message = ", ".join([f"{rate:.1f} Hz"] + problems)
         return (WARN if problems else OK), message, values
 
 

@@ -19,7 +19,7 @@ from ..core.image import ImageError, decode_raw
 from ..runtimes.sessions import RequestError
 from ..runtimes.vlm import ChatRequest, VLMRuntime
 from ..srv import Chat, EndSession
-from .common import COMMON_PARAMS, OK, Param, SynfluxNode, median, run_lifecycle_node
+from .common import COMMON_PARAMS, OK, Param, SynfluxNode, median, ros_text, run_lifecycle_node
 
 PARAMS = [
     Param("config", "vlm_demo.yaml", "model YAML: a path, or a file name in the package's config directory"),
@@ -27,7 +27,21 @@ PARAMS = [
 ]
 
 
+def chat_request(request, images) -> ChatRequest:
+    """The runtime's request from a Chat.srv request: the .srv encodes "use the config's value" as
+    max_new_tokens 0, temperature < 0 (its default) and top_p <= 0; the runtime takes None for it."""
+    temperature = float(request.temperature)
+    top_p = float(request.top_p)
+    return ChatRequest(
+        session_id=request.session_id, prompt=request.prompt, images=images, reset=request.reset,
+        max_new_tokens=int(request.max_new_tokens) or None,
+        temperature=None if temperature < 0 else temperature,
+        top_p=None if top_p <= 0 else top_p)
+
+
 class VLMNode(SynfluxNode):
+    """Lifecycle node serving a VLM as the ``chat`` and ``end_session`` services."""
+
     MODE = "vlm"
     PARAMS = PARAMS
 
@@ -55,7 +69,7 @@ class VLMNode(SynfluxNode):
     # ---------------------------------------------------------------- services
     def _refuse(self, response, why: str):
         response.success = False
-        response.error = why
+        response.error = ros_text(why)
         self._last_refusal = why
         self.get_logger().warning(f"request refused: {why}")
         return response
@@ -70,10 +84,7 @@ class VLMNode(SynfluxNode):
                     images.append(decode_raw(im.encoding, im.height, im.width, im.step, im.data, im.is_bigendian))
                 except ImageError as exc:
                     raise RequestError(f"images[{i}]: {exc}") from None
-            result = self.runtime.chat(ChatRequest(
-                session_id=request.session_id, prompt=request.prompt, images=images, reset=request.reset,
-                max_new_tokens=int(request.max_new_tokens), temperature=float(request.temperature),
-                top_p=float(request.top_p)))
+            result = self.runtime.chat(chat_request(request, images))
         except RequestError as exc:
             return self._refuse(response, str(exc))
         except Exception as exc:  # keep serving; the caller learns what happened
@@ -83,7 +94,7 @@ class VLMNode(SynfluxNode):
             self.get_logger().info(f"session {result.evicted_session!r} evicted (least recently used) for "
                                    f"{request.session_id!r}")
         response.success = True
-        response.reply = result.reply
+        response.reply = ros_text(result.reply)
         response.prompt_tokens = result.prompt_tokens
         response.cached_tokens = result.cached_tokens
         response.generated_tokens = result.generated_tokens
@@ -113,11 +124,11 @@ class VLMNode(SynfluxNode):
         with self._lock:
             ttft, tps = median(self._ttft), median(self._tok_per_s)
         values = {"backend": self.cfg.executor.backend, "model": self.cfg.name,
-                  "sessions_open": len(rt.sessions), "sessions_max": rt.pool.num_slots,
+                  "sessions_open": len(rt.sessions), "sessions_max": rt.kv_pool.num_slots,
                   "sessions_evicted": rt.sessions.evicted, "turns_served": rt.turns_served,
                   "requests_refused": rt.requests_refused, "ttft_median_ms": ttft, "decode_tokens_per_s": tps,
                   "device_memory_mib": rt.executor.device_bytes / 2**20, "last_refusal": self._last_refusal}
-        return OK, f"{len(rt.sessions)}/{rt.pool.num_slots} sessions", values
+        return OK, f"{len(rt.sessions)}/{rt.kv_pool.num_slots} sessions", values
 
 
 def main(args=None) -> int:

@@ -7,7 +7,6 @@ end-of-sequence ids.
 from __future__ import annotations
 
 import abc
-import json
 import os
 
 from ..core.config import ConfigError, ModelConfig
@@ -93,18 +92,13 @@ class HFTokenizer(Tokenizer):
         return i
 
 
-def load_tokenizer(cfg: ModelConfig, graph_dir: str = "") -> Tokenizer:
-    """The config's tokenizer.json, else the one shipped in the graph set's manifest, else byte-level."""
+def load_tokenizer(cfg: ModelConfig, shipped: str = "") -> Tokenizer:
+    """The config's tokenizer.json, else ``shipped`` (the one a graph set ships), else byte-level."""
     eos = cfg.text.eos_token_ids
     path = cfg.tokenizer.path
     if path and not os.path.isabs(path) and cfg.source:
         path = os.path.join(os.path.dirname(cfg.source), path)
-    if not path and graph_dir:
-        manifest = os.path.join(graph_dir, "manifest.json")
-        if os.path.isfile(manifest):
-            with open(manifest, encoding="utf-8") as fh:
-                shipped = json.load(fh).get("tokenizer", "")
-            path = os.path.join(graph_dir, shipped) if shipped else ""
+    path = path or shipped
     if path:
         return HFTokenizer(path, cfg.llm.vocab_size, eos)
     return ByteTokenizer(cfg.llm.vocab_size, eos)

@@ -1,13 +1,19 @@
-"""Create the executor a config asks for: registry lookup, graph set, load."""
+"""What both runtimes are built from: the executor a config asks for (registry lookup, graph set, load),
+the tokenizer, the vision encoder, the LLM backbone and a pool of KV-cache slots, then the executor's
+memory pool frozen so that serving allocates nothing."""
 from __future__ import annotations
 
-import json
 import os
 
 from ..backends import build_executor
-from ..core.executor import Executor, GraphMeta
+from ..core import graphset
 from ..core.config import ConfigError, ModelConfig
+from ..core.executor import Executor, GraphMeta
 from ..core.graphs import graph_set
+from ..core.kv_cache import KVCachePool
+from ..pieces.backbone import LLMBackbone
+from ..pieces.tokenizer import Tokenizer, load_tokenizer
+from ..pieces.vision import VisionEncoder
 
 
 def resolve_graph_dir(cfg: ModelConfig) -> str:
@@ -18,33 +24,73 @@ def resolve_graph_dir(cfg: ModelConfig) -> str:
     return os.path.abspath(gdir) if gdir else ""
 
 
-def load_graph_metas(cfg: ModelConfig) -> list[GraphMeta]:
-    """Graph metas from ``graph_dir/manifest.json`` when present (checked against the config), else the
+def load_graph_metas(cfg: ModelConfig, manifest: dict | None = None) -> list[GraphMeta]:
+    """Graph metas from the graph set's manifest when there is one (checked against the config), else the
     config's own graph set (backends such as the mock need no files)."""
     expected = graph_set(cfg)
     gdir = resolve_graph_dir(cfg)
-    manifest = os.path.join(gdir, "manifest.json") if gdir else ""
-    if not manifest or not os.path.isfile(manifest):
+    if manifest is None:
+        manifest = graphset.find_manifest(gdir)
+    if manifest is None:
         return expected
-    with open(manifest, encoding="utf-8") as fh:
-        data = json.load(fh)
-    metas = [GraphMeta.from_dict(g) for g in data.get("graphs", [])]
-    by_name = {m.name: m for m in metas}
+    where = os.path.join(gdir, graphset.MANIFEST_FILE)
+    by_name = {m.name: m for m in graphset.graph_metas(gdir, manifest)}
     for want in expected:
         got = by_name.get(want.name)
         if got is None:
-            raise ConfigError(f"executor.graph_dir: {manifest} has no graph {want.name!r}; rebuild the graph "
+            raise ConfigError(f"executor.graph_dir: {where} has no graph {want.name!r}; rebuild the graph "
                               f"set for this config")
         if got.inputs != want.inputs or got.outputs != want.outputs:
-            raise ConfigError(f"executor.graph_dir: graph {want.name!r} in {manifest} was built for other shapes "
+            raise ConfigError(f"executor.graph_dir: graph {want.name!r} in {where} was built for other shapes "
                               f"than this config; rebuild the graph set")
     return [by_name[w.name] for w in expected]
 
 
-def create_executor(cfg: ModelConfig) -> Executor:
+def create_executor(cfg: ModelConfig, manifest: dict | None = None) -> Executor:
     """Instantiate and load the configured backend. Errors name the backend or the missing package."""
     options = dict(cfg.executor.options)
     if cfg.executor.latency_ms:
         options["latency_ms"] = dict(cfg.executor.latency_ms)
-    ex = build_executor(cfg.executor.backend, load_graph_metas(cfg), resolve_graph_dir(cfg), options)
+    ex = build_executor(cfg.executor.backend, load_graph_metas(cfg, manifest), resolve_graph_dir(cfg), options)
     return ex.load()
+
+
+class ModelRuntime:
+    """Base of the VLA and VLM runtimes: checks the config's mode, then loads the executor, the tokenizer,
+    the vision encoder, the LLM backbone and ``kv_slots`` KV-cache slots, freezes device memory, and
+    then lets the subclass add what only it has (:meth:`_setup`: heads, templates, sessions).
+
+    ``executor`` and ``tokenizer`` may be passed in (tests, benchmarks); otherwise they come from the
+    config and its graph set. A runtime that fails to load releases the executor it created.
+    """
+
+    mode = ""
+
+    def __init__(self, cfg: ModelConfig, kv_slots: int, kv_name: str, executor: Executor | None = None,
+                 tokenizer: Tokenizer | None = None):
+        if cfg.mode != self.mode:
+            raise ConfigError(f"mode: {type(self).__name__} needs a '{self.mode}' config, {cfg.name!r} is "
+                              f"{cfg.mode!r}")
+        self.cfg = cfg
+        gdir = resolve_graph_dir(cfg)
+        manifest = graphset.find_manifest(gdir)
+        self.executor = executor if executor is not None else create_executor(cfg, manifest)
+        try:
+            self.tokenizer = tokenizer if tokenizer is not None else \
+                load_tokenizer(cfg, graphset.tokenizer_file(gdir, manifest))
+            self.vision = VisionEncoder(cfg, self.executor)
+            self.backbone = LLMBackbone(cfg, self.executor)
+            self.kv_pool = KVCachePool(self.executor, kv_slots, cfg.llm.kv_shape, cfg.llm.kv_dtype, kv_name)
+            self.executor.freeze()
+            self._setup()
+        except BaseException:
+            if executor is None:
+                self.executor.close()
+            raise
+
+    def _setup(self) -> None:
+        """Subclass part of loading; runs after device memory is frozen."""
+
+    def close(self) -> None:
+        """Free the executor's device memory and graphs."""
+        self.executor.close()

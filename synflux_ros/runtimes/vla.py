@@ -2,10 +2,10 @@
 
 Stages (each may run on its own device and in its own pipeline thread):
 
-1. ``stage_vision``   resize/letterbox, normalise, tile, vision encoder graph
-2. ``stage_backbone`` LLM prefill of [vision tokens | instruction tokens] into a KV-cache slot
-3. ``stage_head``     flow matching (Euler steps of the action expert) or autoregressive action tokens,
-                      then un-normalisation; the slot is released
+1. ``vision``    resize/letterbox, normalise, tile, vision encoder graph
+2. ``backbone``  LLM prefill of [vision tokens | instruction tokens] into a KV-cache slot
+3. ``head``      the action head (flow matching: Euler steps of the action expert; or autoregressive
+                 action tokens), then un-normalisation; the slot is released
 
 :meth:`VLARuntime.infer` runs the three in sequence; :class:`VLAPipeline` runs them in threads.
 """
@@ -18,16 +18,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..core.config import ModelConfig
 from ..core.executor import Executor
-from ..core.kv_cache import KVCachePool
 from ..core.pipeline import Pipeline
-from ..pieces.heads.action_tokens import ActionTokenizer, unnormalize
-from ..core.config import ConfigError, ModelConfig
-from ..pieces.heads.flow_matching import FlowMatchingHead
-from ..pieces.backbone import LLMBackbone
-from ..pieces.tokenizer import Tokenizer, load_tokenizer
-from ..pieces.vision import VisionEncoder
-from .stack import create_executor, resolve_graph_dir
+from ..pieces.heads import action_head
+from ..pieces.heads.action_tokens import unnormalize
+from ..pieces.tokenizer import Tokenizer
+from .stack import ModelRuntime
 
 MAX_INSTRUCTION_CHARS = 2000
 
@@ -57,27 +54,20 @@ class _Instruction:
     embeds: np.ndarray
 
 
-class VLARuntime:
+class VLARuntime(ModelRuntime):
+    """Camera frame + instruction -> action chunk, as three stages (:attr:`stages`) that
+    :class:`VLAPipeline` runs in threads. The instruction is tokenised and embedded once per change."""
+
+    mode = "vla"
+
     def __init__(self, cfg: ModelConfig, executor: Executor | None = None, tokenizer: Tokenizer | None = None):
-        if cfg.mode != "vla":
-            raise ConfigError(f"mode: VLARuntime needs a 'vla' config, {cfg.name!r} is {cfg.mode!r}")
-        self.cfg = cfg
-        self.executor = executor if executor is not None else create_executor(cfg)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg, resolve_graph_dir(cfg))
-        self.vision = VisionEncoder(cfg, self.executor)
-        self.backbone = LLMBackbone(cfg, self.executor)
-        act = cfg.action
-        self.horizon, self.action_dim = act.action_horizon, act.action_dim
-        if act.head_type == "flow_matching":
-            self.flow = FlowMatchingHead(cfg, self.executor)
-            self.action_tokens = 0
-        else:
-            self.tokens = ActionTokenizer(act.token_vocab_size or cfg.llm.vocab_size, act.num_bins)
-            self.action_tokens = self.horizon * self.action_dim
-        # One slot per frame that can be between the backbone and the end of the head at once.
-        self.kv = KVCachePool(self.executor, cfg.pipeline.queue_depth + 2, cfg.llm.kv_shape, cfg.llm.kv_dtype,
-                              "vla_kv")
-        self.executor.freeze()
+        # One KV slot per frame that can be between the backbone and the end of the head at once.
+        super().__init__(cfg, cfg.pipeline.queue_depth + 2, "vla_kv", executor, tokenizer)
+
+    def _setup(self) -> None:
+        cfg = self.cfg
+        self.head = action_head(cfg, self.executor, self.backbone)
+        self.horizon, self.action_dim = cfg.action.action_horizon, cfg.action.action_dim
         self._instruction: _Instruction | None = None
         self._instr_lock = threading.Lock()
         self.set_instruction(cfg.default_instruction)
@@ -95,10 +85,10 @@ class VLARuntime:
         if len(text) > MAX_INSTRUCTION_CHARS:
             raise ValueError(f"instruction has {len(text)} characters (limit {MAX_INSTRUCTION_CHARS})")
         ids = self.tokenizer.encode(self.cfg.tokenizer.prompt_template.format(instruction=text))
-        need = self.vision.num_tokens + len(ids) + self.action_tokens
-        if need > self.cfg.llm.max_seq_len:
+        extra = self.head.context_tokens
+        if self.vision.num_tokens + len(ids) + extra > self.cfg.llm.max_seq_len:
             raise ValueError(f"instruction needs {len(ids)} tokens; with {self.vision.num_tokens} vision tokens"
-                             f"{' and ' + str(self.action_tokens) + ' action tokens' if self.action_tokens else ''}"
+                             f"{f' and {extra} action tokens' if extra else ''}"
                              f" that exceeds the context of {self.cfg.llm.max_seq_len}")
         with self._instr_lock:
             embeds = self.backbone.embed(ids) if ids else np.zeros((0, self.cfg.llm.hidden_dim), np.float32)
@@ -111,18 +101,18 @@ class VLARuntime:
         frame.image = None
         frame.vision_embeds = self.vision.encode(frame.pixels)
         frame.pixels = None
-        frame.timings["preprocess_ms"] = (time.perf_counter() - t0) * 1e3
+        frame.timings["vision_ms"] = (time.perf_counter() - t0) * 1e3
         return frame
 
     def stage_backbone(self, frame: Frame) -> Frame:
         t0 = time.perf_counter()
         instr = self._instruction
-        slot = self.kv.acquire()
+        slot = self.kv_pool.acquire()
         try:
             prefix = np.concatenate([frame.vision_embeds, instr.embeds], axis=0)
-            frame.logits = self.backbone.prefill(self.kv.tensor(slot), 0, prefix)
+            frame.logits = self.backbone.prefill(self.kv_pool.tensor(slot), 0, prefix)
         except BaseException:
-            self.kv.release(slot)
+            self.kv_pool.release(slot)
             raise
         frame.slot, frame.prefix_len, frame.instruction = slot, prefix.shape[0], instr.text
         frame.vision_embeds = None
@@ -132,12 +122,7 @@ class VLARuntime:
     def stage_head(self, frame: Frame) -> Frame:
         t0 = time.perf_counter()
         try:
-            slot = self.kv.tensor(frame.slot)
-            if self.action_tokens:
-                actions = self._autoregressive(slot, frame)
-            else:
-                noise = self.flow.initial_noise(self.cfg.action.seed + frame.seq)
-                actions = self.flow(slot, frame.prefix_len, noise)
+            actions = self.head(self.kv_pool.tensor(frame.slot), frame.prefix_len, frame.logits, frame.seq)
         finally:
             self.release(frame)
         frame.actions = unnormalize(actions, self.cfg.action)
@@ -145,26 +130,15 @@ class VLARuntime:
         frame.timings["head_ms"] = (time.perf_counter() - t0) * 1e3
         return frame
 
-    def _autoregressive(self, slot, frame: Frame) -> np.ndarray:
-        ids = []
-        logits, pos = frame.logits, frame.prefix_len
-        for i in range(self.action_tokens):
-            tok = self.tokens.best_action_token(logits)
-            ids.append(tok)
-            if i + 1 < self.action_tokens:
-                logits = self.backbone.decode(slot, pos, tok)
-                pos += 1
-        return self.tokens.decode(ids).reshape(self.horizon, self.action_dim)
-
     def release(self, frame: Frame) -> None:
         """Give back the KV slot a frame holds (used when a frame fails or is discarded)."""
         if frame.slot is not None:
-            self.kv.release(frame.slot)
+            self.kv_pool.release(frame.slot)
             frame.slot = None
 
     @property
     def stages(self) -> list[tuple[str, Callable]]:
-        return [("preprocess", self.stage_vision), ("backbone", self.stage_backbone), ("head", self.stage_head)]
+        return [("vision", self.stage_vision), ("backbone", self.stage_backbone), ("head", self.stage_head)]
 
     def infer(self, image: np.ndarray, seq: int = 0) -> Frame:
         """Run one frame through all stages in the calling thread."""
@@ -172,9 +146,6 @@ class VLARuntime:
         for _, fn in self.stages:
             fn(frame)
         return frame
-
-    def close(self) -> None:
-        self.executor.close()
 
 
 class VLAPipeline:

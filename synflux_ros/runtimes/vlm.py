@@ -18,16 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.executor import Executor
-from ..core.kv_cache import KVCachePool
 from ..core.config import ConfigError, ModelConfig
-from ..pieces.backbone import LLMBackbone
-from ..pieces.heads.text_sampling import SamplingParams, generate
-from ..pieces.tokenizer import Tokenizer, load_tokenizer
-from ..pieces.vision import VisionEncoder
-from .stack import create_executor, resolve_graph_dir
+from ..core.executor import Executor
 from ..core.image import ImageError
+from ..pieces.heads.text_sampling import SamplingParams, generate
+from ..pieces.tokenizer import Tokenizer
 from .sessions import RequestError, Segment, Session, SessionManager
+from .stack import ModelRuntime
 
 MAX_SESSION_ID_CHARS = 128
 
@@ -38,9 +35,9 @@ class ChatRequest:
     prompt: str
     images: list = field(default_factory=list)  # HxWx3 uint8 RGB arrays
     reset: bool = False
-    max_new_tokens: int = 0  # 0 = config default
-    temperature: float = -1.0  # < 0 = config default; 0 = greedy
-    top_p: float = 0.0  # <= 0 = config default
+    max_new_tokens: int | None = None  # None = the config's text.max_new_tokens
+    temperature: float | None = None  # None = the config's sampling; 0 = greedy
+    top_p: float | None = None  # None = the config's text.top_p
 
 
 @dataclass
@@ -56,19 +53,29 @@ class ChatResult:
     token_ids: list[int] = field(default_factory=list)
 
 
-class VLMRuntime:
+@dataclass
+class _Turn:
+    """A checked request: what the turn adds to the session and where it starts."""
+
+    req: ChatRequest
+    params: SamplingParams
+    segments: list[Segment]
+    new_tokens: int
+    history: int  # positions the session held before this turn
+    t0: float
+
+
+class VLMRuntime(ModelRuntime):
+    """Multi-turn chat: one KV-cache slot per session, each turn prefilling only its new tokens (or, with
+    ``session.reuse_kv_cache: false``, the whole history). One turn runs at a time."""
+
+    mode = "vlm"
+
     def __init__(self, cfg: ModelConfig, executor: Executor | None = None, tokenizer: Tokenizer | None = None):
-        if cfg.mode != "vlm":
-            raise ConfigError(f"mode: VLMRuntime needs a 'vlm' config, {cfg.name!r} is {cfg.mode!r}")
-        self.cfg = cfg
-        self.executor = executor if executor is not None else create_executor(cfg)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg, resolve_graph_dir(cfg))
-        self.vision = VisionEncoder(cfg, self.executor)
-        self.backbone = LLMBackbone(cfg, self.executor)
-        self.pool = KVCachePool(self.executor, cfg.session.max_sessions, cfg.llm.kv_shape, cfg.llm.kv_dtype,
-                                "session_kv")
-        self.executor.freeze()
-        self.sessions = SessionManager(self.pool, cfg.session.eviction)
+        super().__init__(cfg, cfg.session.max_sessions, "session_kv", executor, tokenizer)
+
+    def _setup(self) -> None:
+        self.sessions = SessionManager(self.kv_pool, self.cfg.session.eviction)
         tok = self.tokenizer
         try:
             sp = {name: tok.special(f"<|{name}|>") for name in ("im_start", "im_end", "vision_start", "vision_end",
@@ -91,21 +98,24 @@ class VLMRuntime:
 
     # ---------------------------------------------------------------- validation
     def sampling_params(self, req: ChatRequest) -> SamplingParams:
+        """The request's limits, each None replaced by the config's value."""
         t = self.cfg.text
-        if req.max_new_tokens < 0 or req.max_new_tokens > self.cfg.llm.max_seq_len:
-            raise RequestError(f"max_new_tokens {req.max_new_tokens} is out of range (0 = default "
-                               f"{t.max_new_tokens}, at most the context {self.cfg.llm.max_seq_len})")
-        if not math.isfinite(req.temperature) or req.temperature > 100.0:
-            raise RequestError(f"temperature {req.temperature} is out of range (<0 = default, 0 = greedy, "
-                               f"at most 100)")
-        if not math.isfinite(req.top_p) or req.top_p > 1.0:
-            raise RequestError(f"top_p {req.top_p} is out of range (<=0 = default, at most 1)")
-        max_new = req.max_new_tokens or t.max_new_tokens
-        if req.temperature >= 0:
+        ctx = self.cfg.llm.max_seq_len
+        if req.max_new_tokens is not None and not 1 <= req.max_new_tokens <= ctx:
+            raise RequestError(f"max_new_tokens {req.max_new_tokens} is out of range (1 to the context {ctx}; "
+                               f"leave it unset for the default {t.max_new_tokens})")
+        if req.temperature is not None and not (math.isfinite(req.temperature) and 0.0 <= req.temperature <= 100.0):
+            raise RequestError(f"temperature {req.temperature} is out of range (0 = greedy, at most 100; "
+                               f"leave it unset for the config's sampling)")
+        if req.top_p is not None and not (math.isfinite(req.top_p) and 0.0 < req.top_p <= 1.0):
+            raise RequestError(f"top_p {req.top_p} is out of range (above 0, at most 1; leave it unset for the "
+                               f"default {t.top_p})")
+        max_new = t.max_new_tokens if req.max_new_tokens is None else req.max_new_tokens
+        if req.temperature is not None:
             temperature = req.temperature
         else:
             temperature = t.temperature if t.do_sample else 0.0
-        top_p = req.top_p if req.top_p > 0 else t.top_p
+        top_p = t.top_p if req.top_p is None else req.top_p
         return SamplingParams(max_new, temperature, top_p, self._eos)
 
     def _validate(self, req: ChatRequest) -> None:
@@ -141,14 +151,20 @@ class VLMRuntime:
         return x
 
     def chat(self, req: ChatRequest) -> ChatResult:
+        """Serve one turn; a request that cannot be served raises :class:`RequestError` saying why."""
         try:
             with self._lock:
-                return self._chat(req)
+                turn = self._check(req)
+                session, evicted = self.sessions.get_or_create(req.session_id)
+                if req.reset:
+                    self.sessions.reset(session)
+                return self._run_turn(turn, session, evicted)
         except RequestError:
             self.requests_refused += 1
             raise
 
-    def _chat(self, req: ChatRequest) -> ChatResult:
+    def _check(self, req: ChatRequest) -> _Turn:
+        """Validate a request, encode its images and template, and check that it fits the context."""
         t0 = time.perf_counter()
         self._validate(req)
         params = self.sampling_params(req)
@@ -160,8 +176,7 @@ class VLMRuntime:
                 raise RequestError(f"images[{i}]: {exc}") from None
         existing = None if req.reset else self.sessions.peek(req.session_id)
         history = existing.history_tokens if existing else 0
-        pending = existing.pending if existing else []
-        segs = self._turn_segments(pending, req.prompt, images)
+        segs = self._turn_segments(existing.pending if existing else [], req.prompt, images)
         n_new = sum(len(s.ids) for s in segs)
         ctx = self.cfg.llm.max_seq_len
         if history + n_new > ctx:
@@ -174,35 +189,37 @@ class VLMRuntime:
             raise RequestError(f"max_new_tokens {params.max_new_tokens} does not fit: after this prompt "
                                f"({n_new} tokens) only {room} tokens can be generated in the context of {ctx}; "
                                f"lower max_new_tokens or reset the session")
+        return _Turn(req, params, segs, n_new, history, t0)
 
-        session, evicted = self.sessions.get_or_create(req.session_id)
-        if req.reset:
-            self.sessions.reset(session)
-        slot = self.pool.tensor(session.slot)
+    def _run_turn(self, turn: _Turn, session: Session, evicted: str | None) -> ChatResult:
+        """Prefill the turn (only its new tokens when the cache is reused), generate, record the turn."""
+        slot = self.kv_pool.tensor(session.slot)
         if self.cfg.session.reuse_kv_cache:
             cached = session.cached
-            logits = self.backbone.prefill(slot, cached, self._embed_segments(segs))
+            logits = self.backbone.prefill(slot, cached, self._embed_segments(turn.segments))
         else:
             cached = 0
-            logits = self.backbone.prefill(slot, 0, self._embed_segments(session.history + segs))
-        pos = history + n_new
-        rng = np.random.default_rng([self.cfg.text.seed, zlib.crc32(req.session_id.encode()), session.turns])
-        gen = generate(logits, lambda p, tok: self.backbone.decode(slot, p, tok), pos, params, rng, t0)
-        # Everything but the last sampled token is now in the cache.
-        session.history.extend(segs)
-        session.history.append(Segment(gen.tokens[:-1]))
-        session.cached = pos + len(gen.tokens) - 1
-        session.pending = [gen.tokens[-1]] + (self._nl if gen.stopped_by_eos else self._close_reply)
+            logits = self.backbone.prefill(slot, 0, self._embed_segments(session.history + turn.segments))
+        pos = turn.history + turn.new_tokens
+        rng = np.random.default_rng([self.cfg.text.seed, zlib.crc32(turn.req.session_id.encode()), session.turns])
+        gen = generate(logits, lambda p, tok: self.backbone.decode(slot, p, tok), pos, turn.params, rng, turn.t0)
+        self._record_turn(session, turn, gen.tokens, gen.stopped_by_eos)
+        text_ids = [t for t in gen.tokens if t not in self._eos]
+        total = (time.perf_counter() - turn.t0) * 1e3
+        return ChatResult(self.tokenizer.decode(text_ids), turn.new_tokens, cached, len(gen.tokens),
+                          gen.ttft_s * 1e3, total, gen.stopped_by_eos, evicted, list(gen.tokens))
+
+    def _record_turn(self, session: Session, turn: _Turn, tokens: list[int], stopped_by_eos: bool) -> None:
+        """Everything but the last sampled token is now in the cache; that token and the reply's closing
+        template are prefilled at the start of the next turn."""
+        session.history.extend(turn.segments)
+        session.history.append(Segment(tokens[:-1]))
+        session.cached = turn.history + turn.new_tokens + len(tokens) - 1
+        session.pending = [tokens[-1]] + (self._nl if stopped_by_eos else self._close_reply)
         session.turns += 1
         self.turns_served += 1
-        text_ids = [t for t in gen.tokens if t not in self._eos]
-        total = (time.perf_counter() - t0) * 1e3
-        return ChatResult(self.tokenizer.decode(text_ids), n_new, cached, len(gen.tokens), gen.ttft_s * 1e3, total,
-                          gen.stopped_by_eos, evicted, list(gen.tokens))
 
     def end_session(self, session_id: str) -> None:
         with self._lock:
             self.sessions.end(session_id)
 
-    def close(self) -> None:
-        self.executor.close()

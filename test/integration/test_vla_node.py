@@ -96,7 +96,7 @@ def test_chunks_have_configured_shape_and_frame_stamp(vla):
         assert stamp_ns(c.header) in stamps
         assert c.header.frame_id == "wrist_cam"
         assert c.step_period == pytest.approx(0.02)
-        assert c.latency_ms > 0 and c.preprocess_ms > 0 and c.backbone_ms > 0 and c.head_ms > 0
+        assert c.latency_ms > 0 and c.vision_ms > 0 and c.backbone_ms > 0 and c.head_ms > 0
         assert c.latency_ms >= c.backbone_ms
     seqs = [c.frame_seq for c in vla.chunks]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
@@ -204,3 +204,59 @@ def test_bad_parameters_fail_at_startup_naming_node_and_value(start_node, params
     assert p.proc.returncode == 1
     out = p.output()
     assert "vla_node" in out and needle in out, out
+
+
+def test_instruction_from_volatile_and_latched_publishers(start_node, client):
+    """`ros2 topic pub` publishes volatile; a latched publisher's last message must reach a node that
+    starts after it was sent. Both are applied."""
+    latched = client.create_publisher(String, "/instr/instruction", LATCHED)
+    latched.publish(String(data="stack the green cubes"))  # before the node exists
+    start_node("vla_node", {"diagnostics_period": 0.2}, namespace="/instr")
+    h = Harness(client, "/instr")
+    h.diag_where(lambda d: d.get("instruction") == "stack the green cubes", timeout=20)
+    volatile = client.create_publisher(String, "/instr/instruction", QoSProfile(
+        depth=10, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.VOLATILE))
+    assert spin_until(client, lambda: volatile.get_subscription_count() > 0, 10)
+    volatile.publish(String(data="wipe the table"))
+    d = h.diag_where(lambda d: d.get("instruction") == "wipe the table")
+    assert d["instructions_rejected"] == "0"
+
+
+def test_diagnostics_show_frames_lost_before_the_node(start_node, client):
+    """A 30 Hz camera whose every third frame is lost on the way: the node receives about two thirds of
+    the camera's rate and says so."""
+    start_node("vla_node", {"diagnostics_period": 0.2}, namespace="/lossy")
+    h = Harness(client, "/lossy")
+    h.wait_connected()
+    period_ns = 10**9 // 30
+    for i in range(90):
+        if i % 3 != 2:  # frames 2, 5, 8, ... never arrive
+            h.image_pub.publish(rgb_image(64, 64, i, 10**9 + i * period_ns))
+        spin_until(client, lambda: False, 1 / 30)
+    d = h.diag_where(lambda d: int(d["frames_received"]) >= 50 and float(d["delivery_ratio"]) < 0.9, timeout=10)
+    assert float(d["camera_rate_hz"]) == pytest.approx(30.0, rel=0.05)
+    assert float(d["delivery_ratio"]) == pytest.approx(2 / 3, abs=0.08)
+    assert 0 < float(d["receive_rate_hz"]) < 30
+
+
+def test_configure_after_a_failed_configure(start_node, client):
+    """A configure that fails (config not found) must not poison the next one with a good config."""
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+    from synflux_ros.nodes.testing import call_service
+    start_node("vla_node", {"autostart": False, "config": "/nonexistent/model.yaml"}, namespace="/retry")
+    change = client.create_client(ChangeState, "/retry/vla_node/change_state")
+    set_params = client.create_client(SetParameters, "/retry/vla_node/set_parameters")
+    configure = ChangeState.Request(transition=Transition(id=Transition.TRANSITION_CONFIGURE))
+    assert not call_service(client, change, configure, 30).success
+    value = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value="vla_demo_orin.yaml")
+    res = call_service(client, set_params, SetParameters.Request(parameters=[Parameter(name="config", value=value)]), 30)
+    assert res.results[0].successful
+    assert call_service(client, change, configure, 30).success
+    activate = ChangeState.Request(transition=Transition(id=Transition.TRANSITION_ACTIVATE))
+    assert call_service(client, change, activate, 30).success
+    h = Harness(client, "/retry")
+    h.wait_connected()
+    h.publish_until_chunks(1, lambda s, t: rgb_image(448, 448, s, t))

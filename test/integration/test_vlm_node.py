@@ -1,8 +1,11 @@
 """vlm_node as a process, driven over real DDS through the chat and end_session services."""
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
+from synflux_ros.nodes import testing
 from synflux_ros.nodes.testing import call_service, rgb_image
 from synflux_ros.srv import Chat, EndSession
 
@@ -16,7 +19,7 @@ class ChatClient:
         self.end_cli = node.create_client(EndSession, f"{ns}/end_session")
 
     def chat(self, session_id: str, prompt: str, **kw):
-        req = Chat.Request(session_id=session_id, prompt=prompt, temperature=kw.pop("temperature", -1.0), **kw)
+        req = Chat.Request(session_id=session_id, prompt=prompt, **kw)
         return call_service(self.node, self.chat_cli, req, TIMEOUT)
 
     def end(self, session_id: str):
@@ -27,6 +30,18 @@ class ChatClient:
 def vlm(start_node, client):
     start_node("vlm_node", {"config": "vlm_demo.yaml", "executor": "mock"}, namespace="/chat1")
     return ChatClient(client, "/chat1")
+
+
+@pytest.fixture(scope="module")
+def shared_vlm(ros_env):
+    """One node for the cases that each check the node keeps serving after them."""
+    import rclpy
+    node = rclpy.create_node(f"test_shared_{uuid.uuid4().hex[:8]}")
+    with testing.NodeProcess("vlm_node", {"config": "vlm_demo.yaml", "executor": "mock"}, env=ros_env,
+                             remaps={"__ns": "/shared"}) as proc:
+        yield ChatClient(node, "/shared")
+        assert proc.alive(), proc.output()[-3000:]
+    node.destroy_node()
 
 
 def ok(resp):
@@ -111,13 +126,13 @@ def test_unknown_session_is_refused(vlm):
     (dict(top_p=2.0), "top_p 2"),
     (dict(images=[rgb_image(8, 8, encoding="mono8")] * 5), "at most 4"),
 ])
-def test_bad_requests_get_clear_errors_and_the_node_keeps_serving(vlm, kw, needle):
+def test_bad_requests_get_clear_errors_and_the_node_keeps_serving(shared_vlm, kw, needle):
     args = dict(session_id="s", prompt="hello")
     args.update(kw)
-    r = vlm.chat(args.pop("session_id"), args.pop("prompt"), **args)
+    r = shared_vlm.chat(args.pop("session_id"), args.pop("prompt"), **args)
     assert not r.success and needle in r.error, r.error
     assert r.reply == ""
-    ok(vlm.chat("s", "hello"))
+    ok(shared_vlm.chat("s", "hello", reset=True))
 
 
 @pytest.mark.parametrize("change,needle", [
@@ -125,13 +140,46 @@ def test_bad_requests_get_clear_errors_and_the_node_keeps_serving(vlm, kw, needl
     (dict(data=b"\x01" * 10), "does not match"),
     (dict(height=0, data=b""), "zero"),
 ])
-def test_bad_images_get_clear_errors(vlm, change, needle):
+def test_bad_images_get_clear_errors(shared_vlm, change, needle):
     img = rgb_image(32, 32)
     for k, v in change.items():
         setattr(img, k, v)
-    r = vlm.chat("s", "what is this?", images=[img])
+    r = shared_vlm.chat("s", "what is this?", images=[img])
     assert not r.success and "images[0]" in r.error and needle in r.error, r.error
-    ok(vlm.chat("s", "what is this?", images=[rgb_image(32, 32)]))
+    ok(shared_vlm.chat("s", "what is this?", images=[rgb_image(32, 32)], reset=True))
+
+
+def test_left_out_limits_mean_the_configs_values(start_node, client, make_config):
+    """A caller who leaves temperature/top_p/max_new_tokens out gets the config's sampling, not greedy."""
+    cfg = make_config("vlm_demo.yaml", text={"do_sample": True, "temperature": 1.5, "top_p": 1.0,
+                                             "max_new_tokens": 24})
+    start_node("vlm_node", {"config": cfg}, namespace="/sampling")
+    c = ChatClient(client, "/sampling")
+    assert Chat.Request().temperature < 0 and Chat.Request().max_new_tokens == 0 and Chat.Request().top_p <= 0
+    default = ok(c.chat("a", "tell me a story"))
+    explicit = ok(c.chat("a", "tell me a story", reset=True, temperature=1.5, top_p=1.0, max_new_tokens=24))
+    greedy = ok(c.chat("a", "tell me a story", reset=True, temperature=0.0))
+    assert default.reply == explicit.reply and default.generated_tokens == explicit.generated_tokens
+    assert default.reply != greedy.reply
+
+
+def test_a_reply_holding_nul_arrives_whole(shared_vlm):
+    """ROS strings end at U+0000: the node sends U+2400 in its place instead of cutting the reply."""
+    from synflux_ros.core.config import load_config
+    from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime
+    rt = VLMRuntime(load_config(testing.config_path("vlm_demo.yaml")))
+    try:
+        for i in range(400):  # the mock's replies are a deterministic function of the prompt
+            prompt = f"prompt number {i}"
+            expected = rt.chat(ChatRequest(f"nul-{i}", prompt)).reply
+            if "\x00" in expected:
+                break
+        else:
+            pytest.fail("no mock reply with U+0000 among 400 prompts")
+    finally:
+        rt.close()
+    r = ok(shared_vlm.chat(f"nul-{i}", prompt))
+    assert r.reply == expected.replace("\x00", "\u2400")
 
 
 def test_lifecycle_transitions(start_node, client):

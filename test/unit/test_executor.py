@@ -26,6 +26,7 @@ from synflux_ros.core.executor import (
     ShapeError,
     TensorSpec,
 )
+from synflux_ros.core import graphset
 from synflux_ros.core.kv_cache import KVCachePool
 from synflux_ros.core.memory import PoolFrozenError, StaticMemoryPool
 from synflux_ros.core.config import ConfigError, load_config
@@ -319,18 +320,40 @@ def test_factory_uses_the_config_graph_set_and_manifest(tmp_path):
     assert {"vision_encoder", "embed_96", "prefill_160", "decode_256", "action_expert_160"} <= set(names)
 
     graphs = graph_set(cfg)
-    (tmp_path / "manifest.json").write_text(json.dumps({"graphs": [g.to_dict() for g in graphs]}))
+
+    def manifest(entries, **extra):
+        (tmp_path / "manifest.json").write_text(json.dumps({"format": graphset.FORMAT, "graphs": entries, **extra}))
+
+    manifest([g.to_dict() for g in graphs])
     with_dir = cfg.with_overrides(executor={"graph_dir": str(tmp_path)})
     assert [g.name for g in load_graph_metas(with_dir)] == names
 
-    (tmp_path / "manifest.json").write_text(json.dumps({"graphs": [g.to_dict() for g in graphs[1:]]}))
+    manifest([g.to_dict() for g in graphs[1:]])
     with pytest.raises(ConfigError, match="no graph 'vision_encoder'"):
         load_graph_metas(with_dir)
 
     other = graph_set(cfg.with_overrides(llm={"vocab_size": 600}))
-    (tmp_path / "manifest.json").write_text(json.dumps({"graphs": [g.to_dict() for g in other]}))
+    manifest([g.to_dict() for g in other])
     with pytest.raises(ConfigError, match="other shapes"):
         load_graph_metas(with_dir)
+
+    # one reader for every manifest: its format, missing fields and files outside the graph set are named
+    (tmp_path / "manifest.json").write_text(json.dumps({"graphs": [g.to_dict() for g in graphs]}))
+    with pytest.raises(graphset.GraphSetError, match="format None"):
+        load_graph_metas(with_dir)
+    broken = [g.to_dict() for g in graphs]
+    del broken[2]["outputs"]
+    manifest(broken)
+    with pytest.raises(graphset.GraphSetError, match=r"graphs\[2\] \('prefill_96'\) has no field 'outputs'"):
+        load_graph_metas(with_dir)
+    escaping = [g.to_dict() for g in graphs]
+    escaping[0]["file"] = "../elsewhere/vision_encoder.onnx"
+    manifest(escaping)
+    with pytest.raises(graphset.GraphSetError, match="not a file inside"):
+        load_graph_metas(with_dir)
+    manifest([g.to_dict() for g in graphs], tokenizer="/etc/passwd")
+    with pytest.raises(graphset.GraphSetError, match="tokenizer '/etc/passwd' is not a file inside"):
+        graphset.tokenizer_file(str(tmp_path), graphset.read_manifest(str(tmp_path)))
 
 
 def test_factory_passes_latency_to_the_backend():

@@ -144,7 +144,7 @@ def test_flow_matching_reaches_the_target_for_any_noise(flow):
     noises = [flow.head.initial_noise(s) for s in (0, 1, 2)]
     assert noises[0].shape == (1, 16, 7)
     assert not np.allclose(noises[0], noises[1])
-    outs = [flow.head(slot, 100, n) for n in noises]
+    outs = [flow.head.denoise(slot, 100, n) for n in noises]
     assert outs[0].shape == (16, 7)
     # The mock's velocity at t = 1 for x = 0 is -target.
     v = flow.ex.run("action_expert_160", {
@@ -161,26 +161,29 @@ def test_flow_matching_is_deterministic_per_seed(flow):
     slot = flow.prefix(0, seed=1, n=100)
     noise = flow.head.initial_noise(7)
     np.testing.assert_array_equal(noise, flow.head.initial_noise(7))
-    a = flow.head(slot, 100, noise)
-    b = flow.head(slot, 100, noise.copy())
+    a = flow.head.denoise(slot, 100, noise)
+    b = flow.head.denoise(slot, 100, noise.copy())
     assert np.array_equal(a, b)
+    # one call for any head: the frame's sequence number seeds the noise
+    c = flow.head(slot, 100, np.zeros(0, np.float32), seq=7 - flow.head.seed)
+    assert np.array_equal(a, c)
     np.testing.assert_array_equal(noise, flow.head.initial_noise(7))  # the input is not modified
 
 
 def test_flow_matching_depends_on_the_prefix(flow):
-    a = flow.head(flow.prefix(0, seed=1, n=100), 100, flow.head.initial_noise(0))
-    b = flow.head(flow.prefix(1, seed=2, n=100), 100, flow.head.initial_noise(0))
+    a = flow.head.denoise(flow.prefix(0, seed=1, n=100), 100, flow.head.initial_noise(0))
+    b = flow.head.denoise(flow.prefix(1, seed=2, n=100), 100, flow.head.initial_noise(0))
     assert not np.allclose(a, b, atol=1e-3)
 
 
 def test_flow_matching_runs_num_denoise_steps_in_the_right_bucket():
     fs = FlowSetup(num_denoise_steps=4)
     slot = fs.prefix(0, seed=3, n=200)
-    out = fs.head(slot, 200, fs.head.initial_noise(0))
+    out = fs.head.denoise(slot, 200, fs.head.initial_noise(0))
     assert fs.ex.stats["action_expert_256"].calls == 4
     assert fs.ex.stats["action_expert_160"].calls == 0
     ten = FlowSetup()
-    out10 = ten.head(ten.prefix(0, seed=3, n=200), 200, ten.head.initial_noise(5))
+    out10 = ten.head.denoise(ten.prefix(0, seed=3, n=200), 200, ten.head.initial_noise(5))
     assert ten.ex.stats["action_expert_256"].calls == 10
     np.testing.assert_allclose(out, out10, atol=1e-4)  # the straight path is exact for any step count
 

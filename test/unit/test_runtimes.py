@@ -41,9 +41,9 @@ def test_vla_demo_actions_shape_and_determinism(demo_vla):
     assert np.array_equal(a.actions, b.actions)
     assert a.seq == 3 and a.instruction == "pick up the red block"
     assert a.slot is None and a.logits is None and a.image is None
-    assert set(a.timings) == {"preprocess_ms", "backbone_ms", "head_ms"}
+    assert set(a.timings) == {"vision_ms", "backbone_ms", "head_ms"}
     assert a.prefix_len == 64 + len(("pick up the red block\n").encode())
-    assert demo_vla.kv.num_free == demo_vla.kv.num_slots
+    assert demo_vla.kv_pool.num_free == demo_vla.kv_pool.num_slots
     assert demo_vla.executor.pool.frozen
 
 
@@ -68,7 +68,7 @@ def test_vla_autoregressive_head_on_a_small_model():
     assert np.isin(fa.actions.astype(np.float32), centers.astype(np.float32)).all()
     # 14 action tokens: the first comes from the prefill, the other 13 from decode steps.
     assert sum(st.calls for name, st in a.executor.stats.items() if name.startswith("decode_")) == 13
-    assert a.kv.num_free == a.kv.num_slots
+    assert a.kv_pool.num_free == a.kv_pool.num_slots
 
 
 def test_vla_openvla_real_size():
@@ -89,7 +89,7 @@ def test_vla_openvla_real_size():
         assert np.all(act[:, mask] >= q01[mask] - 1e-6) and np.all(act[:, mask] <= q99[mask] + 1e-6)
         norm = 2.0 * (act[0, mask] - q01[mask]) / (q99[mask] - q01[mask]) - 1.0
         assert np.max(np.min(np.abs(centers[None, :] - norm[:, None]), axis=1)) < 1e-4
-        assert rt.kv.num_free == rt.kv.num_slots
+        assert rt.kv_pool.num_free == rt.kv_pool.num_slots
         assert rt.executor.stats["prefill_320"].calls == 1
         assert sum(st.calls for n, st in rt.executor.stats.items() if n.startswith("decode_")) == 6
     finally:
@@ -144,7 +144,7 @@ def test_runtime_mode_mismatch():
 def test_vla_bad_image_does_not_leak_a_slot(demo_vla):
     with pytest.raises(ImageError):
         demo_vla.infer(np.zeros((10, 10), np.uint8))
-    assert demo_vla.kv.num_free == demo_vla.kv.num_slots
+    assert demo_vla.kv_pool.num_free == demo_vla.kv_pool.num_slots
 
 
 def test_vla_pipeline_serves_frames_and_releases_slots():
@@ -168,11 +168,11 @@ def test_vla_pipeline_serves_frames_and_releases_slots():
             assert done.acquire(timeout=10)
         assert [f.seq for f in results] == [0, 1, 3]
         assert [f.meta for f in results] == [{"stamp": 0}, {"stamp": 1}, {"stamp": 3}]
-        assert errors == [(2, "preprocess", ImageError)]
+        assert errors == [(2, "vision", ImageError)]
         ref = VLARuntime(cfg_of("vla_demo_orin"))
         assert np.array_equal(results[2].actions, ref.infer(image(3), seq=3).actions)
         assert pipe.pipeline.wait_idle(5)
-        assert rt.kv.num_free == rt.kv.num_slots
+        assert rt.kv_pool.num_free == rt.kv_pool.num_slots
     finally:
         pipe.stop()
 
@@ -273,9 +273,9 @@ def test_end_session_frees_the_slot():
     rt = vlm()
     first = rt.chat(greedy("A", "hello"))
     rt.chat(greedy("A", "again"))
-    assert rt.pool.num_free == 3
+    assert rt.kv_pool.num_free == 3
     rt.end_session("A")
-    assert rt.pool.num_free == 4 and "A" not in rt.sessions
+    assert rt.kv_pool.num_free == 4 and "A" not in rt.sessions
     again = rt.chat(greedy("A", "hello"))
     assert again.cached_tokens == 0
     assert again.token_ids == first.token_ids
@@ -299,7 +299,7 @@ def test_lru_eviction_evicts_least_recently_used():
     assert b.evicted_session == "A"
     assert b.cached_tokens == 0
     assert b.token_ids == vlm().chat(greedy("B", "b1")).token_ids
-    assert rt.pool.num_free == 0
+    assert rt.kv_pool.num_free == 0
 
 
 def test_refuse_eviction_raises_request_error():
@@ -324,6 +324,9 @@ BAD_REQUESTS = {
     "prompt longer than the context": ChatRequest("s", "x" * 1100),
     "max_new_tokens above the context": ChatRequest("s", "hi", max_new_tokens=1025),
     "negative max_new_tokens": ChatRequest("s", "hi", max_new_tokens=-1),
+    "zero max_new_tokens": ChatRequest("s", "hi", max_new_tokens=0),
+    "negative temperature": ChatRequest("s", "hi", temperature=-0.5),
+    "zero top_p": ChatRequest("s", "hi", top_p=0.0),
     "max_new_tokens does not fit": ChatRequest("s", "x" * 980, max_new_tokens=100),
     "temperature nan": ChatRequest("s", "hi", temperature=math.nan),
     "temperature inf": ChatRequest("s", "hi", temperature=math.inf),
@@ -354,7 +357,7 @@ def test_bad_requests_are_refused(shared_vlm, name):
     assert rt.requests_refused == refused + 1
     assert rt.turns_served == served
     assert "s" not in rt.sessions
-    assert rt.pool.num_free == rt.pool.num_slots
+    assert rt.kv_pool.num_free == rt.kv_pool.num_slots
 
 
 def test_bad_image_message_names_the_image(shared_vlm):
@@ -440,6 +443,6 @@ def test_qwen3_real_size_single_session():
                 + L * 2 * KV * 1 * Dh * f16 + V * 4 + 16               # decode staging
                 + vis.num_tiles * 3 * th * tw * 4 + vis.num_tokens * H * 4)  # vision encoder
         assert slot + L * 2 * KV * P * Dh * f16 <= rt.executor.device_bytes <= 1.1 * need
-        assert rt.pool.num_slots == 1
+        assert rt.kv_pool.num_slots == 1
     finally:
         rt.close()

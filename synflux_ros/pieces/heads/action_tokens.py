@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...core.config import ActionConfig
+from ...core.config import ActionConfig, ModelConfig
+from ...core.executor import DeviceTensor
+from .base import ActionHead
 
 
 class ActionTokenizer:
+    """Maps normalised actions to the last ``num_bins`` token ids of the vocabulary and back."""
+
     def __init__(self, vocab_size: int, num_bins: int = 256):
         self.vocab_size = vocab_size
         self.num_bins = num_bins
@@ -36,6 +40,28 @@ class ActionTokenizer:
         """Greedy choice restricted to the action-token range: the last ``num_bins`` ids of the token
         vocabulary (ids of a padded embedding beyond it are never chosen)."""
         return self.first_id + int(np.argmax(logits[self.first_id:self.vocab_size]))
+
+
+class ActionTokenHead(ActionHead):
+    """Greedy autoregressive decoding of ``horizon * action_dim`` action tokens after the prefix, through
+    the backbone's decode graphs, mapped back to bin centres."""
+
+    def __init__(self, cfg: ModelConfig, backbone):
+        act = cfg.action
+        self.backbone = backbone
+        self.action_tokenizer = ActionTokenizer(act.token_vocab_size or cfg.llm.vocab_size, act.num_bins)
+        self.shape = (act.action_horizon, act.action_dim)
+        self.context_tokens = act.action_horizon * act.action_dim
+
+    def __call__(self, kv: DeviceTensor, prefix_len: int, logits: np.ndarray, seq: int) -> np.ndarray:
+        ids, pos = [], prefix_len
+        for i in range(self.context_tokens):
+            tok = self.action_tokenizer.best_action_token(logits)
+            ids.append(tok)
+            if i + 1 < self.context_tokens:
+                logits = self.backbone.decode(kv, pos, tok)
+                pos += 1
+        return self.action_tokenizer.decode(ids).reshape(self.shape)
 
 
 def unnormalize(actions: np.ndarray, cfg: ActionConfig) -> np.ndarray:
