@@ -11,10 +11,11 @@ and one row in ``EXECUTORS``.
 """
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.util
 from dataclasses import dataclass
+
+from ..core.config import choices_hint
 
 
 class UnknownBackendError(ValueError):
@@ -47,9 +48,7 @@ def resolve_executor_class(name: str):
     """Return the executor class registered as ``name`` (importing its module now)."""
     entry = EXECUTORS.get(name)
     if entry is None:
-        close = difflib.get_close_matches(name, EXECUTORS, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise UnknownBackendError(f"unknown backend {name!r} (choices: {', '.join(available_backends())}){hint}")
+        raise UnknownBackendError(f"unknown backend {name!r}{choices_hint(name, available_backends())}")
     for pkg in entry.requires:
         if importlib.util.find_spec(pkg) is None:
             hint = f" ({entry.install_hint})" if entry.install_hint else ""

@@ -24,20 +24,10 @@ from that file in every session. All sessions then use the same page-cache pages
 file-backed (evictable under memory pressure, like ``mmap_weights``). This relies on how ORT stores
 prepacked blobs (``prepacked_<n>`` external-data entries); the cache is keyed by ORT version.
 
-Measured with ORT 1.31 on a 2-core x86-64 CPU: four prefill buckets (p = 1, 2, 4, 8 rows) over one
-64 MiB float32 matrix [4096, 4096], memory growth after load + one run of each (staging excluded)::
+Without prepacking, a matrix-vector product (a decode step) runs as fast as with it, while a
+prefill of a few rows runs up to a few times slower; ``synflux-bench --suite`` measures both, with
+the resident and proportional memory of each setting.
 
-    options                                      RSS       PSS      ms per run, p = 1 / 2 / 4 / 8
-    share_weights (default: no prepack)          +75 MB    +74 MB   1.2 / 5.8 / 6.0 / 5.7
-    share_weights: false (ORT loads, prepacks)   +266 MB   +266 MB  1.3 / 1.4 / 1.4 / 2.0
-    share_weights + prepack: true                +330 MB   +330 MB  1.3 / 1.3 / 1.4 / 2.0
-    optimized_model_dir + prepack: true          +266 MB   +74 MB   1.3 / 1.4 / 1.5 / 2.0
-    share_weights: false, prepack: false         +267 MB   +70 MB   1.3 / 6.6 / 6.9 / 6.6  (ORT maps the
-                                                                    file itself, once per session)
-
-Not prepacking costs nothing for one row (decode is a matrix-vector product) and most for a few rows;
-for [p, 2048] x [2048, 2048] the factor was 1.0 (p=1), 2.3-2.7 (p=4..16), 1.5 (p=64), 1.15 (p=256).
-``session.use_env_allocators`` shares only the arena for intermediate tensors and changed nothing here.
 Graph optimisations that rewrite a weight (constant-folding a ``Transpose`` of it, Conv+BatchNorm
 fusion, packing Q/K/V into one matrix) create a per-session copy of the rewritten tensor; fold those at
 export time.
@@ -83,7 +73,6 @@ Options (``executor.options`` in the model config)
 """
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
@@ -93,8 +82,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..core.executor import Executor, GraphMeta, HostMemoryHooks, ShapeError
 from ..core import graphset, graphset_writer
+from ..core.config import choices_hint
+from ..core.executor import Executor, GraphMeta, HostMemoryHooks, ShapeError
 from ..core.graphset import GraphSetError, GraphSetNotFoundError
 
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
@@ -179,9 +169,7 @@ class OnnxRuntimeExecutor(HostMemoryHooks, Executor):
         unknown = sorted(set(opts) - set(_OPTIONS) - set(_IGNORED_OPTIONS))
         if unknown:
             key = unknown[0]
-            close = difflib.get_close_matches(key, _OPTIONS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"onnxruntime executor: unknown option {key!r} (options: {', '.join(_OPTIONS)}){hint}")
+            raise ValueError(f"onnxruntime executor: unknown option {key!r}{choices_hint(key, _OPTIONS)}")
         self.providers = self._parse_providers(opts.get("providers", ["CPUExecutionProvider"]))
         self.intra_op_num_threads = self._int_option("intra_op_num_threads")
         self.inter_op_num_threads = self._int_option("inter_op_num_threads")

@@ -44,7 +44,8 @@ BUILDERS = {
 
 
 class BuildError(RuntimeError):
-    pass
+    """The graph set cannot be built: unknown backend, a graph without a module, or an exported graph
+    that does not match its contract."""
 
 
 def _versions() -> dict:
@@ -220,24 +221,8 @@ def resolve_config(cfg: ModelConfig, hf_dir: str | None) -> ModelConfig:
     """The config whose graphs are built: the YAML, with model dimensions from the checkpoint if given."""
     if not hf_dir:
         return cfg
-    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        raise ConfigError(f"--from-hf: {hf_dir!r} is not a Hugging Face checkpoint directory (no config.json)")
     from .torch_models import config_from_hf
-    cfg = config_from_hf(hf_dir, cfg)
-    if cfg.vision.architecture == "qwen3_vl":
-        from .torch_models.qwen3_vl_vision import vision_config_from_hf
-        cfg = vision_config_from_hf(hf_dir, cfg)
-    return cfg
-
-
-def build_modules(cfg: ModelConfig, seed: int, hf_dir: str | None) -> dict:
-    from .torch_models import build_graph_modules
-    gm = build_graph_modules(cfg, seed=seed, hf_dir=hf_dir)
-    modules = dict(gm.modules)
-    if "vision_encoder" in gm.missing and cfg.vision.architecture == "qwen3_vl":
-        from .torch_models.qwen3_vl_vision import build_qwen3_vl_vision
-        modules["vision_encoder"] = build_qwen3_vl_vision(cfg, seed=seed, hf_dir=hf_dir)
-    return modules, gm.tokenizer_path
+    return config_from_hf(hf_dir, cfg)
 
 
 def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str | None = None, seed: int = 0,
@@ -267,7 +252,9 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
     if not stale:
         _progress("  all graphs up to date, nothing to do")
         return graphset.read_manifest(out)
-    modules, tokenizer = build_modules(cfg, seed, hf_dir)
+    from .torch_models import build_graph_modules
+    gm = build_graph_modules(cfg, seed=seed, hf_dir=hf_dir)
+    modules, tokenizer = gm.modules, gm.tokenizer_path
     missing = [m.name for m in metas if m.name not in modules]
     if missing:
         raise BuildError(f"no exporter for graphs {missing} of {cfg.name!r}")

@@ -3,7 +3,7 @@
 A bad value fails at load time with its field path and what is allowed, e.g.::
 
     ConfigError: vla_pi0.yaml: action.head_type: 'flow' is not allowed (choices: flow_matching, autoregressive)
-    ConfigError: vlm_demo.yaml: llm.num_layerz: unknown field (did you mean 'num_layers'?)
+    ConfigError: vlm_demo.yaml: llm.num_layerz: unknown field (choices: ...; did you mean 'num_layers'?)
 
 Switching models means switching the YAML file; nothing in the code branches on file names.
 """
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+
+from .image import PreprocessSpec
 
 
 class ConfigError(ValueError):
@@ -41,8 +43,8 @@ class VisionConfig:
     resolution: tuple[int, int] = _spec((448, 448), min=1, doc="fixed input size [H, W] of the vision encoder")
     tile_size: tuple[int, int] = _spec((224, 224), min=1, doc="tile size [h, w]; must divide resolution")
     tokens_per_tile: int = _spec(256, min=1, doc="vision tokens produced per tile")
-    resize: str = _spec("letterbox", choices=("letterbox", "stretch"))
-    interpolation: str = _spec("bilinear", choices=("bilinear", "nearest"),
+    resize: str = _spec("letterbox", choices=PreprocessSpec.RESIZE_MODES)
+    interpolation: str = _spec("bilinear", choices=PreprocessSpec.INTERPOLATIONS,
                                doc="resampling when the camera size differs from the resolution")
     pad_value: int = _spec(0, min=0, max=255)
     mean: tuple[float, float, float] = _spec((0.5, 0.5, 0.5))
@@ -312,14 +314,20 @@ def _convert(value, tp, path: str, meta: dict):
     return value
 
 
+def choices_hint(name, choices) -> str:
+    """`` (choices: a, b; did you mean 'a'?)`` for a ``name`` that is not one of ``choices``: the one
+    wording of every "unknown name" error (config fields, backends, backend options)."""
+    choices = [str(c) for c in choices]
+    close = difflib.get_close_matches(str(name), choices, n=1)
+    return f" (choices: {', '.join(choices)}" + (f"; did you mean {close[0]!r}?" if close else "") + ")"
+
+
 def _build(cls, raw: dict, prefix: str):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(fields)})"
-            raise ConfigError(f"{prefix}{key}: unknown field{hint}")
+            raise ConfigError(f"{prefix}{key}: unknown field{choices_hint(key, fields)}")
     kwargs = {}
     for name, f in fields.items():
         path = prefix + name

@@ -102,7 +102,7 @@ def test_unknown_top_level_field_without_close_match_lists_known_fields():
     d["zzzzqqq"] = 1
     msg = bad(d)
     assert "zzzzqqq: unknown field" in msg
-    assert "known:" in msg and "llm" in msg and "session" in msg
+    assert "choices:" in msg and "llm" in msg and "session" in msg
 
 
 def test_bad_choice_lists_the_choices():

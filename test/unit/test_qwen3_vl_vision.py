@@ -13,10 +13,10 @@ transformers = pytest.importorskip("transformers")
 from synflux_ros.core.config import ConfigError, from_dict  # noqa: E402
 from synflux_ros.core.graphs import graph_set  # noqa: E402
 from synflux_ros.core.image import Preprocessor, PreprocessSpec  # noqa: E402
+from synflux_ros.build import export as build_tool  # noqa: E402
 from synflux_ros.build.torch_models.qwen3_vl_vision import (  # noqa: E402
     Qwen3VLVision,
     build_qwen3_vl_vision,
-    export_onnx,
     load_hf_vision_state_dict,
     vision_config_from_hf,
     vision_geometry,
@@ -213,12 +213,13 @@ def test_onnx_export_matches_onnxruntime(tmp_path):
     import onnx
 
     cfg = random_config()
+    meta = next(g for g in graph_set(cfg) if g.name == "vision_encoder")
     model = build_qwen3_vl_vision(cfg, seed=0)
     with torch.no_grad():   # larger weights than the default init so the comparison is not trivial
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    build_tool.export_graph(model, meta, str(tmp_path))   # as synflux-build exports it
     path = str(tmp_path / "vision_encoder.onnx")
-    export_onnx(model, path)
     graph = onnx.load(path)
     onnx.checker.check_model(graph)
     assert {op.domain for op in graph.graph.node} <= {"", "ai.onnx"}

@@ -156,11 +156,18 @@ def test_random_weights_are_seeded_and_tied_when_configured():
     assert abs(float(lm_a.model.layers[0].mlp.up_proj.weight.std()) - 0.02) < 0.002
 
 
-def test_qwen3_vl_vision_tower_is_left_to_its_own_builder():
-    cfg = cfg_of("vlm_demo", vision={"architecture": "qwen3_vl"})
-    gm = build_graph_modules(cfg)
-    assert gm.missing == ["vision_encoder"] and "vision_encoder" not in gm.modules
-    assert {m.name for m in graph_set(cfg)} - set(gm.modules) == {"vision_encoder"}
+def test_qwen3_vl_vision_tower_is_built_by_its_own_builder():
+    from synflux_ros.build.torch_models.qwen3_vl_vision import Qwen3VLVision, build_qwen3_vl_vision
+    # 224 x 224 tiles of 16-pixel patches merged 2 x 2: 7 x 7 tokens
+    cfg = cfg_of("vlm_demo", vision={"architecture": "qwen3_vl", "patch_size": 16, "spatial_merge_size": 2,
+                                     "num_layers": 1, "num_heads": 2, "tokens_per_tile": 49})
+    gm = build_graph_modules(cfg, seed=2)
+    assert gm.missing == [] and set(gm.modules) == {m.name for m in graph_set(cfg)}
+    tower = gm.modules["vision_encoder"]
+    assert isinstance(tower, Qwen3VLVision) and not tower.training
+    alone = build_qwen3_vl_vision(cfg, seed=2)
+    for (name, a), b in zip(tower.state_dict().items(), alone.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_vit_geometry_errors_are_config_errors():

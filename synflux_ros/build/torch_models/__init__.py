@@ -3,7 +3,7 @@
 ::
 
     gm = build_graph_modules(cfg, seed=0)                      # random weights of the configured architecture
-    gm = build_graph_modules(config_from_hf(d, cfg), hf_dir=d)  # text decoder from a local HF checkpoint
+    gm = build_graph_modules(config_from_hf(d, cfg), hf_dir=d)  # weights from a local HF checkpoint
     logits, new_kv = gm.modules["prefill_64"](inputs_embeds, num_tokens, cache_position, past_kv)
 
 Every module's ``forward`` takes the graph's inputs in order (exact shapes and dtypes) and returns a
@@ -14,8 +14,8 @@ standard ONNX ops.
 
 Weights: seeded random ones (normal(0, 0.02) for linear / embedding / conv weights, zero biases, norms at
 identity), or, with ``hf_dir``, the decoder of a Qwen3 / Llama / Gemma / Qwen3-VL checkpoint
-(safetensors, single file or sharded). The vision encoder (``vit``) and the action expert are always
-random; the ``qwen3_vl`` vision tower is not built here (it is listed in ``missing``).
+(safetensors, single file or sharded, read by :mod:`.checkpoint`) and the vision tower of a Qwen3-VL one
+(``vision.architecture: qwen3_vl``). The ``vit`` vision encoder and the action expert are always random.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from ...core.graphs import graph_set
 from .action_expert import ActionExpert, ActionExpertGraph
 from .decoder import (CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, fuse_projections, hf_llm_fields,
                       init_random, load_hf_weights, materialize)
+from .qwen3_vl_vision import build_qwen3_vl_vision, vision_config_from_hf
 from .vision import VitVisionEncoder
 
 __all__ = ["GraphModules", "build_graph_modules", "config_from_hf"]
@@ -41,6 +42,9 @@ _STREAM = {"decoder": 0, "vision": 1, "action_expert": 2}
 
 @dataclass
 class GraphModules:
+    """What :func:`build_graph_modules` returns: a module per graph name, the graphs it has no module
+    for, the checkpoint's tokenizer.json (if any) and where the weights came from."""
+
     modules: dict[str, nn.Module]
     missing: list[str] = field(default_factory=list)
     tokenizer_path: str | None = None
@@ -60,10 +64,14 @@ def _random(module_factory, seed: int, stream: str) -> nn.Module:
 
 
 def config_from_hf(hf_dir: str, base: ModelConfig) -> ModelConfig:
-    """``base`` with the LLM dimensions of the checkpoint in ``hf_dir`` (buckets, kv dtype, vision, action,
+    """``base`` with the model dimensions of the checkpoint in ``hf_dir``: the LLM's, and the vision
+    tower's when ``base`` has ``vision.architecture: qwen3_vl`` (buckets, kv dtype, resolution, action,
     ... kept from ``base``). Raises ConfigError for an unsupported checkpoint."""
     _, fields, _ = hf_llm_fields(hf_dir)
-    return base.with_overrides(llm=fields)
+    cfg = base.with_overrides(llm=fields)
+    if cfg.vision.architecture == "qwen3_vl":
+        cfg = vision_config_from_hf(hf_dir, cfg)
+    return cfg
 
 
 def _check_matches_checkpoint(cfg: ModelConfig, fields: dict, hf_dir: str) -> None:
@@ -75,7 +83,7 @@ def _check_matches_checkpoint(cfg: ModelConfig, fields: dict, hf_dir: str) -> No
 
 
 def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = None) -> GraphModules:
-    """One torch module per graph of ``graph_set(cfg)`` (except a ``qwen3_vl`` vision encoder)."""
+    """One torch module per graph of ``graph_set(cfg)``."""
     llm = cfg.llm
     rope = None
     model_type = None
@@ -98,10 +106,12 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
     random_parts: list[str] = []
     for meta in metas:
         bucket = meta.attrs.get("bucket")
-        if meta.kind == "vision_encoder":
-            if cfg.vision.architecture != "vit":
-                missing.append(meta.name)
-                continue
+        if meta.kind == "vision_encoder" and cfg.vision.architecture == "qwen3_vl":
+            # Random weights come from the tower's own generator, seeded with ``seed``.
+            modules[meta.name] = build_qwen3_vl_vision(cfg, seed=seed, hf_dir=hf_dir)
+            if not hf_dir:
+                random_parts.append(meta.name)
+        elif meta.kind == "vision_encoder" and cfg.vision.architecture == "vit":
             modules[meta.name] = _random(lambda: VitVisionEncoder(cfg), seed, "vision")
             random_parts.append(meta.name)
         elif meta.kind == "embed":

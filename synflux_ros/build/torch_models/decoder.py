@@ -18,7 +18,6 @@ or token by token (the cache only ever holds rounded values).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -27,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ...core.config import ConfigError, LLMConfig
+from .checkpoint import read_config, read_tensors, tensor_files
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -76,7 +76,8 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [heads, T, Dh]; rotate-half convention."""
+    """Rotary embedding, rotate-half convention: x [..., T, Dh], cos/sin [T, Dh] (the decoder's and the
+    vision towers' rotary tables alike)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -180,6 +181,9 @@ def attend_past_and_new(q, past_k, past_v, k, v, allowed, scale: float) -> torch
 
 
 class Attention(nn.Module):
+    """Grouped-query self-attention projections (optional Q/K norms, RoPE); the attention itself is
+    :func:`attend_past_and_new`, called by :class:`DecoderLayer`."""
+
     def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
                  eps: float, unit_offset: bool):
         super().__init__()
@@ -228,6 +232,8 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
+    """act(gate(x)) * up(x) -> down, SiLU or tanh-GELU (Gemma)."""
+
     def __init__(self, width: int, intermediate: int, act: str):
         super().__init__()
         self.gate_proj = nn.Linear(width, intermediate, bias=False)
@@ -281,6 +287,8 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
+    """Token embedding, decoder layers and final norm (the ``model.*`` part of the checkpoint)."""
+
     def __init__(self, llm: LLMConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(llm.vocab_size, llm.hidden_dim)
@@ -291,7 +299,9 @@ class TextModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The backbone shared by every embed / prefill / decode graph (Hugging Face parameter names)."""
+    """The language model behind every embed / prefill / decode graph: one instance holds the weights
+    (Hugging Face parameter names, so checkpoints load by name) and offers the pieces the graph modules
+    are made of (:meth:`embed`, :meth:`run`, :meth:`head`)."""
 
     def __init__(self, llm: LLMConfig, rope: dict | None = None):
         super().__init__()
@@ -335,13 +345,11 @@ class CausalLM(nn.Module):
         return x, torch.stack(new)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """h [N, H] -> logits [N, V].
+        """h [N, H] -> logits [N, V] (final norm, then the head).
 
-        The head reads one contiguous [H, V] matrix (``finalize_weights``), so it runs as a plain
-        [N, H] x [H, V] MatMul: the layout onnxruntime's CPU GEMV reads fastest (the [V, H] x [H, N] form
-        ran ~2x slower, and a column gather from [H, V] for the lookup cost ~7 ms per token at V = 151936).
-        The lookup keeps the [V, H] embedding, so a tied model stores the table twice (as
-        onnxruntime-genai's export does); each copy is shared by all graphs."""
+        The head reads one contiguous [H, V] matrix (``finalize_weights``) with a plain MatMul, the layout
+        CPU matrix-vector kernels read fastest; the token lookup keeps the [V, H] embedding, so a tied model
+        stores the table twice, each copy shared by all graphs."""
         if self.head_t is None:
             raise RuntimeError("CausalLM.finalize_weights() must run after the weights are set")
         return torch.matmul(self.model.norm(h), self.head_t)
@@ -452,14 +460,7 @@ _TIED_DEFAULT = {"qwen3": False, "llama": False, "gemma": True, "qwen3_vl": Fals
 
 def read_hf_config(hf_dir: str) -> tuple[str, dict, dict]:
     """(model_type, text config, top-level config) of a checkpoint directory."""
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"{hf_dir!r} is not a Hugging Face checkpoint directory (no config.json)")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            top = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read it ({exc})") from None
+    path, top = read_config(hf_dir)
     model_type = str(top.get("model_type", ""))
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{path}: model_type {model_type!r} is not supported "
@@ -525,25 +526,6 @@ def hf_llm_fields(hf_dir: str) -> tuple[str, dict, dict]:
     return model_type, fields, rope
 
 
-def _checkpoint_files(hf_dir: str) -> list[str]:
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as fh:
-            weight_map = json.load(fh).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
-        if missing:
-            raise ConfigError(f"{index}: shard files missing: {missing}")
-        return [os.path.join(hf_dir, f) for f in files]
-    single = os.path.join(hf_dir, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
-    others = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
-    if others:
-        return [os.path.join(hf_dir, f) for f in others]
-    raise ConfigError(f"{hf_dir!r}: no safetensors weights (model.safetensors or model.safetensors.index.json)")
-
-
 def _map_name(name: str, model_type: str) -> str | None:
     """Checkpoint tensor name -> CausalLM parameter name; None = not part of the text decoder."""
     if name.endswith("rotary_emb.inv_freq"):
@@ -560,32 +542,21 @@ def _map_name(name: str, model_type: str) -> str | None:
 
 def load_hf_weights(lm: CausalLM, hf_dir: str, model_type: str) -> None:
     """Copy the checkpoint's text-decoder tensors into ``lm`` (float32), with strict name matching."""
-    from safetensors import safe_open
-
     params = dict(lm.named_parameters(remove_duplicate=False))
     tied = lm.llm.tie_word_embeddings
     expected = {n for n in params if not (tied and n == "lm_head.weight")}
-    loaded: set[str] = set()
+    wanted: dict[str, str] = {}   # checkpoint key -> parameter name
     unexpected: list[str] = []
-    with torch.no_grad():
-        for path in _checkpoint_files(hf_dir):
-            with safe_open(path, framework="pt") as fh:
-                for key in fh.keys():
-                    name = _map_name(key, model_type)
-                    if name is None or (tied and name == "lm_head.weight"):
-                        continue
-                    if name not in expected:
-                        unexpected.append(key)
-                        continue
-                    tensor = fh.get_tensor(key)
-                    target = params[name]
-                    if tuple(tensor.shape) != tuple(target.shape):
-                        raise ConfigError(
-                            f"{hf_dir}: {key} has shape {list(tensor.shape)}, the graphs expect "
-                            f"{list(target.shape)} (build the config with config_from_hf)")
-                    target.copy_(tensor.to(torch.float32))
-                    loaded.add(name)
-    missing = sorted(expected - loaded)
+    files = tensor_files(hf_dir)
+    for key in files:
+        name = _map_name(key, model_type)
+        if name is None or (tied and name == "lm_head.weight"):
+            continue
+        if name in expected:
+            wanted[key] = name
+        else:
+            unexpected.append(key)
+    missing = sorted(expected - set(wanted.values()))
     if missing or unexpected:
         parts = []
         if missing:
@@ -594,3 +565,11 @@ def load_hf_weights(lm: CausalLM, hf_dir: str, model_type: str) -> None:
             parts.append(f"unexpected {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}")
         raise ConfigError(f"{hf_dir}: checkpoint does not match a {lm.llm.architecture} decoder of this "
                           f"config: {'; '.join(parts)}")
+    with torch.no_grad():
+        for key, tensor in read_tensors({key: files[key] for key in wanted}):
+            target = params[wanted[key]]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ConfigError(
+                    f"{hf_dir}: {key} has shape {list(tensor.shape)}, the graphs expect "
+                    f"{list(target.shape)} (build the config with config_from_hf)")
+            target.copy_(tensor)

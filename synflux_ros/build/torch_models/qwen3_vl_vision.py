@@ -25,10 +25,10 @@ The tower, per tile (p = patch size, m = spatial merge size, D = vision width)::
                  LayerNorm(m*m*D), Linear, GELU, Linear -> out dim (see :meth:`forward_with_deepstack`)
 
 Everything that depends only on the resolution (merge-block order, interpolation taps of the position
-table, rotary tables) is computed at construction. Under :meth:`Qwen3VLVision.folded` (which
-:func:`export_onnx` uses) the weight-only terms, the resampled position table and the time-summed patch
-kernel, are constants too, so the exported graph is a Conv followed by the transformer, in standard ONNX
-ops only (Conv, MatMul, Gemm, Softmax, LayerNormalization, Reshape/Transpose/Slice/Concat/Gather, elementwise).
+table, rotary tables) is computed at construction. Under :meth:`Qwen3VLVision.folded` (which the
+exporter enters) the weight-only terms, the resampled position table and the time-summed patch kernel,
+are constants too, so the exported graph is a Conv followed by the transformer, in standard ONNX ops
+only (Conv, MatMul, Gemm, Softmax, LayerNormalization, Reshape/Transpose/Slice/Concat/Gather, elementwise).
 
 Weights are random (seeded) or read from a Hugging Face Qwen3-VL checkpoint (``model.visual.*`` in its
 safetensors files; parameter names here are those names without the prefix, matched strictly).
@@ -45,11 +45,8 @@ DeepStack and M-RoPE live on the language-model side and are not part of this gr
 from __future__ import annotations
 
 import contextlib
-import glob
-import json
 import math
 import os
-import warnings
 from typing import Sequence
 
 import torch
@@ -57,6 +54,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...core.config import ConfigError, ModelConfig
+from .checkpoint import read_config, read_json, read_tensors, tensor_files
+from .decoder import apply_rope
 
 __all__ = [
     "Qwen3VLVision",
@@ -64,7 +63,6 @@ __all__ = [
     "vision_config_from_hf",
     "vision_geometry",
     "load_hf_vision_state_dict",
-    "export_onnx",
 ]
 
 #: Prefixes of the vision tower's tensors in Qwen3-VL checkpoints (current layout first).
@@ -135,17 +133,12 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    @staticmethod
-    def _rotate(x, cos, sin):
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
     def forward(self, x, cos, sin):
         t, n, d = x.shape
         qkv = self.qkv(x).reshape(t, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]                       # [T, heads, N, head_dim]
-        q = self._rotate(q, cos, sin) * (self.head_dim ** -0.5)
-        k = self._rotate(k, cos, sin)
+        q = apply_rope(q, cos, sin) * (self.head_dim ** -0.5)
+        k = apply_rope(k, cos, sin)
         attn = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
         out = (attn @ v).transpose(1, 2).reshape(t, n, d)
         return self.proj(out)
@@ -351,16 +344,6 @@ class Qwen3VLVision(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Configs and checkpoints
 
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found (expected a Hugging Face Qwen3-VL checkpoint directory)") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from None
-
-
 def _as_int(value, name: str, path: str) -> int:
     if isinstance(value, (list, tuple)):
         if len(set(value)) != 1:
@@ -373,8 +356,7 @@ def _as_int(value, name: str, path: str) -> int:
 
 def _hf_vision(hf_dir: str) -> dict:
     """The vision tower's hyper-parameters from a checkpoint's config.json (our field names)."""
-    path = os.path.join(hf_dir, "config.json")
-    raw = _read_json(path)
+    path, raw = read_config(hf_dir)
     vc = raw.get("vision_config")
     if not isinstance(vc, dict):
         raise ConfigError(f"{path}: no vision_config (not a Qwen3-VL checkpoint)")
@@ -446,7 +428,7 @@ def vision_config_from_hf(hf_dir: str, base: ModelConfig) -> ModelConfig:
     vision["tokens_per_tile"] = tokens
     pre = os.path.join(hf_dir, "preprocessor_config.json")
     if os.path.isfile(pre):
-        pc = _read_json(pre)
+        pc = read_json(pre)
         for ours, theirs in (("mean", "image_mean"), ("std", "image_std")):
             v = pc.get(theirs)
             if isinstance(v, (list, tuple)) and len(v) == 3:
@@ -454,43 +436,16 @@ def vision_config_from_hf(hf_dir: str, base: ModelConfig) -> ModelConfig:
     return base.with_overrides(vision=vision)
 
 
-def _safetensors_files(hf_dir: str) -> list[str]:
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        wmap = _read_json(index).get("weight_map", {})
-        names = sorted({f for k, f in wmap.items() if k.startswith(HF_PREFIXES)})
-        return [os.path.join(hf_dir, f) for f in names]
-    return sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-
-
 def load_hf_vision_state_dict(hf_dir: str) -> dict[str, torch.Tensor]:
     """The vision tower's tensors (float32, names without the ``model.visual.`` prefix)."""
-    from safetensors import safe_open
-
-    files = _safetensors_files(hf_dir)
-    if not files:
-        raise ConfigError(f"{hf_dir}: no *.safetensors weights")
-    found: dict[str, dict[str, tuple[str, str]]] = {p: {} for p in HF_PREFIXES}
-    for path in files:
-        with safe_open(path, framework="pt") as fh:
-            for key in fh.keys():
-                for prefix in HF_PREFIXES:
-                    if key.startswith(prefix):
-                        found[prefix][key[len(prefix):]] = (path, key)
-                        break
-    prefix = next((p for p in HF_PREFIXES if found[p]), None)
+    files = tensor_files(hf_dir, keep=lambda key: key.startswith(HF_PREFIXES))
+    # One layout per checkpoint: the first prefix that names any tensor.
+    prefix = next((p for p in HF_PREFIXES if any(key.startswith(p) for key in files)), None)
     if prefix is None:
         raise ConfigError(f"{hf_dir}: no vision tower tensors ({' or '.join(p + '*' for p in HF_PREFIXES)}) "
-                          f"in {len(files)} safetensors file(s)")
-    state = {}
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    for name, (path, key) in found[prefix].items():
-        by_file.setdefault(path, []).append((name, key))
-    for path, items in by_file.items():
-        with safe_open(path, framework="pt") as fh:
-            for name, key in items:
-                state[name] = fh.get_tensor(key).to(torch.float32)
-    return state
+                          f"in its safetensors files")
+    chosen = {key: path for key, path in files.items() if key.startswith(prefix)}
+    return {key[len(prefix):]: tensor for key, tensor in read_tensors(chosen)}
 
 
 _ARCH_FIELDS = ("patch_size", "hidden_dim", "num_layers", "num_heads", "intermediate_size",
@@ -534,14 +489,3 @@ def build_qwen3_vl_vision(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = 
     else:
         model.init_random(seed)
     return model.eval()
-
-
-def export_onnx(model: Qwen3VLVision, path: str, num_tiles: int = 1, opset: int = 17) -> None:
-    """Export ``model`` as the ``vision_encoder`` graph (``pixel_values [num_tiles, 3, th, tw]`` ->
-    ``vision_embeds``), TorchScript exporter, weight-only terms folded (see :meth:`Qwen3VLVision.folded`)."""
-    dummy = torch.zeros(num_tiles, 3, *model.tile_size)
-    with torch.no_grad(), model.eval().folded(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=DeprecationWarning)   # the TorchScript exporter is wanted
-        torch.onnx.export(model, (dummy,), path, dynamo=False, opset_version=opset,
-                          input_names=["pixel_values"], output_names=["vision_embeds"],
-                          do_constant_folding=True)
