@@ -19,15 +19,16 @@ from ..core.config import choices_hint
 
 
 class UnknownBackendError(ValueError):
-    pass
+    """The configured backend name is not in the registry."""
 
 
 class BackendUnavailableError(ImportError):
-    pass
+    """The backend is registered but its SDK (Python package) is not installed."""
 
 
 @dataclass(frozen=True)
 class BackendEntry:
+    """A registry row: ``module:Class`` to import, the packages it needs and how to install them."""
     target: str  # "package.module:ClassName"
     requires: tuple[str, ...] = ()  # importable module names the backend needs
     install_hint: str = ""

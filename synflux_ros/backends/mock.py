@@ -29,6 +29,8 @@ _SUMMARY = 16  # readout features that drive logits / actions
 
 
 class MockExecutor(HostMemoryHooks, Executor):
+    """Runs any graph set without an accelerator: outputs of the contract's shapes, a deterministic function of
+    the whole token prefix carried through the KV cache, with optional simulated device latency."""
     name = "mock"
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
@@ -60,6 +62,8 @@ class MockExecutor(HostMemoryHooks, Executor):
         remaining = self._latency_for(meta) / 1e3 - (time.perf_counter() - t0)
         if remaining > 0:
             time.sleep(remaining)
+
+    alloc_is_zeroed = True  # np.zeros: pages are zero-filled on first touch, never written twice
 
     def _alloc_device(self, nbytes: int) -> object:
         handle = next(self._ids)

@@ -158,6 +158,8 @@ class _LazyModels(Mapping):
 
 
 class OnnxRuntimeExecutor(HostMemoryHooks, Executor):
+    """Runs a synflux-build graph set with ONNX Runtime: weights loaded once for all graphs, every input
+    and output bound to the static buffers (see the module docstring)."""
     name = "onnxruntime"
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
@@ -373,6 +375,8 @@ class OnnxRuntimeExecutor(HostMemoryHooks, Executor):
             binding.synchronize_outputs()
         if not g.verified:
             self._verify_outputs(g, device_outputs, meta)
+
+    alloc_is_zeroed = True  # _HostBuffer is np.zeros
 
     def _alloc_device(self, nbytes: int) -> object:
         return _HostBuffer(nbytes)

@@ -74,6 +74,8 @@ def graph_config(graph_dir: str, threads: int, options: dict | None = None) -> M
 
 
 class SynfluxEngine:
+    """synflux's runtime as a benchmark engine."""
+
     def __init__(self, graph_dir: str, threads: int, options: dict | None = None, name: str = "synflux"):
         self.name = name
         self.cfg = cfg = graph_config(graph_dir, threads, options)
@@ -110,6 +112,7 @@ class SynfluxEngine:
 
 
 class TransformersEngine:
+    """transformers ``generate`` as a benchmark engine."""
     name = "transformers"
 
     def __init__(self, ckpt: str, threads: int):
@@ -147,6 +150,7 @@ class TransformersEngine:
 
 
 class GenaiEngine:
+    """onnxruntime-genai (model built offline by its builder) as a benchmark engine."""
     name = "onnxruntime-genai"
 
     def __init__(self, genai_dir: str, threads: int):
@@ -522,8 +526,9 @@ def main(argv=None) -> int:
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--graphs", help="graph set directory (synflux-build --out)")
     mode.add_argument("--compare", action="store_true", help="compare with transformers and onnxruntime-genai")
-    mode.add_argument("--suite", action="store_true", help="the decode, memory and time-to-first-token targets on two reference checkpoints (builds "
-                      "everything in --work)")
+    mode.add_argument("--suite", action="store_true",
+                      help="the decode, memory and time-to-first-token targets on two reference checkpoints "
+                           "(builds everything in --work)")
     ap.add_argument("--hf", help="with --compare: local Hugging Face checkpoint")
     ap.add_argument("--work", default="build/bench", help="directory for built models (reused between runs)")
     ap.add_argument("--input-len", type=int, action="append", help="prompt length (repeatable; default 128)")

@@ -40,6 +40,7 @@ DTYPES = ("float32", "float16")
 
 @dataclass(frozen=True, kw_only=True)
 class VisionConfig:
+    """``vision``: the fixed input resolution, tiling and normalisation of the vision encoder."""
     resolution: tuple[int, int] = _spec((448, 448), min=1, doc="fixed input size [H, W] of the vision encoder")
     tile_size: tuple[int, int] = _spec((224, 224), min=1, doc="tile size [h, w]; must divide resolution")
     tokens_per_tile: int = _spec(256, min=1, doc="vision tokens produced per tile")
@@ -80,6 +81,7 @@ class VisionConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LLMConfig:
+    """``llm``: the backbone's dimensions, prefill/decode buckets and KV-cache layout."""
     num_layers: int = _spec(min=1)
     hidden_dim: int = _spec(min=1)
     num_heads: int = _spec(min=1)
@@ -131,6 +133,7 @@ class LLMConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ActionConfig:
+    """``action``: the VLA head (flow matching or action tokens), chunk shape and un-normalisation."""
     head_type: str = _spec(choices=("flow_matching", "autoregressive"))
     action_dim: int = _spec(min=1)
     action_horizon: int = _spec(min=1, doc="steps per chunk")
@@ -157,6 +160,7 @@ class ActionConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TextConfig:
+    """``text``: default generation limits and sampling of the chat service."""
     max_new_tokens: int = _spec(256, min=1)
     do_sample: bool = _spec(False)
     temperature: float = _spec(0.7, min=0.0, max=100.0)
@@ -167,12 +171,14 @@ class TextConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerConfig:
+    """``tokenizer``: a tokenizer.json (else byte-level) and the VLA prompt template."""
     path: str = _spec("", doc="tokenizer.json; empty = byte-level tokenizer")
     prompt_template: str = _spec("{instruction}\n", doc="VLA: how an instruction becomes the text prompt")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SessionConfig:
+    """``session``: how many chat sessions hold a KV slot, and what happens when all are taken."""
     max_sessions: int = _spec(4, min=1, doc="KV-cache slots = concurrent chat sessions")
     eviction: str = _spec("lru", choices=("lru", "refuse"), doc="when all slots are taken")
     reuse_kv_cache: bool = _spec(True, doc="False recomputes the whole history every turn")
@@ -181,6 +187,7 @@ class SessionConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ExecutorConfig:
+    """``executor``: the backend, its graph directory and options, simulated latencies for the mock."""
     backend: str = _spec("mock")
     graph_dir: str = _spec("", doc="directory of compiled graphs (manifest.json)")
     latency_ms: dict[str, float] = _spec(
@@ -190,11 +197,13 @@ class ExecutorConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
+    """``pipeline``: depth of the queues between the VLA stages."""
     queue_depth: int = _spec(1, min=1, max=64, doc="frames waiting between two stages")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
+    """One model YAML, validated: every field checked at load with its path and the allowed values."""
     name: str = _spec()
     mode: str = _spec(choices=("vla", "vlm"))
     vision: VisionConfig = _spec(default_factory=VisionConfig)

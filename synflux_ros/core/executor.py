@@ -37,11 +37,12 @@ class ShapeError(ValueError):
 
 
 class GraphNotFoundError(KeyError):
-    pass
+    """A graph name that the loaded graph set does not have."""
 
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """One named tensor of a graph with its static shape and dtype; ``resident`` tensors stay on the device."""
     name: str
     shape: tuple[int, ...]
     dtype: str
@@ -118,6 +119,7 @@ class DeviceTensor:
 
 @dataclass
 class GraphStats:
+    """Call count and timing of one graph."""
     calls: int = 0
     total_ms: float = 0.0
     last_ms: float = 0.0
@@ -174,6 +176,13 @@ class Executor(abc.ABC):
         full[index] = data
         self._h2d(np.ascontiguousarray(full), device_buffer)
 
+    alloc_is_zeroed = False
+    """True when ``_alloc_device`` returns zero-filled memory (then fresh tensors are not cleared again)."""
+
+    def _zero_device(self, device_buffer: object, shape: tuple[int, ...], dtype: str) -> None:
+        """Fill a device buffer with zeros. Backends with a device memset should override this."""
+        self._h2d(np.zeros(shape, dtype), device_buffer)
+
     def _free_device(self, device_buffer: object) -> None:  # noqa: B027 - optional hook
         """Release device memory (optional: process exit frees it too)."""
 
@@ -211,8 +220,8 @@ class Executor(abc.ABC):
         shape = tuple(int(s) for s in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         handle = self.pool.allocate(name, nbytes)
-        if zero:
-            self._h2d(np.zeros(shape, dtype), handle)
+        if zero and not self.alloc_is_zeroed:
+            self._zero_device(handle, shape, dtype)
         return DeviceTensor(name, handle, shape, dtype)
 
     def freeze(self) -> None:
@@ -301,6 +310,9 @@ class Executor(abc.ABC):
 class HostMemoryHooks:
     """Copy hooks for backends whose device memory is host memory (the mock, onnxruntime on CPU):
     subclasses provide ``_view(device_buffer, shape, dtype)``, a typed numpy view of a buffer."""
+
+    def _zero_device(self, device_buffer, shape, dtype) -> None:
+        self._view(device_buffer, shape, dtype)[...] = 0
 
     def _view(self, device_buffer, shape, dtype) -> np.ndarray:
         raise NotImplementedError

@@ -200,6 +200,7 @@ def tokenizer_file(graph_dir: str, manifest: dict | None) -> str:
 
 @dataclass(frozen=True)
 class ExternalTensor:
+    """An initializer stored in the weights file: its type, shape and byte range."""
     name: str
     data_type: int  # onnx.TensorProto.DataType
     dims: tuple[int, ...]

@@ -14,10 +14,12 @@ from .executor import DeviceTensor, Executor
 
 
 class NoFreeSlotError(RuntimeError):
-    pass
+    """Every KV-cache slot is in use."""
 
 
 class KVCachePool:
+    """A fixed set of KV-cache slots allocated at load; a slot belongs to one user (session or frame) at a time."""
+
     def __init__(self, executor: Executor, num_slots: int, kv_shape: tuple[int, ...], dtype: str, name: str = "kv"):
         if num_slots < 1:
             raise ValueError(f"KV-cache pool needs at least one slot, got {num_slots}")

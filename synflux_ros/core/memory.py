@@ -17,6 +17,7 @@ class PoolFrozenError(RuntimeError):
 
 @dataclass(frozen=True)
 class Allocation:
+    """One named buffer of the static pool."""
     name: str
     handle: object
     nbytes: int

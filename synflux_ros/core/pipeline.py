@@ -49,6 +49,7 @@ class Mailbox:
 
 @dataclass
 class StageStats:
+    """Timing of one pipeline stage (all calls, and the recent ones for medians)."""
     name: str
     count: int = 0
     total_ms: float = 0.0
@@ -71,6 +72,7 @@ class StageStats:
 
 @dataclass(frozen=True)
 class PipelineCounters:
+    """Items submitted and how each ended; the rest are in flight."""
     submitted: int
     processed: int
     dropped: int

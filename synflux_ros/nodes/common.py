@@ -27,6 +27,7 @@ class ParameterError(ValueError):
 
 @dataclass(frozen=True)
 class Param:
+    """One node parameter: name, default, description and, where fixed, the allowed values."""
     name: str
     default: Any
     description: str

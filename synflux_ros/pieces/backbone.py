@@ -14,10 +14,13 @@ from ..core.graphs import select_bucket
 
 
 class ContextOverflowError(ValueError):
-    pass
+    """More tokens than the KV cache holds."""
 
 
 class LLMBackbone:
+    """Runs the LLM graphs on a KV slot: embeds tokens, prefills at the smallest bucket that fits (in
+    chunks of the largest), decodes one token at the smallest span that covers the position."""
+
     def __init__(self, cfg: ModelConfig, executor: Executor):
         self.cfg = cfg
         self.ex = executor

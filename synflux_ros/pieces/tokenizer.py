@@ -16,6 +16,7 @@ CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|
 
 
 class Tokenizer(abc.ABC):
+    """Text <-> token ids, the chat template's special tokens and the end-of-sequence ids."""
     vocab_size: int
     eos_ids: tuple[int, ...]
 

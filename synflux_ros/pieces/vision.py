@@ -9,6 +9,8 @@ from ..core.config import ModelConfig
 
 
 class VisionEncoder:
+    """Preprocesses a frame to the fixed resolution and runs the vision encoder graph -> vision tokens."""
+
     def __init__(self, cfg: ModelConfig, executor: Executor):
         v = cfg.vision
         self.ex = executor

@@ -28,6 +28,7 @@ class Segment:
 
 @dataclass
 class Session:
+    """One conversation: its KV slot, what the slot holds and what is still to prefill."""
     id: str
     slot: int
     cached: int = 0  # valid positions in the slot
@@ -42,6 +43,8 @@ class Session:
 
 
 class SessionManager:
+    """Sessions by id, bounded by the KV pool; evicts the least recently used or refuses, as configured."""
+
     def __init__(self, pool: KVCachePool, eviction: str = "lru"):
         self.pool = pool
         self.eviction = eviction

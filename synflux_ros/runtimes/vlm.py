@@ -31,6 +31,7 @@ MAX_SESSION_ID_CHARS = 128
 
 @dataclass(frozen=True)
 class ChatRequest:
+    """One chat turn as the runtime takes it; None means the config's value."""
     session_id: str
     prompt: str
     images: list = field(default_factory=list)  # HxWx3 uint8 RGB arrays
@@ -42,6 +43,7 @@ class ChatRequest:
 
 @dataclass
 class ChatResult:
+    """The reply of one turn with its token counts and timings."""
     reply: str
     prompt_tokens: int
     cached_tokens: int

@@ -197,3 +197,35 @@ def test_session_reset_clears_state():
     sm.reset(s)
     assert (s.cached, s.turns, s.pending, s.history) == (0, 0, [], [])
     assert s.slot == 0
+
+
+def test_fresh_slots_are_written_once_at_most():
+    """A backend whose allocations come zero-filled is not asked to clear them again (a 7B model's KV slot
+    is gigabytes); one whose allocations are not gets each slot cleared exactly once."""
+    writes = []
+
+    class Recording(MockExecutor):
+        def _h2d(self, data, device_buffer):
+            writes.append(data.nbytes)
+            super()._h2d(data, device_buffer)
+
+        def _zero_device(self, device_buffer, shape, dtype):
+            writes.append(("zero", shape))
+            super()._zero_device(device_buffer, shape, dtype)
+
+    ex = Recording([]).load()
+    KVCachePool(ex, 2, SHAPE, "float32")
+    assert writes == []
+
+    class Dirty(Recording):
+        alloc_is_zeroed = False
+
+        def _alloc_device(self, nbytes):
+            handle = super()._alloc_device(nbytes)
+            self._mem[handle][:] = 0xAB  # garbage, as device memory may hold
+            return handle
+
+    ex = Dirty([]).load()
+    pool = KVCachePool(ex, 2, SHAPE, "float32")
+    assert writes == [("zero", SHAPE), ("zero", SHAPE)]
+    assert not ex.read(pool.tensor(0)).any() and not ex.read(pool.tensor(1)).any()

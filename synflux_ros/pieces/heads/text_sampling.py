@@ -10,6 +10,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Limits and sampling of one reply."""
     max_new_tokens: int
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -35,6 +36,7 @@ def sample_token(logits: np.ndarray, temperature: float, top_p: float, rng: np.r
 
 @dataclass
 class Generation:
+    """The tokens of one reply, why it stopped and its time to first token."""
     tokens: list[int]
     stopped_by_eos: bool
     ttft_s: float

@@ -1,0 +1,116 @@
+"""The package's rooms and the direction of their imports (README "Architecture").
+
+Every module of ``synflux_ros`` is parsed (imports inside functions count too) and each import is
+checked against the room it lives in: imports point down, rclpy and the ROS message packages appear
+only in ``nodes/``, and nothing a robot runs imports torch or the other build/benchmark libraries.
+"""
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+import synflux_ros
+
+ROOMS = {
+    # room: rooms it may import (besides itself)
+    "core": set(),
+    "backends": {"core"},
+    "pieces": {"core"},
+    "runtimes": {"core", "backends", "pieces"},
+    "nodes": {"core", "runtimes", "msg", "srv"},
+    "build": {"core"},
+    "bench": {"core", "backends", "pieces", "runtimes", "build", "nodes"},
+}
+ROS_PACKAGES = {"rclpy", "rcl_interfaces", "sensor_msgs", "std_msgs", "std_srvs", "trajectory_msgs",
+                "diagnostic_msgs", "lifecycle_msgs", "builtin_interfaces", "ament_index_python"}
+BUILD_TIME = {"torch", "transformers", "safetensors", "onnxruntime_genai", "accelerate", "gguf"}
+RUN_TIME_ROOMS = {"core", "backends", "pieces", "runtimes", "nodes"}
+
+
+def module_imports(path: str, module: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a source file."""
+    package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if node.level and not node.module:  # from . import x: x may be a module
+                out += [(node.lineno, f"{target}.{a.name}") for a in node.names]
+            else:
+                out.append((node.lineno, target))
+    return out
+
+
+def violations(path: str, module: str) -> list[str]:
+    parts = module.split(".")
+    room = parts[1] if len(parts) > 1 and not path.endswith(os.sep + "synflux_ros" + os.sep + "__init__.py") \
+        else ""
+    if room and room not in ROOMS:
+        return [f"{module}: room {room!r} is not in the architecture (add it to README and ROOMS)"]
+    found = []
+    for line, name in module_imports(path, module):
+        top = name.split(".")[0]
+        where = f"{os.path.relpath(path, os.path.dirname(PACKAGE_DIR))}:{line}"
+        if top == "synflux_ros":
+            target = name.split(".")[1] if "." in name else ""
+            if target.startswith("__"):  # synflux_ros.__version__: the package's own metadata
+                continue
+            if target and target != room and target not in ROOMS.get(room, set()):
+                found.append(f"{where}: {room or 'synflux_ros'} imports {name} (upward or sideways)")
+        elif top in ROS_PACKAGES and room != "nodes":
+            found.append(f"{where}: {name} imported outside nodes/")
+        elif top in BUILD_TIME and room in RUN_TIME_ROOMS:
+            found.append(f"{where}: run-time code imports {name}")
+    return found
+
+
+PACKAGE_DIR = os.path.dirname(synflux_ros.__file__)
+
+
+def package_modules():
+    for root, dirs, files in os.walk(PACKAGE_DIR):
+        dirs[:] = [d for d in dirs if d not in ("__pycache__", "msg", "srv")]
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                rel = os.path.relpath(path, os.path.dirname(PACKAGE_DIR))[:-3].replace(os.sep, ".")
+                yield path, rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def test_every_import_points_down():
+    modules = list(package_modules())
+    assert len(modules) > 30
+    assert {m.split(".")[1] for _, m in modules if m.count(".")} == set(ROOMS)
+    problems = [v for path, module in modules for v in violations(path, module)]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("room,source,needle", [
+    ("core", "from ..runtimes.vla import VLARuntime\n", "upward"),
+    ("pieces", "def f():\n    from ..backends.mock import MockExecutor\n", "upward"),
+    ("runtimes", "import rclpy\n", "outside nodes/"),
+    ("backends", "from sensor_msgs.msg import Image\n", "outside nodes/"),
+    ("runtimes", "import torch\n", "run-time code imports torch"),
+    ("nodes", "from ..build.export import build\n", "upward"),
+    ("build", "from ..runtimes import stack\n", "upward"),
+])
+def test_the_check_catches_a_wrong_import(tmp_path, room, source, needle):
+    path = tmp_path / "mod.py"
+    path.write_text(source)
+    found = violations(str(path), f"synflux_ros.{room}.mod")
+    assert len(found) == 1 and needle in found[0], found
+
+
+def test_allowed_imports_pass(tmp_path):
+    path = tmp_path / "mod.py"
+    path.write_text("import numpy\nfrom ..core.executor import Executor\nfrom . import sibling\n"
+                    "from ..pieces.backbone import LLMBackbone\n")
+    assert violations(str(path), "synflux_ros.runtimes.mod") == []
