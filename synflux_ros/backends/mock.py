@@ -15,6 +15,11 @@ are real copies, as they would be on a discrete accelerator.
 ``options.latency_ms`` simulates device time per graph: keys are a graph name, a graph kind
 (``prefill``) or a group. A call then takes at least that long in total (the mock's own arithmetic
 included); the wait is a sleep, which releases the GIL like a device wait does.
+
+``options.faults`` injects device faults for tests of the layers above: a list of
+``{graph: <name, kind or group>, kind: raise | nan | inf, every: N, first: M}``. The fault hits calls
+M, M + N, M + 2N, ... (1-based, counted per entry; defaults every 1, first 1): ``raise`` fails the
+call as a device error would, ``nan``/``inf`` fill the graph's floating-point outputs.
 """
 from __future__ import annotations
 
@@ -26,6 +31,46 @@ import numpy as np
 from ..core.executor import Executor, GraphMeta, HostMemoryHooks
 
 _SUMMARY = 16  # readout features that drive logits / actions
+
+
+class _Fault:
+    """One ``options.faults`` entry and how many matching calls it has seen."""
+
+    KINDS = ("raise", "nan", "inf")
+
+    def __init__(self, target: str, kind: str, every: int, first: int):
+        self.target, self.kind, self.every, self.first = target, kind, every, first
+        self.calls = 0
+
+    @classmethod
+    def parse(cls, index: int, entry) -> "_Fault":
+        where = f"mock option faults[{index}]"
+        if not isinstance(entry, dict) or not entry.get("graph"):
+            raise ValueError(f"{where}: expected {{graph: <name, kind or group>, kind: ..., every: N, first: M}}, "
+                             f"got {entry!r}")
+        unknown = set(entry) - {"graph", "kind", "every", "first"}
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+        kind = entry.get("kind", "raise")
+        if kind not in cls.KINDS:
+            raise ValueError(f"{where}.kind: {kind!r} is not one of {', '.join(cls.KINDS)}")
+        every, first = entry.get("every", 1), entry.get("first", 1)
+        if not (isinstance(every, int) and every >= 1 and isinstance(first, int) and first >= 1):
+            raise ValueError(f"{where}: every and first must be integers >= 1")
+        return cls(str(entry["graph"]), kind, every, first)
+
+    def apply(self, meta: GraphMeta, outs: dict) -> None:
+        if self.target not in (meta.name, meta.kind, meta.group):
+            return
+        self.calls += 1
+        if self.calls < self.first or (self.calls - self.first) % self.every:
+            return
+        if self.kind == "raise":
+            raise RuntimeError(f"mock executor: injected device fault in graph {meta.name!r} (call {self.calls})")
+        value = np.nan if self.kind == "nan" else np.inf
+        for out in outs.values():
+            if out.dtype.kind == "f":
+                out[...] = value
 
 
 class MockExecutor(HostMemoryHooks, Executor):
@@ -41,6 +86,7 @@ class MockExecutor(HostMemoryHooks, Executor):
         for key, value in self.latency_ms.items():
             if value < 0:
                 raise ValueError(f"mock latency_ms.{key}: must be >= 0, got {value}")
+        self.faults = [_Fault.parse(i, f) for i, f in enumerate(self.options.get("faults", []) or [])]
         rng = np.random.default_rng(1234)
         self._omega = rng.uniform(0.05, 1.7, size=_SUMMARY).astype(np.float32)
         self._amp = rng.uniform(0.5, 1.5, size=_SUMMARY).astype(np.float32)
@@ -58,6 +104,8 @@ class MockExecutor(HostMemoryHooks, Executor):
         ins = {s.name: self._view(device_inputs[s.name], s.shape, s.dtype) for s in meta.inputs}
         outs = {s.name: self._view(device_outputs[s.name], s.shape, s.dtype) for s in meta.outputs}
         _KINDS[meta.kind](self, meta, ins, outs)
+        for fault in self.faults:
+            fault.apply(meta, outs)
         # The simulated latency is the graph's whole device time: the mock's own arithmetic counts in it.
         remaining = self._latency_for(meta) / 1e3 - (time.perf_counter() - t0)
         if remaining > 0:

@@ -40,6 +40,10 @@ class GraphNotFoundError(KeyError):
     """A graph name that the loaded graph set does not have."""
 
 
+class NonFiniteOutputError(RuntimeError):
+    """A graph produced NaN or Inf: the result must not reach the robot or the caller."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One named tensor of a graph with its static shape and dtype; ``resident`` tensors stay on the device."""
@@ -297,6 +301,11 @@ class Executor(abc.ABC):
         st.calls += 1
         st.total_ms += ms
         st.last_ms = ms
+        for name, value in out.items():
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                bad = value.size - int(np.count_nonzero(np.isfinite(value)))
+                raise NonFiniteOutputError(f"{self.name} executor: graph {graph!r} output {name!r} holds {bad} "
+                                           f"non-finite values (NaN/Inf) of {value.size}")
         return out
 
     def write(self, tensor: DeviceTensor, index: tuple, data: np.ndarray) -> None:

@@ -1,0 +1,152 @@
+"""Faults below the nodes: a device error mid-run, NaN/Inf outputs, broken graph files, a graph
+directory removed while serving. Each gives a clear error naming the stage or the file; a failed frame
+is counted and nothing of it is published; the node keeps serving (or fails at configure, exit code 1)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from synflux_ros.nodes.testing import rgb_image, spin_until
+
+from test_vla_node import Harness  # noqa: E402
+from test_vlm_node import ChatClient, ok  # noqa: E402
+
+
+def counts(d: dict) -> dict:
+    return {k: int(d[f"frames_{k}"]) for k in ("received", "published", "dropped", "rejected", "failed", "in_flight")}
+
+
+def stream(h: Harness, client, n: int, period: float = 0.06):
+    for i in range(n):
+        h.image_pub.publish(rgb_image(448, 448, i, 10**9 * (i + 1)))
+        spin_until(client, lambda: False, period)
+
+
+@pytest.mark.parametrize("fault,stage,needle", [
+    (dict(graph="prefill", kind="raise", every=3), "backbone", "injected device fault in graph 'prefill_"),
+    (dict(graph="action_expert", kind="nan", every=41, first=3), "head",
+     "graph 'action_expert_160' output 'velocity' holds"),
+    (dict(graph="vision_encoder", kind="inf", every=4), "vision", "non-finite values (NaN/Inf)"),
+])
+def test_device_faults_fail_the_frame_and_the_node_keeps_serving(start_node, client, make_config, fault, stage,
+                                                                 needle):
+    cfg = make_config("vla_demo_orin.yaml", executor={"options": {"faults": [fault]}})
+    start_node("vla_node", {"config": cfg, "diagnostics_period": 0.2}, namespace="/faulty")
+    h = Harness(client, "/faulty")
+    h.wait_connected()
+    stream(h, client, 30)
+    # settled: every received frame accounted for, and the chunks counted as published all arrived
+    d = h.diag_where(lambda d: int(d["frames_failed"]) >= 2 and int(d["frames_in_flight"]) == 0 and
+                     int(d["frames_received"]) >= 25 and int(d["frames_published"]) == len(h.chunks), timeout=20)
+    c = counts(d)
+    assert c["received"] == c["published"] + c["dropped"] + c["rejected"] + c["failed"]
+    assert c["published"] >= 5, c
+    assert f"failed in {stage}" in d["last_error"] and needle in d["last_error"], d["last_error"]
+    # none of the published chunks twice, none with a non-finite value
+    assert len({ch.header.stamp.sec for ch in h.chunks}) == len(h.chunks)
+    assert all(np.all(np.isfinite(np.asarray(ch.actions))) for ch in h.chunks)
+
+
+def test_a_device_fault_in_a_chat_turn_is_reported_and_the_next_turn_works(start_node, client, make_config):
+    cfg = make_config("vlm_demo.yaml", executor={"options": {"faults": [
+        dict(graph="decode", kind="nan", first=40, every=10**6)]}})
+    start_node("vlm_node", {"config": cfg}, namespace="/faulty_chat")
+    c = ChatClient(client, "/faulty_chat")
+    ok(c.chat("a", "hello there", temperature=0.0))  # 31 decode steps: below the fault
+    bad = c.chat("a", "and now?", temperature=0.0)  # the 40th decode step returns NaN
+    assert not bad.success and "non-finite" in bad.error and "decode_" in bad.error, bad.error
+    assert bad.reply == ""
+    again = ok(c.chat("a", "and now?", temperature=0.0))
+    # the failed turn left nothing in the session: the retry continues the history of the first turn
+    fresh = ok(c.chat("b", "hello there", temperature=0.0))
+    assert again.cached_tokens == fresh.prompt_tokens + fresh.generated_tokens - 1
+
+
+def test_bad_fault_options_fail_at_configure(start_node, make_config):
+    cfg = make_config("vla_demo_orin.yaml", executor={"options": {"faults": [dict(graph="prefill", kind="boom")]}})
+    p = start_node("vla_node", {"config": cfg}, namespace="/bad_faults")
+    assert wait_exit(p) == 1
+    assert "faults[0].kind: 'boom'" in p.output()
+
+
+# ---------------------------------------------------------------------------------------- graph files
+needs_onnx_build = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None or importlib.util.find_spec("onnxruntime") is None,
+    reason="synflux-build needs torch and the onnxruntime backend onnxruntime (make test installs both)")
+
+
+def wait_exit(p, timeout=30.0) -> int | None:
+    deadline = time.monotonic() + timeout
+    while p.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return p.proc.poll()
+
+
+@pytest.fixture(scope="module")
+def vla_graphs(tmp_path_factory):
+    from synflux_ros.build.export import build
+    from synflux_ros.core.config import load_config
+    from synflux_ros.nodes.testing import config_path
+    d = tmp_path_factory.mktemp("vla_graphs")
+    build(load_config(config_path("vla_demo_orin.yaml")), str(d))
+    return d
+
+
+@pytest.fixture()
+def graph_copy(vla_graphs, tmp_path):
+    d = tmp_path / "graphs"
+    shutil.copytree(vla_graphs, d)
+    return d
+
+
+def truncate(path):
+    with open(path, "r+b") as fh:
+        fh.truncate(os.path.getsize(path) // 2)
+
+
+def garble(path):
+    with open(path, "r+b") as fh:
+        fh.seek(0)
+        fh.write(os.urandom(256))
+
+
+def drop_field(path):
+    manifest = json.loads(path.read_text())
+    del manifest["graphs"][1]["inputs"]
+    path.write_text(json.dumps(manifest))
+
+
+@needs_onnx_build
+@pytest.mark.parametrize("name,damage,needle", [
+    ("prefill_96.onnx", truncate, "prefill_96.onnx"),
+    ("decode_160.onnx", garble, "decode_160.onnx"),
+    ("weights.bin", truncate, "weights.bin"),
+    ("manifest.json", drop_field, "manifest.json: graphs[1] ('embed_96') has no field 'inputs'"),
+])
+def test_a_broken_graph_set_fails_at_configure_naming_the_file(graph_copy, start_node, name, damage, needle):
+    damage(graph_copy / name)
+    p = start_node("vla_node", {"config": str(graph_copy / "config.yaml")}, namespace="/broken")
+    assert wait_exit(p) == 1, p.output()[-2000:]
+    out = p.output()
+    assert needle in out and "vla_node" in out, out[-3000:]
+    assert "Traceback" not in out
+
+
+@needs_onnx_build
+def test_graph_dir_removed_while_serving(graph_copy, start_node, client):
+    """Graphs and weights are loaded at configure: removing the directory does not stop a running node."""
+    start_node("vla_node", {"config": str(graph_copy / "config.yaml"), "diagnostics_period": 0.2},
+               namespace="/removed")
+    h = Harness(client, "/removed")
+    h.wait_connected()
+    h.publish_until_chunks(2, lambda s, t: rgb_image(448, 448, s, t))
+    shutil.rmtree(graph_copy)
+    h.publish_until_chunks(3, lambda s, t: rgb_image(448, 448, s, t))
+    d = h.diag_where(lambda d: int(d["frames_published"]) >= 5)
+    assert d["frames_failed"] == "0"
