@@ -1,104 +1,33 @@
 """Start the VLA node and the VLM node together (vla.launch.py + vlm.launch.py).
 
+Every argument of the two files is an argument here, once: vla_config/vlm_config and
+vla_graph_dir/vlm_graph_dir are handed to the file they name, the VLA topic and trajectory
+arguments to vla.launch.py, and executor, params_file, namespace, log_level and fastdds_profile
+to both.
+
 Examples:
-  ros2 launch synflux_ros synflux.launch.py executor:=mock
+  ros2 launch synflux_ros synflux.launch.py                   # demo configs, mock executor
   ros2 launch synflux_ros synflux.launch.py namespace:=robot1 \
-      image_topic:=/camera/color/image_raw vla_config:=vla_pi0.yaml vlm_config:=vlm_qwen3.yaml
+      image_topic:=/camera/color/image_raw vla_config:=vla_pi0.yaml vlm_config:=vlm_qwen3.yaml \
+      executor:=onnxruntime vla_graph_dir:=/opt/graphs/pi0 vlm_graph_dir:=/opt/graphs/qwen3
+  ros2 launch synflux_ros synflux.launch.py params_file:=/path/to/params.yaml
+  ros2 launch synflux_ros synflux.launch.py --show-args       # every argument, described
 """
 
-from launch import LaunchDescription
-from launch.actions import DeclareLaunchArgument, GroupAction, IncludeLaunchDescription
-from launch.launch_description_sources import PythonLaunchDescriptionSource
-from launch.substitutions import LaunchConfiguration, PathJoinSubstitution
-from launch_ros.substitutions import FindPackageShare
+import importlib.util
+import os
 
-PACKAGE = 'synflux_ros'
+LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def _include(launch_file, launch_arguments):
-    # Each include runs in its own scope so that `config` handed to one file
-    # does not leak into the other.
-    return GroupAction([
-        IncludeLaunchDescription(
-            PythonLaunchDescriptionSource(
-                PathJoinSubstitution([FindPackageShare(PACKAGE), 'launch', launch_file])),
-            launch_arguments=launch_arguments.items(),
-        ),
-    ])
+def _common():
+    path = os.path.join(LAUNCH_DIR, '_synflux_launch_common.py')
+    spec = importlib.util.spec_from_file_location('_synflux_launch_common', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def generate_launch_description():
-    vla_config = LaunchConfiguration('vla_config')
-    vlm_config = LaunchConfiguration('vlm_config')
-    executor = LaunchConfiguration('executor')
-    graph_dir = LaunchConfiguration('graph_dir')
-    namespace = LaunchConfiguration('namespace')
-    image_topic = LaunchConfiguration('image_topic')
-    log_level = LaunchConfiguration('log_level')
-
-    config_dir = PathJoinSubstitution([FindPackageShare(PACKAGE), 'config'])
-
-    arguments = [
-        DeclareLaunchArgument(
-            'vla_config',
-            default_value=PathJoinSubstitution([config_dir, 'vla_demo_orin.yaml']),
-            description=(
-                'VLA model config YAML: an absolute path, or a bare file name looked up in '
-                'share/synflux_ros/config.'),
-        ),
-        DeclareLaunchArgument(
-            'vlm_config',
-            default_value=PathJoinSubstitution([config_dir, 'vlm_demo.yaml']),
-            description=(
-                'VLM model config YAML: an absolute path, or a bare file name looked up in '
-                'share/synflux_ros/config.'),
-        ),
-        DeclareLaunchArgument(
-            'executor',
-            default_value='',
-            description=(
-                'Inference executor for both nodes: mock, onnxruntime or tensorrt. '
-                'Empty = the executor named in each config.'),
-        ),
-        DeclareLaunchArgument(
-            'graph_dir',
-            default_value='',
-            description=(
-                'Directory holding the compiled model graphs, for both nodes. '
-                'Empty = the directory named in each config.'),
-        ),
-        DeclareLaunchArgument(
-            'namespace',
-            default_value='',
-            description='ROS namespace for both nodes. Empty = root namespace.',
-        ),
-        DeclareLaunchArgument(
-            'image_topic',
-            default_value='image',
-            description='Camera topic the VLA node subscribes to.',
-        ),
-        DeclareLaunchArgument(
-            'log_level',
-            default_value='info',
-            choices=['debug', 'info', 'warn', 'error', 'fatal'],
-            description='Logging level of both nodes.',
-        ),
-    ]
-
-    vla = _include('vla.launch.py', {
-        'config': vla_config,
-        'executor': executor,
-        'graph_dir': graph_dir,
-        'namespace': namespace,
-        'image_topic': image_topic,
-        'log_level': log_level,
-    })
-    vlm = _include('vlm.launch.py', {
-        'config': vlm_config,
-        'executor': executor,
-        'graph_dir': graph_dir,
-        'namespace': namespace,
-        'log_level': log_level,
-    })
-
-    return LaunchDescription(arguments + [vla, vlm])
+    common = _common()
+    return common.launch_description(common.SYNFLUX_ARGUMENTS, common.synflux_actions, LAUNCH_DIR)

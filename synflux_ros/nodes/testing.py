@@ -1,7 +1,9 @@
 """Helpers to run the installed node executables as processes and talk to them with rclpy.
 
 Used by the integration tests, ``make demo`` and ``make bench``. DDS traffic stays on this machine
-(``ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST``) on a domain id chosen per run.
+(``ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST``). The ROS domain is the caller's ``ROS_DOMAIN_ID`` when
+it is set (a test runner such as ament_cmake_ros's run_test_isolated.py sets a free one), else one
+chosen per run.
 """
 from __future__ import annotations
 
@@ -40,11 +42,22 @@ def config_path(name: str) -> str:
     return os.path.join(share, "config", name)
 
 
+def choose_domain_id() -> str:
+    """The ROS domain to use: ``ROS_DOMAIN_ID`` from the environment when it is set, else a random one.
+
+    A runner that sets ``ROS_DOMAIN_ID`` has chosen the domain on purpose (an isolated test domain, or
+    the user's own); replacing it could put the nodes on the domain of a live system.
+    """
+    current = os.environ.get("ROS_DOMAIN_ID", "").strip()
+    return current if current else str(random.randint(1, 101))
+
+
 def ros_env(domain_id: int | None = None, log_dir: str | None = None) -> dict:
-    """Environment for node processes: loopback-only DDS, a private domain, the shared-memory profile."""
+    """Environment for node processes: loopback-only DDS, the shared-memory profile, and the domain
+    ``domain_id`` if given, else the one of :func:`choose_domain_id` (the caller's ``ROS_DOMAIN_ID`` if set)."""
     env = dict(os.environ)
     env["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
-    env["ROS_DOMAIN_ID"] = str(domain_id if domain_id is not None else random.randint(1, 101))
+    env["ROS_DOMAIN_ID"] = str(domain_id) if domain_id is not None else choose_domain_id()
     env.setdefault("RMW_IMPLEMENTATION", "rmw_fastrtps_cpp")
     env.setdefault("AMENT_PREFIX_PATH", sys.prefix)
     profile = os.path.join(share_dir() or "", "config", "fastdds_shm.xml")

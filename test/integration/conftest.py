@@ -1,4 +1,8 @@
-"""Fixtures that start node executables as processes and an rclpy client node, on a private DDS domain."""
+"""Fixtures that start node executables as processes and an rclpy client node.
+
+The DDS domain is ``ROS_DOMAIN_ID`` when the environment sets it (``colcon test`` runs these tests through
+ament_cmake_ros's isolation runner, which sets a free one), else a domain picked for this test session.
+"""
 from __future__ import annotations
 
 import os
@@ -14,8 +18,8 @@ from synflux_ros.nodes import testing  # noqa: E402
 
 @pytest.fixture(scope="session")
 def ros_env(tmp_path_factory):
-    # One domain per test session, derived from the pid so parallel runs on one machine do not meet.
-    env = testing.ros_env(domain_id=1 + os.getpid() % 100, log_dir=str(tmp_path_factory.mktemp("roslog")))
+    # One domain per test session; a ROS_DOMAIN_ID set by the caller is kept, never replaced.
+    env = testing.ros_env(log_dir=str(tmp_path_factory.mktemp("roslog")))
     testing.use_env(env)
     rclpy.init()
     yield env

@@ -4,7 +4,6 @@ Run with `colcon test --packages-select synflux_ros` or directly with
 `launch_test test/launch/test_vla_launch.py` on a sourced ROS 2 install.
 """
 
-import array
 import math
 import os
 import time
@@ -41,9 +40,11 @@ from rclpy.qos import (  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 from synflux_ros.msg import ActionChunk  # noqa: E402
+from synflux_ros.nodes.testing import rgb_image  # noqa: E402
 
-# A namespace of its own keeps this test's topics apart from anything else running
-# on the same ROS domain (launch_test picks the domain).
+# A namespace of its own keeps this test's topics apart from anything else running on the
+# same ROS domain. launch_test itself does not choose a domain: CMakeLists.txt runs it through
+# ament_cmake_ros's isolation runner, which sets ROS_DOMAIN_ID for the test.
 NAMESPACE = f'/synflux_test_vla_{os.getpid()}_{uuid.uuid4().hex[:8]}'
 
 IMAGE_WIDTH = 448
@@ -71,23 +72,6 @@ def generate_test_description():
         vla_launch,
         launch_testing.actions.ReadyToTest(),
     ])
-
-
-def _make_image():
-    """A 448x448 rgb8 frame with a simple colour gradient."""
-    msg = Image()
-    msg.header.frame_id = FRAME_ID
-    msg.height = IMAGE_HEIGHT
-    msg.width = IMAGE_WIDTH
-    msg.encoding = 'rgb8'
-    msg.is_bigendian = 0
-    msg.step = IMAGE_WIDTH * 3
-    row = bytearray()
-    for x in range(IMAGE_WIDTH):
-        row += bytes((x * 255 // (IMAGE_WIDTH - 1), 128, 255 - x * 255 // (IMAGE_WIDTH - 1)))
-    # Assigning an array('B') skips the per-element check a plain sequence goes through.
-    msg.data = array.array('B', bytes(row) * IMAGE_HEIGHT)
-    return msg
 
 
 class TestVlaPipeline(unittest.TestCase):
@@ -122,7 +106,7 @@ class TestVlaPipeline(unittest.TestCase):
         instruction_pub.publish(String(data=INSTRUCTION))
 
         image_pub = self.node.create_publisher(Image, 'image', qos_profile_sensor_data)
-        image = _make_image()
+        image = rgb_image(IMAGE_HEIGHT, IMAGE_WIDTH, frame_id=FRAME_ID)
 
         published_stamps = set()
         base_sec = 1_700_000_000

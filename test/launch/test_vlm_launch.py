@@ -4,7 +4,6 @@ Run with `colcon test --packages-select synflux_ros` or directly with
 `launch_test test/launch/test_vlm_launch.py` on a sourced ROS 2 install.
 """
 
-import array
 import os
 import time
 import unittest
@@ -32,11 +31,12 @@ from launch_ros.substitutions import FindPackageShare  # noqa: E402
 import rclpy  # noqa: E402
 from lifecycle_msgs.msg import State  # noqa: E402
 from lifecycle_msgs.srv import GetState  # noqa: E402
-from sensor_msgs.msg import Image  # noqa: E402
+from synflux_ros.nodes.testing import rgb_image  # noqa: E402
 from synflux_ros.srv import Chat, EndSession  # noqa: E402
 
-# A namespace of its own keeps this test's services apart from anything else running
-# on the same ROS domain (launch_test picks the domain).
+# A namespace of its own keeps this test's services apart from anything else running on the
+# same ROS domain. launch_test itself does not choose a domain: CMakeLists.txt runs it through
+# ament_cmake_ros's isolation runner, which sets ROS_DOMAIN_ID for the test.
 NAMESPACE = f'/synflux_test_vlm_{os.getpid()}_{uuid.uuid4().hex[:8]}'
 
 STARTUP_TIMEOUT_S = 60.0   # node start-up until it reports the active lifecycle state
@@ -58,22 +58,6 @@ def generate_test_description():
         vlm_launch,
         launch_testing.actions.ReadyToTest(),
     ])
-
-
-def _make_image(width=64, height=48):
-    """A small rgb8 image with a horizontal colour gradient."""
-    msg = Image()
-    msg.header.frame_id = 'test_camera'
-    msg.height = height
-    msg.width = width
-    msg.encoding = 'rgb8'
-    msg.is_bigendian = 0
-    msg.step = width * 3
-    row = bytearray()
-    for x in range(width):
-        row += bytes((x * 255 // (width - 1), 64, 255 - x * 255 // (width - 1)))
-    msg.data = array.array('B', bytes(row) * height)
-    return msg
 
 
 class TestVlmChat(unittest.TestCase):
@@ -149,8 +133,9 @@ class TestVlmChat(unittest.TestCase):
     def test_two_turn_session(self):
         session_id = f'launch-test-{uuid.uuid4().hex}'
 
+        image = rgb_image(48, 64, frame_id='test_camera')
         first = self._call(self.chat, self._chat_request(
-            session_id, 'What is in this picture?', images=[_make_image()], reset=True))
+            session_id, 'What is in this picture?', images=[image], reset=True))
         self.assertTrue(first.success, f'turn 1 failed: {first.error}')
         self.assertTrue(first.reply, 'turn 1 returned an empty reply')
         self.assertGreater(first.prompt_tokens, 0)
