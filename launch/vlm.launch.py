@@ -11,20 +11,13 @@ Examples:
 The arguments are declared in _synflux_launch_common.py, next to this file.
 """
 
-import importlib.util
 import os
+import sys
 
-LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _common():
-    path = os.path.join(LAUNCH_DIR, '_synflux_launch_common.py')
-    spec = importlib.util.spec_from_file_location('_synflux_launch_common', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# Launch files are loaded by path: the module installed next to this file is imported from here.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _synflux_launch_common as common  # noqa: E402
 
 
 def generate_launch_description():
-    common = _common()
     return common.launch_description(common.VLM_ARGUMENTS, common.vlm_actions)

@@ -7,40 +7,22 @@ Run with `colcon test --packages-select synflux_ros` or directly with
 
 import math
 import os
-import time
-import unittest
-import uuid
+import sys
 
 import pytest
 
-pytest.importorskip(
-    'launch_testing',
-    reason='launch_testing is not installed; '
-           'these tests run on a full ROS 2 install (colcon test)')
-pytest.importorskip(
-    'launch_ros',
-    reason='launch_ros is not installed; '
-           'these tests run on a full ROS 2 install (colcon test)')
+# launch_test loads this file by path: the shared module next to it is imported from its directory.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import launch_test_support as support  # noqa: E402  (skips without launch_testing / launch_ros)
 
-import launch  # noqa: E402
-import launch_testing.actions  # noqa: E402
-import launch_testing.asserts  # noqa: E402
-from launch.actions import IncludeLaunchDescription  # noqa: E402
-from launch.launch_description_sources import PythonLaunchDescriptionSource  # noqa: E402
-from launch.substitutions import PathJoinSubstitution  # noqa: E402
-from launch_ros.substitutions import FindPackageShare  # noqa: E402
-
-import rclpy  # noqa: E402
+import launch_testing  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from synflux_ros.nodes.testing import config_path, rgb_image  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 import yaml  # noqa: E402
 
-# A namespace of its own keeps this test's topics apart from anything else on the same ROS domain
-# (launch_test does not choose a domain; CMakeLists.txt runs launch tests through ament_cmake_ros's
-# isolation runner, which sets ROS_DOMAIN_ID for the test).
-NAMESPACE = f'/synflux_test_traj_{os.getpid()}_{uuid.uuid4().hex[:8]}'
+NAMESPACE = support.unique_namespace('traj')
 
 with open(config_path('vla_demo_orin.yaml'), encoding='utf-8') as _fh:
     ACTION = yaml.safe_load(_fh)['action']
@@ -49,44 +31,25 @@ JOINT_NAMES = [f'joint_{i + 1}' for i in range(ACTION['action_dim'])]
 
 IMAGE_SIZE = 448
 STARTUP_TIMEOUT_S = 60.0   # node start-up + lifecycle activation + first trajectories
-FRAME_PERIOD_S = 0.1
 TRAJECTORIES_WANTED = 2
 
 
 @pytest.mark.launch_test
 def generate_test_description():
-    vla_launch = IncludeLaunchDescription(
-        PythonLaunchDescriptionSource(
-            PathJoinSubstitution([FindPackageShare('synflux_ros'), 'launch', 'vla.launch.py'])),
-        launch_arguments={
-            'config': 'vla_demo_orin.yaml',
-            'executor': 'mock',
-            'namespace': NAMESPACE,
-            'publish_joint_trajectory': 'true',
-            'joint_names': '[' + ', '.join(JOINT_NAMES) + ']',
-        }.items(),
+    return support.launch_description(
+        'vla.launch.py',
+        config='vla_demo_orin.yaml',
+        executor='mock',
+        namespace=NAMESPACE,
+        publish_joint_trajectory='true',
+        joint_names='[' + ', '.join(JOINT_NAMES) + ']',
     )
-    return launch.LaunchDescription([
-        vla_launch,
-        launch_testing.actions.ReadyToTest(),
-    ])
 
 
-class TestVlaJointTrajectory(unittest.TestCase):
+class TestVlaJointTrajectory(support.ClientNodeTestCase):
 
-    @classmethod
-    def setUpClass(cls):
-        rclpy.init()
-
-    @classmethod
-    def tearDownClass(cls):
-        rclpy.shutdown()
-
-    def setUp(self):
-        self.node = rclpy.create_node('vla_trajectory_test_client', namespace=NAMESPACE)
-
-    def tearDown(self):
-        self.node.destroy_node()
+    NODE_NAME = 'vla_trajectory_test_client'
+    NAMESPACE = NAMESPACE
 
     def test_trajectory_carries_the_launch_joint_names(self):
         trajectories = []
@@ -94,21 +57,12 @@ class TestVlaJointTrajectory(unittest.TestCase):
         image_pub = self.node.create_publisher(Image, 'image', qos_profile_sensor_data)
         image = rgb_image(IMAGE_SIZE, IMAGE_SIZE, frame_id='test_camera')
 
-        frame = 0
-        next_frame_at = time.monotonic()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline and len(trajectories) < TRAJECTORIES_WANTED:
-            now = time.monotonic()
-            if now >= next_frame_at:
-                image.header.stamp.sec, image.header.stamp.nanosec = divmod(time.time_ns(), 10**9)
-                image_pub.publish(image)
-                frame += 1
-                next_frame_at = now + FRAME_PERIOD_S
-            rclpy.spin_once(self.node, timeout_sec=max(0.0, min(0.05, next_frame_at - now)))
+        frames = self.publish_frames_until(
+            image_pub, image, lambda: len(trajectories) >= TRAJECTORIES_WANTED, STARTUP_TIMEOUT_S)
 
         self.assertGreaterEqual(
             len(trajectories), TRAJECTORIES_WANTED,
-            f'received {len(trajectories)} JointTrajectory message(s) for {frame} published '
+            f'received {len(trajectories)} JointTrajectory message(s) for {frames} published '
             f'frame(s) within {STARTUP_TIMEOUT_S:.0f} s on {NAMESPACE}/joint_trajectory')
 
         step = float(ACTION['step_period'])
@@ -125,7 +79,5 @@ class TestVlaJointTrajectory(unittest.TestCase):
 
 
 @launch_testing.post_shutdown_test()
-class TestVlaJointTrajectoryShutdown(unittest.TestCase):
-
-    def test_exit_codes(self, proc_info):
-        launch_testing.asserts.assertExitCodes(proc_info)
+class TestVlaJointTrajectoryShutdown(support.ExitCodesTest):
+    pass

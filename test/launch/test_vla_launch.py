@@ -6,30 +6,15 @@ Run with `colcon test --packages-select synflux_ros` or directly with
 
 import math
 import os
-import time
-import unittest
-import uuid
+import sys
 
 import pytest
 
-pytest.importorskip(
-    'launch_testing',
-    reason='launch_testing is not installed; '
-           'these tests run on a full ROS 2 install (colcon test)')
-pytest.importorskip(
-    'launch_ros',
-    reason='launch_ros is not installed; '
-           'these tests run on a full ROS 2 install (colcon test)')
+# launch_test loads this file by path: the shared module next to it is imported from its directory.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import launch_test_support as support  # noqa: E402  (skips without launch_testing / launch_ros)
 
-import launch  # noqa: E402
-import launch_testing.actions  # noqa: E402
-import launch_testing.asserts  # noqa: E402
-from launch.actions import IncludeLaunchDescription  # noqa: E402
-from launch.launch_description_sources import PythonLaunchDescriptionSource  # noqa: E402
-from launch.substitutions import PathJoinSubstitution  # noqa: E402
-from launch_ros.substitutions import FindPackageShare  # noqa: E402
-
-import rclpy  # noqa: E402
+import launch_testing  # noqa: E402
 from rclpy.qos import (  # noqa: E402
     DurabilityPolicy,
     HistoryPolicy,
@@ -42,10 +27,7 @@ from std_msgs.msg import String  # noqa: E402
 from synflux_ros.msg import ActionChunk  # noqa: E402
 from synflux_ros.nodes.testing import rgb_image  # noqa: E402
 
-# A namespace of its own keeps this test's topics apart from anything else running on the
-# same ROS domain. launch_test itself does not choose a domain: CMakeLists.txt runs it through
-# ament_cmake_ros's isolation runner, which sets ROS_DOMAIN_ID for the test.
-NAMESPACE = f'/synflux_test_vla_{os.getpid()}_{uuid.uuid4().hex[:8]}'
+NAMESPACE = support.unique_namespace('vla')
 
 IMAGE_WIDTH = 448
 IMAGE_HEIGHT = 448
@@ -53,42 +35,19 @@ FRAME_ID = 'test_camera'
 INSTRUCTION = 'pick up the red cube'
 
 STARTUP_TIMEOUT_S = 60.0   # node start-up + lifecycle activation + first chunks
-FRAME_PERIOD_S = 0.1       # publish camera frames at 10 Hz
 CHUNKS_WANTED = 3
 
 
 @pytest.mark.launch_test
 def generate_test_description():
-    vla_launch = IncludeLaunchDescription(
-        PythonLaunchDescriptionSource(
-            PathJoinSubstitution([FindPackageShare('synflux_ros'), 'launch', 'vla.launch.py'])),
-        launch_arguments={
-            'executor': 'mock',
-            'namespace': NAMESPACE,
-            'default_instruction': INSTRUCTION,
-        }.items(),
-    )
-    return launch.LaunchDescription([
-        vla_launch,
-        launch_testing.actions.ReadyToTest(),
-    ])
+    return support.launch_description(
+        'vla.launch.py', executor='mock', namespace=NAMESPACE, default_instruction=INSTRUCTION)
 
 
-class TestVlaPipeline(unittest.TestCase):
+class TestVlaPipeline(support.ClientNodeTestCase):
 
-    @classmethod
-    def setUpClass(cls):
-        rclpy.init()
-
-    @classmethod
-    def tearDownClass(cls):
-        rclpy.shutdown()
-
-    def setUp(self):
-        self.node = rclpy.create_node('vla_launch_test_client', namespace=NAMESPACE)
-
-    def tearDown(self):
-        self.node.destroy_node()
+    NODE_NAME = 'vla_launch_test_client'
+    NAMESPACE = NAMESPACE
 
     def test_frames_produce_action_chunks(self):
         chunks = []
@@ -110,23 +69,19 @@ class TestVlaPipeline(unittest.TestCase):
 
         published_stamps = set()
         base_sec = 1_700_000_000
-        frame = 0
-        next_frame_at = time.monotonic()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline and len(chunks) < CHUNKS_WANTED:
-            now = time.monotonic()
-            if now >= next_frame_at:
-                image.header.stamp.sec = base_sec + frame
-                image.header.stamp.nanosec = (frame * 1_000_003) % 1_000_000_000
-                published_stamps.add((image.header.stamp.sec, image.header.stamp.nanosec))
-                image_pub.publish(image)
-                frame += 1
-                next_frame_at = now + FRAME_PERIOD_S
-            rclpy.spin_once(self.node, timeout_sec=max(0.0, min(0.05, next_frame_at - now)))
+
+        def frame_stamp(frame):
+            sec_nanosec = (base_sec + frame, (frame * 1_000_003) % 1_000_000_000)
+            published_stamps.add(sec_nanosec)
+            return sec_nanosec
+
+        frames = self.publish_frames_until(
+            image_pub, image, lambda: len(chunks) >= CHUNKS_WANTED, STARTUP_TIMEOUT_S,
+            stamp=frame_stamp)
 
         self.assertGreaterEqual(
             len(chunks), CHUNKS_WANTED,
-            f'received {len(chunks)} action chunk(s) for {frame} published frame(s) '
+            f'received {len(chunks)} action chunk(s) for {frames} published frame(s) '
             f'within {STARTUP_TIMEOUT_S:.0f} s on {NAMESPACE}/action_chunk')
 
         for chunk in chunks:
@@ -144,7 +99,5 @@ class TestVlaPipeline(unittest.TestCase):
 
 
 @launch_testing.post_shutdown_test()
-class TestVlaShutdown(unittest.TestCase):
-
-    def test_exit_codes(self, proc_info):
-        launch_testing.asserts.assertExitCodes(proc_info)
+class TestVlaShutdown(support.ExitCodesTest):
+    pass

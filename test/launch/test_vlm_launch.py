@@ -5,39 +5,21 @@ Run with `colcon test --packages-select synflux_ros` or directly with
 """
 
 import os
+import sys
 import time
-import unittest
 import uuid
 
 import pytest
 
-pytest.importorskip(
-    'launch_testing',
-    reason='launch_testing is not installed; '
-           'these tests run on a full ROS 2 install (colcon test)')
-pytest.importorskip(
-    'launch_ros',
-    reason='launch_ros is not installed; '
-           'these tests run on a full ROS 2 install (colcon test)')
+# launch_test loads this file by path: the shared module next to it is imported from its directory.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import launch_test_support as support  # noqa: E402  (skips without launch_testing / launch_ros)
 
-import launch  # noqa: E402
-import launch_testing.actions  # noqa: E402
-import launch_testing.asserts  # noqa: E402
-from launch.actions import IncludeLaunchDescription  # noqa: E402
-from launch.launch_description_sources import PythonLaunchDescriptionSource  # noqa: E402
-from launch.substitutions import PathJoinSubstitution  # noqa: E402
-from launch_ros.substitutions import FindPackageShare  # noqa: E402
-
-import rclpy  # noqa: E402
-from lifecycle_msgs.msg import State  # noqa: E402
-from lifecycle_msgs.srv import GetState  # noqa: E402
+import launch_testing  # noqa: E402
 from synflux_ros.nodes.testing import rgb_image  # noqa: E402
 from synflux_ros.srv import Chat, EndSession  # noqa: E402
 
-# A namespace of its own keeps this test's services apart from anything else running on the
-# same ROS domain. launch_test itself does not choose a domain: CMakeLists.txt runs it through
-# ament_cmake_ros's isolation runner, which sets ROS_DOMAIN_ID for the test.
-NAMESPACE = f'/synflux_test_vlm_{os.getpid()}_{uuid.uuid4().hex[:8]}'
+NAMESPACE = support.unique_namespace('vlm')
 
 STARTUP_TIMEOUT_S = 60.0   # node start-up until it reports the active lifecycle state
 CALL_TIMEOUT_S = 30.0      # one service call
@@ -46,78 +28,25 @@ MAX_NEW_TOKENS = 16
 
 @pytest.mark.launch_test
 def generate_test_description():
-    vlm_launch = IncludeLaunchDescription(
-        PythonLaunchDescriptionSource(
-            PathJoinSubstitution([FindPackageShare('synflux_ros'), 'launch', 'vlm.launch.py'])),
-        launch_arguments={
-            'executor': 'mock',
-            'namespace': NAMESPACE,
-        }.items(),
-    )
-    return launch.LaunchDescription([
-        vlm_launch,
-        launch_testing.actions.ReadyToTest(),
-    ])
+    return support.launch_description('vlm.launch.py', executor='mock', namespace=NAMESPACE)
 
 
-class TestVlmChat(unittest.TestCase):
+class TestVlmChat(support.ClientNodeTestCase):
 
-    @classmethod
-    def setUpClass(cls):
-        rclpy.init()
-
-    @classmethod
-    def tearDownClass(cls):
-        rclpy.shutdown()
+    NODE_NAME = 'vlm_launch_test_client'
+    NAMESPACE = NAMESPACE
 
     def setUp(self):
-        self.node = rclpy.create_node('vlm_launch_test_client', namespace=NAMESPACE)
+        super().setUp()
         self.chat = self.node.create_client(Chat, 'chat')
         self.end_session = self.node.create_client(EndSession, 'end_session')
-        self._wait_until_active()
-
-    def tearDown(self):
-        self.node.destroy_node()
-
-    def _call(self, client, request, timeout=CALL_TIMEOUT_S):
-        future = client.call_async(request)
-        rclpy.spin_until_future_complete(self.node, future, timeout_sec=timeout)
-        self.assertTrue(future.done(),
-                        f'{client.srv_name} did not answer within {timeout:.0f} s')
-        response = future.result()
-        self.assertIsNotNone(response, f'{client.srv_name} call failed: {future.exception()}')
-        return response
-
-    def _wait_until_active(self):
-        """Wait until the self-starting lifecycle node is active and its services are up."""
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        get_state = self.node.create_client(GetState, 'vlm_node/get_state')
-        try:
-            state = None
-            while time.monotonic() < deadline:
-                if not get_state.wait_for_service(timeout_sec=0.5):
-                    continue
-                future = get_state.call_async(GetState.Request())
-                rclpy.spin_until_future_complete(
-                    self.node, future,
-                    timeout_sec=max(0.1, min(5.0, deadline - time.monotonic())))
-                if future.done() and future.result() is not None:
-                    state = future.result().current_state
-                    if state.id == State.PRIMARY_STATE_ACTIVE:
-                        break
-                # Not active yet: give the node a moment while still servicing callbacks.
-                rclpy.spin_once(self.node, timeout_sec=0.2)
-            else:
-                self.fail(f'{NAMESPACE}/vlm_node did not become active within '
-                          f'{STARTUP_TIMEOUT_S:.0f} s (last state: '
-                          f'{state.label if state else "unknown"})')
-        finally:
-            self.node.destroy_client(get_state)
-
+        # The services come up with the active state: wait for both within the same start-up time.
+        deadline = self.wait_until_active('vlm_node', STARTUP_TIMEOUT_S)
         for client in (self.chat, self.end_session):
-            remaining = max(0.1, deadline - time.monotonic())
-            self.assertTrue(client.wait_for_service(timeout_sec=remaining),
-                            f'{client.srv_name} is not available')
+            self.assert_service_available(client, max(0.1, deadline - time.monotonic()))
+
+    def _call(self, client, request):
+        return self.call_service(client, request, CALL_TIMEOUT_S)
 
     def _chat_request(self, session_id, prompt, images=(), reset=False):
         request = Chat.Request()
@@ -162,7 +91,5 @@ class TestVlmChat(unittest.TestCase):
 
 
 @launch_testing.post_shutdown_test()
-class TestVlmShutdown(unittest.TestCase):
-
-    def test_exit_codes(self, proc_info):
-        launch_testing.asserts.assertExitCodes(proc_info)
+class TestVlmShutdown(support.ExitCodesTest):
+    pass
