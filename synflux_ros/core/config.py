@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from .image import PreprocessSpec
+from .image import DEFAULT_MAX_INPUT_PIXELS, PreprocessSpec
 
 
 class ConfigError(ValueError):
@@ -60,6 +60,9 @@ class VisionConfig:
     intermediate_size: int = _spec(0, min=0, doc="0 = 4 x hidden_dim")
     spatial_merge_size: int = _spec(2, min=1, doc="qwen3_vl: patches merged per side into one token")
     deepstack_layers: tuple[int, ...] = _spec(default_factory=tuple, doc="qwen3_vl: layers feeding DeepStack")
+    max_input_pixels: int = _spec(DEFAULT_MAX_INPUT_PIXELS, min=1,
+                                  doc="largest width*height of an incoming image (raw, compressed or a chat "
+                                      "image), checked before it is decoded")
 
     def __post_init__(self):
         for i, axis in enumerate(("height", "width")):
@@ -183,6 +186,7 @@ class SessionConfig:
     eviction: str = _spec("lru", choices=("lru", "refuse"), doc="when all slots are taken")
     reuse_kv_cache: bool = _spec(True, doc="False recomputes the whole history every turn")
     max_images_per_turn: int = _spec(4, min=0)
+    max_prompt_bytes: int = _spec(64 * 1024, min=1, doc="largest prompt in UTF-8 bytes, checked before tokenising")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,7 +244,7 @@ class ModelConfig:
 
     # Fields that change no graph: runtime behaviour only.
     _RUNTIME_ONLY = {"action": ("step_period", "seed", "norm_q01", "norm_q99", "norm_mask"),
-                     "vision": ("resize", "pad_value", "interpolation", "mean", "std")}
+                     "vision": ("resize", "pad_value", "interpolation", "mean", "std", "max_input_pixels")}
 
     def graph_hash(self) -> str:
         """Hash of what shapes and fills the graphs (vision, llm, action heads); a graph set built for

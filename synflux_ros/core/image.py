@@ -24,6 +24,9 @@ import numpy as np
 __all__ = [
     "ImageError",
     "SUPPORTED_ENCODINGS",
+    "COMPRESSED_FORMATS",
+    "DEFAULT_MAX_INPUT_PIXELS",
+    "check_image_size",
     "decode_raw",
     "decode_compressed",
     "PreprocessSpec",
@@ -38,6 +41,14 @@ class ImageError(ValueError):
 #: Raw ``sensor_msgs/Image`` encodings accepted by :func:`decode_raw`.
 SUPPORTED_ENCODINGS: tuple[str, ...] = ("rgb8", "bgr8", "rgba8", "bgra8", "mono8")
 
+#: Pillow codecs :func:`decode_compressed` opens (those of ROS ``compressed`` image transport); no other
+#: decoder ever sees the data.
+COMPRESSED_FORMATS: tuple[str, ...] = ("JPEG", "PNG")
+
+#: Largest ``width * height`` a decoded frame may have unless the caller passes another limit (the
+#: default of the config field ``vision.max_input_pixels``): 4096 x 4096.
+DEFAULT_MAX_INPUT_PIXELS = 4096 * 4096
+
 # encoding -> (bytes per pixel, source channel index for R, G, B or None for identity)
 _LAYOUTS: dict[str, tuple[int, Any]] = {
     "rgb8": (3, None),
@@ -48,6 +59,27 @@ _LAYOUTS: dict[str, tuple[int, Any]] = {
 }
 
 
+def check_image_size(width: int, height: int, max_pixels: int = DEFAULT_MAX_INPUT_PIXELS) -> None:
+    """Raise :class:`ImageError` when a ``width x height`` frame has more than ``max_pixels`` pixels."""
+    pixels = int(width) * int(height)
+    if pixels > max_pixels:
+        raise ImageError(
+            f"width {width} x height {height} = {pixels} pixels exceeds the limit of {max_pixels} "
+            f"pixels (vision.max_input_pixels)"
+        )
+
+
+def _int_field(name: str, value: Any) -> int:
+    """``value`` of the integer message field ``name`` as an int, or an ImageError naming the field."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ImageError(f"{name} must be an integer, got {value!r}") from None
+    if isinstance(value, bool) or number != value:
+        raise ImageError(f"{name} must be an integer, got {value!r}")
+    return number
+
+
 def decode_raw(
     encoding: str,
     height: int,
@@ -55,6 +87,8 @@ def decode_raw(
     step: int,
     data: Any,
     is_bigendian: int = 0,
+    *,
+    max_pixels: int = DEFAULT_MAX_INPUT_PIXELS,
 ) -> np.ndarray:
     """Interpret raw ``sensor_msgs/Image`` fields as an ``HxWx3`` uint8 RGB array.
 
@@ -70,20 +104,27 @@ def decode_raw(
     rather than packed; use ``np.ascontiguousarray`` if a packed layout is
     required.
 
+    The fields are checked in the order encoding, size (``width * height``
+    at most ``max_pixels``), ``step``, ``data``, before ``data`` is touched,
+    and each error names the field at fault.
+
     Raises:
-        ImageError: unsupported encoding, non-positive size, ``step`` too
-            small for the row, or a data length other than ``step * height``.
+        ImageError: unsupported encoding, non-positive size, more than
+            ``max_pixels`` pixels, ``step`` too small for the row, or a data
+            length other than ``step * height``.
     """
-    layout = _LAYOUTS.get(encoding)
+    layout = _LAYOUTS.get(encoding) if isinstance(encoding, str) else None
     if layout is None:
         raise ImageError(
             f"unsupported encoding {encoding!r} (supported: {', '.join(SUPPORTED_ENCODINGS)})"
         )
     channels, reindex = layout
-    height, width, step = int(height), int(width), int(step)
+    height, width = _int_field("height", height), _int_field("width", width)
+    step = _int_field("step", step)
     if height <= 0 or width <= 0:
         kind = "zero-size" if min(height, width) == 0 else "negative-size"
         raise ImageError(f"{kind} image (width {width}, height {height})")
+    check_image_size(width, height, max_pixels)
     row_bytes = width * channels
     if step < row_bytes:
         raise ImageError(f"step {step} is smaller than width*channels = {row_bytes}")
@@ -106,16 +147,26 @@ def decode_raw(
     return pixels[:, :, reindex]
 
 
-def decode_compressed(format: str, data: Any) -> np.ndarray:  # noqa: A002 (message field)
-    """Decode ``sensor_msgs/CompressedImage`` bytes (JPEG, PNG, ...) to ``HxWx3`` uint8 RGB.
+def decode_compressed(
+    format: str,  # noqa: A002 (message field)
+    data: Any,
+    *,
+    max_pixels: int = DEFAULT_MAX_INPUT_PIXELS,
+) -> np.ndarray:
+    """Decode ``sensor_msgs/CompressedImage`` bytes (JPEG or PNG) to ``HxWx3`` uint8 RGB.
 
-    ``format`` is only used for validation and error messages; the actual
-    codec is detected from the data.  Greyscale, palette and alpha images are
-    converted to RGB.  ``compressedDepth`` payloads are rejected.
+    ``format`` is only used for validation and error messages; the codec is
+    detected from the data, and only the codecs of :data:`COMPRESSED_FORMATS`
+    are tried.  Greyscale, palette and alpha images are converted to RGB.
+    ``compressedDepth`` payloads are rejected.  The frame size is read from
+    the header and checked against ``max_pixels`` before anything is
+    decoded, so a small payload that would expand to a huge frame
+    (a decompression bomb) costs nothing.
 
     Raises:
         ImageError: empty or undecodable data, a ``compressedDepth`` payload,
-            or Pillow not being installed.
+            a frame of more than ``max_pixels`` pixels, or Pillow not being
+            installed.
     """
     try:
         size = memoryview(data).nbytes
@@ -131,14 +182,30 @@ def decode_compressed(format: str, data: Any) -> np.ndarray:  # noqa: A002 (mess
         from PIL import Image
     except ImportError as exc:
         raise ImageError("CompressedImage needs Pillow (pip install pillow)") from exc
+    where = f"CompressedImage data (format {format!r}, {size} bytes)"
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        img = Image.open(io.BytesIO(data), formats=COMPRESSED_FORMATS)
+    except Image.UnidentifiedImageError:
+        raise ImageError(
+            f"cannot decode {where}: not a {' or '.join(COMPRESSED_FORMATS)} image"
+        ) from None
+    except Exception as exc:  # Pillow raises a variety of types for corrupt headers
+        raise ImageError(f"cannot decode {where}: {exc}") from exc
+    with img:
+        width, height = img.size
+        if width <= 0 or height <= 0:
+            raise ImageError(f"{where}: zero-size image (width {width}, height {height})")
+        try:
+            check_image_size(width, height, max_pixels)
+        except ImageError as exc:
+            raise ImageError(f"{where}: {exc}") from None
+        try:
             rgb = img if img.mode == "RGB" else img.convert("RGB")
             array = np.asarray(rgb, dtype=np.uint8)
-    except Exception as exc:  # Pillow raises a variety of types for corrupt input
-        raise ImageError(
-            f"cannot decode CompressedImage (format {format!r}, {size} bytes): {exc}"
-        ) from exc
+        except Exception as exc:  # Pillow raises a variety of types for corrupt input
+            raise ImageError(f"cannot decode {where}: {exc}") from exc
+    if array.shape != (height, width, 3):
+        raise ImageError(f"cannot decode {where}: decoded to shape {array.shape}")
     return array
 
 

@@ -160,10 +160,11 @@ class VLANode(SynfluxNode):
 
     def _on_image(self, msg: Image):
         self._submit(msg.header, lambda: decode_raw(msg.encoding, msg.height, msg.width, msg.step, msg.data,
-                                                    msg.is_bigendian))
+                                                    msg.is_bigendian, max_pixels=self.cfg.vision.max_input_pixels))
 
     def _on_compressed(self, msg: CompressedImage):
-        self._submit(msg.header, lambda: decode_compressed(msg.format, msg.data))
+        self._submit(msg.header, lambda: decode_compressed(msg.format, msg.data,
+                                                           max_pixels=self.cfg.vision.max_input_pixels))
 
     def _on_instruction(self, msg: String):
         if self.runtime is None or msg.data.strip() == self.runtime.instruction:

@@ -6,7 +6,11 @@ keeps serving.
 
 Concurrency: both services share one mutually exclusive callback group, because the model runs one
 turn at a time on the accelerator; diagnostics run on their own group so they keep flowing during a
-long generation.
+long generation. Lifecycle transitions run on the node's default group, so a cleanup can arrive while
+a turn is running: the services hold ``_serving`` while they use the runtime and ``teardown`` takes it
+before the runtime is freed, so the turn in flight completes and is answered. The services are created
+at the first configure and live as long as the node (destroying one could drop the answer of a turn
+that has just finished); while the node is not active they refuse with "node is not active".
 """
 from __future__ import annotations
 
@@ -48,23 +52,26 @@ class VLMNode(SynfluxNode):
     def __init__(self, **kwargs):
         super().__init__("vlm_node", **kwargs)
         self._chat_services = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # statistics, read by diagnostics
+        self._serving = threading.Lock()  # held while a service uses the runtime
         self._ttft, self._tok_per_s = [], []
         self._last_refusal = ""
 
     def setup(self, p: dict, cfg) -> str:
         self.runtime = self.load_runtime(VLMRuntime, cfg)
-        group = MutuallyExclusiveCallbackGroup()
-        self._chat_services = [self.create_service(Chat, "chat", self._on_chat, callback_group=group),
-                          self.create_service(EndSession, "end_session", self._on_end, callback_group=group)]
+        if not self._chat_services:
+            group = MutuallyExclusiveCallbackGroup()
+            self._chat_services = [
+                self.create_service(Chat, "chat", self._on_chat, callback_group=group),
+                self.create_service(EndSession, "end_session", self._on_end, callback_group=group)]
         s = cfg.session
         return (f"{cfg.name!r} on {cfg.executor.backend!r}: {s.max_sessions} sessions of {cfg.llm.max_seq_len} "
                 f"tokens (eviction {s.eviction})")
 
     def teardown(self) -> None:
-        for srv in self._chat_services:
-            self.destroy_service(srv)
-        self._chat_services = []
+        # _active is already False: once a turn in flight has finished, no request reaches the runtime.
+        with self._serving:
+            pass
 
     # ---------------------------------------------------------------- services
     def _refuse(self, response, why: str):
@@ -75,13 +82,21 @@ class VLMNode(SynfluxNode):
         return response
 
     def _on_chat(self, request, response):
-        if not self._active:
-            return self._refuse(response, "node is not active")
+        with self._serving:
+            if not self._active:
+                return self._refuse(response, "node is not active")
+            return self._serve_chat(request, response)
+
+    def _serve_chat(self, request, response):
         try:
+            # The checks that cost nothing come before any image is decoded.
+            self.runtime.check_limits(request.session_id, request.prompt, len(request.images))
+            max_pixels = self.cfg.vision.max_input_pixels
             images = []
             for i, im in enumerate(request.images):
                 try:
-                    images.append(decode_raw(im.encoding, im.height, im.width, im.step, im.data, im.is_bigendian))
+                    images.append(decode_raw(im.encoding, im.height, im.width, im.step, im.data, im.is_bigendian,
+                                             max_pixels=max_pixels))
                 except ImageError as exc:
                     raise RequestError(f"images[{i}]: {exc}") from None
             result = self.runtime.chat(chat_request(request, images))
@@ -109,12 +124,13 @@ class VLMNode(SynfluxNode):
         return response
 
     def _on_end(self, request, response):
-        if not self._active:
-            return self._refuse(response, "node is not active")
-        try:
-            self.runtime.end_session(request.session_id)
-        except RequestError as exc:
-            return self._refuse(response, str(exc))
+        with self._serving:
+            if not self._active:
+                return self._refuse(response, "node is not active")
+            try:
+                self.runtime.end_session(request.session_id)
+            except RequestError as exc:
+                return self._refuse(response, str(exc))
         response.success = True
         return response
 

@@ -11,6 +11,7 @@ turn instead, which must give the same reply: it is the reference the cache path
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 import time
 import zlib
@@ -20,13 +21,14 @@ import numpy as np
 
 from ..core.config import ConfigError, ModelConfig
 from ..core.executor import Executor
-from ..core.image import ImageError
+from ..core.image import ImageError, check_image_size
 from ..pieces.heads.text_sampling import SamplingParams, generate
 from ..pieces.tokenizer import Tokenizer
 from .sessions import RequestError, Segment, Session, SessionManager
 from .stack import ModelRuntime
 
 MAX_SESSION_ID_CHARS = 128
+MIN_TEMPERATURE = 1e-6  # smallest sampling temperature; below it logits / temperature can overflow
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,13 @@ class _Turn:
     t0: float
 
 
+def _utf8(name: str, text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{name} is not valid Unicode text ({exc.reason} at character {exc.start})") from None
+
+
 class VLMRuntime(ModelRuntime):
     """Multi-turn chat: one KV-cache slot per session, each turn prefilling only its new tokens (or, with
     ``session.reuse_kv_cache: false``, the whole history). One turn runs at a time."""
@@ -103,12 +112,19 @@ class VLMRuntime(ModelRuntime):
         """The request's limits, each None replaced by the config's value."""
         t = self.cfg.text
         ctx = self.cfg.llm.max_seq_len
+        for name in ("max_new_tokens", "temperature", "top_p"):
+            value = getattr(req, name)
+            kind = numbers.Integral if name == "max_new_tokens" else numbers.Real
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+                raise RequestError(f"{name} must be {'an integer' if kind is numbers.Integral else 'a number'}, "
+                                   f"got {value!r}")
         if req.max_new_tokens is not None and not 1 <= req.max_new_tokens <= ctx:
             raise RequestError(f"max_new_tokens {req.max_new_tokens} is out of range (1 to the context {ctx}; "
                                f"leave it unset for the default {t.max_new_tokens})")
-        if req.temperature is not None and not (math.isfinite(req.temperature) and 0.0 <= req.temperature <= 100.0):
-            raise RequestError(f"temperature {req.temperature} is out of range (0 = greedy, at most 100; "
-                               f"leave it unset for the config's sampling)")
+        if req.temperature is not None and not (math.isfinite(req.temperature) and (
+                req.temperature == 0.0 or MIN_TEMPERATURE <= req.temperature <= 100.0)):
+            raise RequestError(f"temperature {req.temperature} is out of range (0 = greedy, else {MIN_TEMPERATURE:g} "
+                               f"to 100; leave it unset for the config's sampling)")
         if req.top_p is not None and not (math.isfinite(req.top_p) and 0.0 < req.top_p <= 1.0):
             raise RequestError(f"top_p {req.top_p} is out of range (above 0, at most 1; leave it unset for the "
                                f"default {t.top_p})")
@@ -120,17 +136,47 @@ class VLMRuntime(ModelRuntime):
         top_p = t.top_p if req.top_p is None else req.top_p
         return SamplingParams(max_new, temperature, top_p, self._eos)
 
-    def _validate(self, req: ChatRequest) -> None:
-        sid = req.session_id
-        if not sid or not sid.strip():
+    def check_limits(self, session_id: str, prompt: str, num_images: int) -> None:
+        """The checks that cost nothing: session id, prompt size in bytes and the number of images. A
+        caller that still has to decode the images runs these first; :meth:`chat` runs them too."""
+        if not isinstance(session_id, str) or not session_id.strip():
             raise RequestError("session_id is empty")
-        if len(sid) > MAX_SESSION_ID_CHARS:
-            raise RequestError(f"session_id has {len(sid)} characters (limit {MAX_SESSION_ID_CHARS})")
-        if not req.prompt or not req.prompt.strip():
+        if len(session_id) > MAX_SESSION_ID_CHARS:
+            raise RequestError(f"session_id has {len(session_id)} characters (limit {MAX_SESSION_ID_CHARS})")
+        _utf8("session_id", session_id)
+        if not isinstance(prompt, str) or not prompt.strip():
             raise RequestError("prompt is empty")
+        limit = self.cfg.session.max_prompt_bytes
+        # Each character is at least one byte: a prompt this long is refused without encoding it.
+        if len(prompt) > limit:
+            raise RequestError(f"prompt has {len(prompt)} characters, over the limit of {limit} bytes "
+                               f"(session.max_prompt_bytes)")
+        size = len(_utf8("prompt", prompt))
+        if size > limit:
+            raise RequestError(f"prompt has {size} bytes, over the limit of {limit} bytes (session.max_prompt_bytes)")
         limit = self.cfg.session.max_images_per_turn
-        if len(req.images) > limit:
-            raise RequestError(f"{len(req.images)} images attached, at most {limit} per turn")
+        if num_images > limit:
+            raise RequestError(f"{num_images} images attached, at most {limit} per turn "
+                               f"(session.max_images_per_turn)")
+
+    def _validate(self, req: ChatRequest) -> None:
+        images = req.images
+        if not isinstance(images, (list, tuple)):
+            raise RequestError(f"images must be a list of arrays, got {type(images).__name__}")
+        self.check_limits(req.session_id, req.prompt, len(images))
+        max_pixels = self.cfg.vision.max_input_pixels
+        for i, img in enumerate(images):
+            if not isinstance(img, np.ndarray) or img.ndim != 3 or img.shape[2] != 3 or img.dtype != np.uint8:
+                what = f"shape {img.shape}, dtype {img.dtype}" if isinstance(img, np.ndarray) else \
+                    type(img).__name__
+                raise RequestError(f"images[{i}]: expected an HxWx3 uint8 RGB array, got {what}")
+            height, width = img.shape[:2]
+            if height == 0 or width == 0:
+                raise RequestError(f"images[{i}]: zero-size image (width {width}, height {height})")
+            try:
+                check_image_size(width, height, max_pixels)
+            except ImageError as exc:
+                raise RequestError(f"images[{i}]: {exc}") from None
 
     # ---------------------------------------------------------------- chat
     def _turn_segments(self, pending: list[int], prompt: str, image_embeds: list[np.ndarray]) -> list[Segment]:

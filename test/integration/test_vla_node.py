@@ -260,3 +260,13 @@ def test_configure_after_a_failed_configure(start_node, client):
     h = Harness(client, "/retry")
     h.wait_connected()
     h.publish_until_chunks(1, lambda s, t: rgb_image(448, 448, s, t))
+
+
+def test_frames_over_the_pixel_limit_are_rejected_before_decoding(start_node, client, make_config):
+    cfg = make_config("vla_demo_orin.yaml", vision={"max_input_pixels": 320 * 240})
+    start_node("vla_node", {"config": cfg, "diagnostics_period": 0.2}, namespace="/limit")
+    h = Harness(client, "/limit")
+    h.wait_connected()
+    d = h.publish_until_diag(rgb_image(480, 640, 0, 1), lambda d: int(d["frames_rejected"]) >= 1)
+    assert "307200 pixels exceeds the limit of 76800 pixels (vision.max_input_pixels)" in d["last_error"]
+    h.publish_until_chunks(1, lambda s, t: rgb_image(240, 320, s, t))
