@@ -1,0 +1,73 @@
+"""synflux-validate on graph sets built by synflux-build: a backend that computes the same passes, one
+that does not fails with exit code 1, and the report names each graph output."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
+pytest.importorskip("onnxruntime", reason="the reference backend needs onnxruntime")
+
+from synflux_ros.bench.validate import main, validate  # noqa: E402
+from synflux_ros.build.export import build  # noqa: E402
+from synflux_ros.core.config import load_config  # noqa: E402
+from synflux_ros.core.graphs import graph_set  # noqa: E402
+from synflux_ros.nodes.testing import config_path  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def graph_sets(tmp_path_factory):
+    out = {}
+    for name in ("vla_demo_orin", "vlm_demo"):
+        d = tmp_path_factory.mktemp(name)
+        build(load_config(config_path(f"{name}.yaml")), str(d))
+        out[name] = str(d)
+    return out
+
+
+@pytest.mark.parametrize("name", ["vla_demo_orin", "vlm_demo"])
+def test_the_same_computation_passes(graph_sets, name):
+    # onnxruntime without its graph optimiser against onnxruntime with it: same math, other kernels
+    rows = validate(graph_sets[name], "onnxruntime", "onnxruntime", {"graph_optimization_level": "disable"}, {})
+    expected = {f"{g.name}/{o.name}" for g in graph_set(load_config(config_path(f"{name}.yaml"))) for o in g.outputs}
+    outputs = {r.check for r in rows if "/" in r.check}
+    assert outputs == expected  # every output of every graph
+    assert all(r.passed for r in rows), [r for r in rows if not r.passed]
+    assert all(r.max_abs_diff <= 1e-4 for r in rows if "/" in r.check)
+    model_rows = [r for r in rows if "/" not in r.check]
+    assert model_rows and all(r.cosine > 0.999 for r in model_rows)
+
+
+def test_a_backend_that_computes_something_else_fails(graph_sets, tmp_path):
+    # the mock ignores the weights: every output differs, and the exit code says so
+    report = tmp_path / "report.json"
+    code = main(["--graphs", graph_sets["vlm_demo"], "--backend", "mock", "--json", str(report)])
+    assert code == 1
+    data = json.loads(report.read_text())
+    assert data["passed"] is False and data["backend"] == "mock"
+    failed = {r["check"] for r in data["rows"] if not r["passed"]}
+    assert "decode_256/logits" in failed and any(c.startswith("greedy tokens") for c in failed)
+
+
+def test_reduced_precision_uses_cosine(graph_sets):
+    rows = validate(graph_sets["vla_demo_orin"], "onnxruntime", "onnxruntime", {}, {}, precision="reduced",
+                    min_cosine=0.99)
+    assert all(r.passed for r in rows)
+
+
+def test_usage_errors_exit_2(tmp_path):
+    assert main(["--graphs", str(tmp_path), "--backend", "onnxruntime"]) == 2
+    with pytest.raises(SystemExit, match="--options: not JSON"):
+        main(["--graphs", str(tmp_path), "--backend", "onnxruntime", "--options", "{bad"])
+
+
+def test_the_command_is_installed(graph_sets):
+    from synflux_ros.nodes.testing import executable
+    r = subprocess.run([sys.executable, executable("synflux-validate"), "--graphs", graph_sets["vla_demo_orin"],
+                        "--backend", "onnxruntime", "--options", '{"graph_optimization_level": "basic"}'],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "action chunk, frame 0" in r.stdout and "checks within the thresholds" in r.stdout
