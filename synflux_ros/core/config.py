@@ -197,6 +197,51 @@ class ExecutorConfig:
     latency_ms: dict[str, float] = _spec(
         default_factory=dict, doc="mock: simulated device latency per graph name or prefix")
     options: dict[str, Any] = _spec(default_factory=dict, doc="backend-specific options")
+    placement: dict[str, Any] = _spec(
+        default_factory=dict,
+        doc="graph kind -> 'backend[:device]' or {backend, options}: run those graphs on another executor")
+
+    PLACEABLE = ("vision_encoder", "embed", "prefill", "decode", "action_expert")
+
+    def __post_init__(self):
+        for kind, where in self.placement.items():
+            path = f"executor.placement.{kind}"
+            if kind not in self.PLACEABLE:
+                raise ConfigError(f"{path}: unknown graph kind{choices_hint(kind, self.PLACEABLE)}")
+            placed = Placement.parse(where, path)
+            if placed.backend == self.backend and not placed.options:
+                raise ConfigError(f"{path}: {where!r} is the default executor; remove the entry")
+
+    def placements(self) -> dict[str, "Placement"]:
+        """Graph kind -> where it runs, for the kinds placed away from the default executor."""
+        return {kind: Placement.parse(where, f"executor.placement.{kind}") for kind, where in self.placement.items()}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a graph kind runs: a backend and its options (``device`` among them)."""
+    backend: str
+    options: tuple = ()  # sorted (key, value) pairs, so that equal placements share one executor
+
+    @classmethod
+    def parse(cls, where, path: str) -> "Placement":
+        if isinstance(where, str) and where:
+            backend, _, device = where.partition(":")
+            return cls(backend, (("device", device),) if device else ())
+        if isinstance(where, dict) and isinstance(where.get("backend"), str) and where["backend"]:
+            unknown = set(where) - {"backend", "options"}
+            if unknown:
+                raise ConfigError(f"{path}: unknown field {sorted(unknown)[0]!r} (choices: backend, options)")
+            options = where.get("options") or {}
+            if not isinstance(options, dict):
+                raise ConfigError(f"{path}.options: expected a mapping, got {options!r}")
+            return cls(where["backend"], tuple(sorted(options.items())))
+        raise ConfigError(f"{path}: expected 'backend[:device]' or {{backend: ..., options: {{...}}}}, "
+                          f"got {where!r}")
+
+    def __str__(self) -> str:
+        device = dict(self.options).get("device", "")
+        return f"{self.backend}:{device}" if device else self.backend
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -242,6 +242,11 @@ class Executor(abc.ABC):
             self.pool.release_all()
         self._loaded = False
 
+    def device_of(self, graph: str) -> str:
+        """Where ``graph`` runs: the backend name, with the ``device`` option when one is set."""
+        device = self.options.get("device", "")
+        return f"{self.name}:{device}" if device else self.name
+
     @property
     def loaded(self) -> bool:
         return self._loaded

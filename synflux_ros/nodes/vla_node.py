@@ -91,6 +91,8 @@ class VLANode(SynfluxNode):
             except ValueError as exc:
                 raise self.fail("default_instruction", str(exc)) from None
         self.cfg, self.joint_names = cfg, joints
+        devices = self.runtime.stage_devices
+        self._stage_devices = (devices["vision"], devices["backbone"], devices["head"])
         self.pipeline = VLAPipeline(self.runtime, self._on_result, self._on_error)
         self._pubs["chunk"] = self.create_lifecycle_publisher(ActionChunk, "action_chunk", 10)
         if p["publish_joint_trajectory"]:
@@ -191,6 +193,7 @@ class VLANode(SynfluxNode):
         msg.vision_ms = float(t.get("vision_ms", 0.0))
         msg.backbone_ms = float(t.get("backbone_ms", 0.0))
         msg.head_ms = float(t.get("head_ms", 0.0))
+        msg.vision_device, msg.backbone_device, msg.head_device = self._stage_devices
         latency = (time.perf_counter() - frame.t_receipt) * 1e3
         msg.latency_ms = float(latency)
         self._pubs["chunk"].publish(msg)
@@ -270,6 +273,8 @@ class VLANode(SynfluxNode):
                   **rates, "latency_median_ms": median(lat)}
         for st in self.pipeline.pipeline.stats if self.pipeline else []:
             values[f"stage_{st.name}_median_ms"] = median(st.recent_ms)
+        for stage, device in self.runtime.stage_devices.items():
+            values[f"stage_{stage}_device"] = device
         values["device_memory_mib"] = self.runtime.executor.device_bytes / 2**20
         values["last_error"] = self._last_input_error
         problems = []

@@ -143,7 +143,9 @@ class VLMNode(SynfluxNode):
                   "sessions_open": len(rt.sessions), "sessions_max": rt.kv_pool.num_slots,
                   "sessions_evicted": rt.sessions.evicted, "turns_served": rt.turns_served,
                   "requests_refused": rt.requests_refused, "ttft_median_ms": ttft, "decode_tokens_per_s": tps,
-                  "device_memory_mib": rt.executor.device_bytes / 2**20, "last_refusal": self._last_refusal}
+                  "device_memory_mib": rt.executor.device_bytes / 2**20, "last_refusal": self._last_refusal,
+                  "vision_device": rt.executor.device_of("vision_encoder"),
+                  "llm_device": rt.executor.device_of(f"decode_{self.cfg.llm.decode_buckets[0]}")}
         return OK, f"{len(rt.sessions)}/{rt.kv_pool.num_slots} sessions", values
 
 

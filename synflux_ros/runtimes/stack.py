@@ -3,6 +3,7 @@ the tokenizer, the vision encoder, the LLM backbone and a pool of KV-cache slots
 memory pool frozen so that serving allocates nothing."""
 from __future__ import annotations
 
+import json
 import os
 
 from ..backends import build_executor
@@ -11,6 +12,7 @@ from ..core.config import ConfigError, ModelConfig
 from ..core.executor import Executor, GraphMeta
 from ..core.graphs import graph_set
 from ..core.kv_cache import KVCachePool
+from ..core.placement import PlacedExecutor
 from ..pieces.backbone import LLMBackbone
 from ..pieces.tokenizer import Tokenizer, load_tokenizer
 from ..pieces.vision import VisionEncoder
@@ -47,12 +49,37 @@ def load_graph_metas(cfg: ModelConfig, manifest: dict | None = None) -> list[Gra
 
 
 def create_executor(cfg: ModelConfig, manifest: dict | None = None) -> Executor:
-    """Instantiate and load the configured backend. Errors name the backend or the missing package."""
-    options = dict(cfg.executor.options)
+    """Instantiate and load the configured backend, or with ``executor.placement`` one executor per
+    placement behind a :class:`PlacedExecutor`. Errors name the backend or the missing package."""
+    metas = load_graph_metas(cfg, manifest)
+    placements = cfg.executor.placements()
+    if not placements:
+        return _load_member(cfg, cfg.executor.backend, cfg.executor.options, metas)
+    groups: dict[str, tuple[str, dict, list]] = {}
+    for meta in metas:
+        where = placements.get(meta.kind)
+        backend, options = (where.backend, dict(where.options)) if where else \
+            (cfg.executor.backend, dict(cfg.executor.options))
+        key = json.dumps([backend, options], sort_keys=True, default=str)
+        groups.setdefault(key, (backend, options, []))[2].append(meta)
+    members: dict[str, Executor] = {}
+    try:
+        for backend, options, group in groups.values():
+            ex = _load_member(cfg, backend, options, group)
+            label = ex.device_of(group[0].name)
+            members[label if label not in members else f"{label}#{len(members)}"] = ex
+        return PlacedExecutor(members)
+    except BaseException:
+        for ex in members.values():
+            ex.close()
+        raise
+
+
+def _load_member(cfg: ModelConfig, backend: str, options: dict, metas: list[GraphMeta]) -> Executor:
+    options = dict(options)
     if cfg.executor.latency_ms:
         options["latency_ms"] = dict(cfg.executor.latency_ms)
-    ex = build_executor(cfg.executor.backend, load_graph_metas(cfg, manifest), resolve_graph_dir(cfg), options)
-    return ex.load()
+    return build_executor(backend, metas, resolve_graph_dir(cfg), options).load()
 
 
 class ModelRuntime:

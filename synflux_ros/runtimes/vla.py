@@ -137,6 +137,16 @@ class VLARuntime(ModelRuntime):
             frame.slot = None
 
     @property
+    def stage_devices(self) -> dict[str, str]:
+        """Where each stage runs (``executor.placement`` may put them on different devices)."""
+        llm = self.cfg.llm
+        head_graph = (f"action_expert_{llm.decode_buckets[0]}" if self.cfg.action.head_type == "flow_matching"
+                      else f"decode_{llm.decode_buckets[0]}")
+        return {"vision": self.executor.device_of("vision_encoder"),
+                "backbone": self.executor.device_of(f"prefill_{llm.prefill_buckets[0]}"),
+                "head": self.executor.device_of(head_graph)}
+
+    @property
     def stages(self) -> list[tuple[str, Callable]]:
         return [("vision", self.stage_vision), ("backbone", self.stage_backbone), ("head", self.stage_head)]
 

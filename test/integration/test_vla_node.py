@@ -270,3 +270,15 @@ def test_frames_over_the_pixel_limit_are_rejected_before_decoding(start_node, cl
     d = h.publish_until_diag(rgb_image(480, 640, 0, 1), lambda d: int(d["frames_rejected"]) >= 1)
     assert "307200 pixels exceeds the limit of 76800 pixels (vision.max_input_pixels)" in d["last_error"]
     h.publish_until_chunks(1, lambda s, t: rgb_image(240, 320, s, t))
+
+
+def test_chunks_and_diagnostics_name_the_device_of_each_stage(start_node, client, make_config):
+    cfg = make_config("vla_demo_orin.yaml", executor={"placement": {"vision_encoder": "mock:NPU"}})
+    start_node("vla_node", {"config": cfg, "diagnostics_period": 0.2}, namespace="/placed")
+    h = Harness(client, "/placed")
+    h.wait_connected()
+    h.publish_until_chunks(2, lambda s, t: rgb_image(448, 448, s, t))
+    c = h.chunks[-1]
+    assert (c.vision_device, c.backbone_device, c.head_device) == ("mock:NPU", "mock", "mock")
+    d = h.diag_where(lambda d: "stage_vision_device" in d)
+    assert d["stage_vision_device"] == "mock:NPU" and d["stage_backbone_device"] == "mock"
