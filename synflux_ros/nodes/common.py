@@ -1,9 +1,12 @@
-"""Shared node plumbing: parameter declaration and validation, config lookup, diagnostics, lifecycle main."""
+"""Shared node plumbing: parameter declaration and validation, config lookup, diagnostics, and the
+lifecycle main (start-up, SIGINT/SIGTERM handling, ordered shutdown)."""
 from __future__ import annotations
 
 import os
+import signal
 import statistics
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -14,6 +17,7 @@ from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import Node as LifecycleNode
 from rclpy.lifecycle import State, TransitionCallbackReturn
+from rclpy.signals import SignalHandlerOptions
 
 from ..core.config import ConfigError, ModelConfig, load_config
 
@@ -121,6 +125,16 @@ def diagnostic_array(node, status_name: str, hardware_id: str, level: int, messa
     return arr
 
 
+def subscribe_diagnostics(node, callback: Callable[[str, dict[str, str]], None], depth: int = 10):
+    """The reading side of :func:`diagnostic_array`: subscribe ``node`` to ``/diagnostics`` and call
+    ``callback(status name, {key: value})`` for each status received (values as sent: strings). Returns the
+    subscription (destroy it with ``node.destroy_subscription``)."""
+    def on_array(msg: DiagnosticArray):
+        for st in msg.status:
+            callback(st.name, {kv.key: kv.value for kv in st.values})
+    return node.create_subscription(DiagnosticArray, "/diagnostics", on_array, depth)
+
+
 OK, WARN, ERROR = DiagnosticStatus.OK[0], DiagnosticStatus.WARN[0], DiagnosticStatus.ERROR[0]
 
 
@@ -190,6 +204,7 @@ class SynfluxNode(LifecycleNode):
             if p["diagnostics_period"] <= 0:
                 raise self.fail("diagnostics_period", f"must be > 0, got {p['diagnostics_period']!r}")
             cfg = load_node_config(self, self.MODE, p["config"], p["executor"], p["graph_dir"])
+            self.get_logger().info(f"loading {cfg.name!r} on {cfg.executor.backend!r}")
             summary = self.setup(p, cfg)
         except ParameterError as exc:
             self.last_error = str(exc)
@@ -248,34 +263,154 @@ class SynfluxNode(LifecycleNode):
                                             f"synflux/{self.cfg.executor.backend}", level, message, values))
 
 
+class ShutdownRequested(BaseException):
+    """SIGINT or SIGTERM arrived while the node was starting up or loading its model.
+
+    Raised in the main thread by :class:`ShutdownSignals`. Like KeyboardInterrupt it derives from
+    BaseException, so the ``except Exception`` clauses of loaders let it through and the load is abandoned.
+    """
+
+
+class ShutdownSignals:
+    """SIGINT and SIGTERM handling of a node process: both mean "stop, clean up, exit with 0".
+
+    By default ``rclpy.init`` installs handlers for both signals that shut the ROS context down at once,
+    under whatever is running: a pipeline stage publishing its chunk or a service answering a request then
+    fails on an invalid context. The node instead initialises rclpy without them and installs these:
+
+    * while :attr:`interruptible` (start-up and model loading, which run in the main thread and can take
+      seconds) the first signal raises :class:`ShutdownRequested` there and the load is abandoned;
+    * otherwise it is recorded in :attr:`received`; the main thread spins in slices of
+      ``SPIN_SLICE_S``, sees it and shuts down in order: callbacks finished, pipeline drained and its
+      threads joined, device memory freed, entities destroyed, then the ROS context.
+
+    A second signal is ignored, so it cannot cut that cleanup short.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received = ""  # name of the first signal, "" while none arrived
+        self.interruptible = False
+        self._previous: dict = {}
+
+    def install(self) -> bool:
+        """Install the handlers; False where that is impossible (Python runs signal handlers in the main
+        thread only), in which case rclpy's own handlers should be used."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.received:
+            return
+        self.received = signal.Signals(signum).name
+        if self.interruptible:
+            self.interruptible = False
+            raise ShutdownRequested(self.received)
+
+
+class NodeExecutor(MultiThreadedExecutor):
+    """MultiThreadedExecutor whose shutdown first finishes the callbacks already handed to its threads.
+
+    ``MultiThreadedExecutor.shutdown`` destroys the executor's guard condition and then joins its threads;
+    a callback still queued at that moment takes its message (an image, a chat request) and then fails on
+    the destroyed guard condition before it runs, so the message is lost and the failure printed at exit.
+    Joining the threads first lets each such callback run while the node is still whole.
+    """
+
+    def shutdown(self, timeout_sec: float | None = None, *, wait_for_threads: bool = True) -> bool:
+        pool = getattr(self, "_executor", None)  # the thread pool of rclpy's MultiThreadedExecutor
+        if wait_for_threads and pool is not None:
+            pool.shutdown(wait=True)
+        return super().shutdown(timeout_sec, wait_for_threads=wait_for_threads)
+
+
+SPIN_SLICE_S = 0.1
+"""Longest wait of the main thread in the executor; it bounds the delay between a signal and shutdown."""
+
+LIVE_THREADS_MESSAGE = "threads still alive after shutdown"
+
+
+def live_threads() -> list[threading.Thread]:
+    """Python threads other than the main thread that are still running."""
+    main = threading.main_thread()
+    return [t for t in threading.enumerate() if t is not main and t.is_alive()]
+
+
+def report_live_threads(name: str) -> list[threading.Thread]:
+    """Print to stderr every thread that outlived the node's cleanup (pipeline stages, executor workers,
+    anything a backend started); the process should end with the main thread alone."""
+    alive = live_threads()
+    if alive:
+        listed = ", ".join(f"{t.name} ({'daemon' if t.daemon else 'non-daemon'})" for t in alive)
+        print(f"{name}: {len(alive)} {LIVE_THREADS_MESSAGE}: {listed}", file=sys.stderr, flush=True)
+    return alive
+
+
 def run_lifecycle_node(factory: Callable[[], Any], args=None) -> int:
     """Create the node, configure + activate it when its ``autostart`` parameter is true, spin.
 
-    Returns the process exit code: 1 when autostart configuration fails (the error has been logged and is
-    printed to stderr naming the node and the bad value).
+    Returns the process exit code: 1 when autostart configuration fails (the error is logged once,
+    naming the node and the bad value); 0 after SIGINT or SIGTERM, also when one arrives
+    while the model is loading (the load is abandoned; see :class:`ShutdownSignals`). On the way out the
+    executor's running callbacks finish, the node's resources are released (pipeline threads joined,
+    device memory freed), the node and then the ROS context are shut down, and any thread still alive
+    after that is reported on stderr.
     """
     # Pipeline stages hand the GIL to each other while devices work; the default 5 ms switch interval
     # would add up to 5 ms of wake-up delay per stage hand-off.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    rclpy.init(args=args)
-    node = factory()
-    code = 0
-    executor = MultiThreadedExecutor(num_threads=3)
-    executor.add_node(node)
+    signals = ShutdownSignals()
+    own_handlers = signals.install()
+    signals.interruptible = own_handlers
+    node = executor = None
+    name = getattr(factory, "__name__", "node")
+    code, phase, abandoned = 0, "start-up", ""
     try:
+        rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO if own_handlers else None)
+        node = factory()
+        name = node.get_name()
+        executor = NodeExecutor(num_threads=3)
+        executor.add_node(node)
         if node.get_parameter("autostart").value:
-            if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
-                print(f"{node.get_name()}: configuration failed: {node.last_error}", file=sys.stderr, flush=True)
-                return 1
-            if node.trigger_activate() != TransitionCallbackReturn.SUCCESS:
-                print(f"{node.get_name()}: activation failed: {node.last_error}", file=sys.stderr, flush=True)
-                return 1
-        executor.spin()
+            phase = "model load"
+            configured = node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+            signals.interruptible = False
+            if not configured and not signals.received:
+                code = 1  # on_configure has logged the error, naming the node and the bad value
+            elif configured and not signals.received and \
+                    node.trigger_activate() != TransitionCallbackReturn.SUCCESS:
+                print(f"{name}: activation failed: {node.last_error}", file=sys.stderr, flush=True)
+                code = 1
+        signals.interruptible = False
+        if code == 0:
+            if own_handlers:
+                while not signals.received and rclpy.ok():
+                    executor.spin_once(timeout_sec=SPIN_SLICE_S)
+            else:
+                executor.spin()
+    except ShutdownRequested:
+        abandoned = f" ({phase} abandoned)"
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
-        node.release_resources()
-        executor.shutdown()
-        node.destroy_node()
+        signals.interruptible = False
+        if signals.received and node is not None:
+            node.get_logger().info(f"{signals.received}: shutting down{abandoned}")
+        if executor is not None:
+            executor.shutdown()  # callbacks in progress finish before what they use is torn down
+        if node is not None:
+            node.release_resources()
+            node.destroy_node()
         rclpy.try_shutdown()
+        signals.restore()
+    report_live_threads(name)
     return code

@@ -31,6 +31,7 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from ..msg import ActionChunk
 from ..core.image import ImageError, decode_compressed, decode_raw
+from ..core.pipeline import source_rate
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
 from .common import COMMON_PARAMS, OK, WARN, Param, SynfluxNode, median, run_lifecycle_node
 
@@ -237,9 +238,8 @@ class VLANode(SynfluxNode):
         return counts
 
     def input_rates(self) -> dict[str, float]:
-        """Receive rate against the camera's rate. The camera's period is estimated as the 10th percentile
-        of the gaps between received header stamps (a lost frame widens a gap, it never narrows one), so
-        frames lost in transport show as ``delivery_ratio`` < 1."""
+        """Receive rate against the camera's rate, estimated from the header stamps of the frames that
+        arrived (:func:`source_rate`), so frames lost before the node show as ``delivery_ratio`` < 1."""
         with self._lock:
             arrivals = list(self._arrivals)
         out = {"receive_rate_hz": 0.0, "camera_rate_hz": 0.0, "delivery_ratio": 1.0}
@@ -248,13 +248,7 @@ class VLANode(SynfluxNode):
         span = arrivals[-1][0] - arrivals[0][0]
         if span > 0:
             out["receive_rate_hz"] = (len(arrivals) - 1) / span
-        stamps = sorted(s for _, s in arrivals)
-        gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]) if b > a)
-        if gaps and stamps[-1] > stamps[0]:
-            period = gaps[len(gaps) // 10]
-            expected = (stamps[-1] - stamps[0]) / period + 1.0
-            out["camera_rate_hz"] = 1.0 / period
-            out["delivery_ratio"] = min(1.0, len(stamps) / expected)
+        out["camera_rate_hz"], out["delivery_ratio"] = source_rate(s for _, s in arrivals)
         return out
 
     def diagnostics(self) -> tuple[int, str, dict]:

@@ -204,6 +204,7 @@ def test_bad_parameters_fail_at_startup_naming_node_and_value(start_node, params
     assert p.proc.returncode == 1
     out = p.output()
     assert "vla_node" in out and needle in out, out
+    assert len([line for line in out.splitlines() if needle in line]) == 1, out  # said once
 
 
 def test_instruction_from_volatile_and_latched_publishers(start_node, client):

@@ -3,6 +3,7 @@ import queue
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from synflux_ros.core.pipeline import EMPTY, Mailbox, Pipeline, PipelineCounters
@@ -309,3 +310,22 @@ def test_none_items_are_accounted():
     finally:
         gate.set()
         p.stop()
+
+
+def test_source_rate_from_the_stamps_of_what_arrived():
+    from synflux_ros.core.pipeline import source_rate
+    rng = np.random.default_rng(0)
+    t = np.arange(300) / 30.0
+    rate, ratio = source_rate(t)
+    assert rate == pytest.approx(30.0) and ratio == pytest.approx(1.0)
+    # every third frame lost on the way
+    rate, ratio = source_rate([x for i, x in enumerate(t) if i % 3 != 2])
+    assert rate == pytest.approx(30.0) and ratio == pytest.approx(2 / 3, abs=0.01)
+    # stamps jittered by up to 30 % of a period, nothing lost: no loss reported
+    rate, ratio = source_rate(t + rng.uniform(-0.3, 0.3, t.size) / 30.0)
+    assert rate == pytest.approx(30.0, rel=0.03) and ratio > 0.97
+    # random loss of 30 % with jitter
+    keep = rng.random(t.size) > 0.3
+    rate, ratio = source_rate((t + rng.uniform(-0.2, 0.2, t.size) / 30.0)[keep])
+    assert rate == pytest.approx(30.0, rel=0.03) and ratio == pytest.approx(keep.mean(), abs=0.05)
+    assert source_rate([1.0, 1.0]) == (0.0, 1.0)  # too few, or unstamped frames
