@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..core.config import ConfigError, ModelConfig, load_config
-from ..core.executor import DeviceTensor, Executor, GraphMeta
+from ..core.executor import DeviceTensor, GraphMeta
 from ..core.graphset import MANIFEST_FILE, GraphSetError
 from ..runtimes.stack import create_executor
 
@@ -84,17 +84,17 @@ def seeded_feeds(meta: GraphMeta, cfg: ModelConfig, rng: np.random.Generator, kv
     return feeds
 
 
-def _load(cfg: ModelConfig, backend: str, graph_dir: str, options: dict) -> tuple[ModelConfig, Executor]:
-    run_cfg = cfg.with_overrides(executor={"backend": backend, "graph_dir": graph_dir, "options": options,
-                                           "latency_ms": {}})
-    return run_cfg, create_executor(run_cfg)
+def _on(cfg: ModelConfig, backend: str, graph_dir: str, options: dict) -> ModelConfig:
+    """``cfg`` running on ``backend`` with ``options`` over the graph set in ``graph_dir``."""
+    return cfg.with_overrides(executor={"backend": backend, "graph_dir": graph_dir, "options": options,
+                                        "latency_ms": {}, "placement": {}})
 
 
 def compare_graphs(cfg: ModelConfig, graph_dir: str, backend: str, options: dict, reference: str,
                    ref_options: dict, passes, seed: int = 0) -> list[Comparison]:
     """Every graph on both executors with the same seeded inputs; one row per output."""
-    _, ex = _load(cfg, backend, graph_dir, options)
-    _, ref = _load(cfg, reference, graph_dir, ref_options)
+    ex = create_executor(_on(cfg, backend, graph_dir, options))
+    ref = create_executor(_on(cfg, reference, graph_dir, ref_options))
     rows = []
     try:
         kv_shape, kv_dtype = cfg.llm.kv_shape, cfg.llm.kv_dtype
@@ -127,9 +127,7 @@ def compare_model(cfg: ModelConfig, graph_dir: str, backend: str, options: dict,
         from ..runtimes.vlm import ChatRequest, VLMRuntime
         results = []
         for b, opts in ((backend, options), (reference, ref_options)):
-            run_cfg = cfg.with_overrides(executor={"backend": b, "graph_dir": graph_dir, "options": opts,
-                                                   "latency_ms": {}})
-            rt = VLMRuntime(run_cfg)
+            rt = VLMRuntime(_on(cfg, b, graph_dir, opts))
             try:
                 results.append([rt.chat(ChatRequest("validate", p, max_new_tokens=GREEDY_TOKENS,
                                                     temperature=0.0)).token_ids for p in PROMPTS])
@@ -151,9 +149,7 @@ def compare_model(cfg: ModelConfig, graph_dir: str, backend: str, options: dict,
     frames = [np.random.default_rng([7, i]).integers(0, 256, (240, 320, 3), np.uint8) for i in range(FRAMES)]
     chunks = []
     for b, opts in ((backend, options), (reference, ref_options)):
-        run_cfg = cfg.with_overrides(executor={"backend": b, "graph_dir": graph_dir, "options": opts,
-                                               "latency_ms": {}})
-        rt = VLARuntime(run_cfg)
+        rt = VLARuntime(_on(cfg, b, graph_dir, opts))
         try:
             chunks.append([rt.infer(f, seq=i).actions for i, f in enumerate(frames)])
         finally:

@@ -68,3 +68,18 @@ def start_node(ros_env):
         code = p.stop()
         if running:  # a node stopped with SIGINT must exit cleanly
             assert code == 0, f"{p.name} exited with {code} on SIGINT:\n{p.output()[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def demo_graphs(tmp_path_factory):
+    """The demo configs exported once by synflux-build (random weights): name -> graph set directory.
+    Tests that change a graph set copy it first."""
+    pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
+    from synflux_ros.build.export import build
+    from synflux_ros.core.config import load_config
+    out = {}
+    for name in ("vla_demo_orin", "vlm_demo"):
+        d = tmp_path_factory.mktemp(f"{name}_graphs")
+        build(load_config(testing.config_path(f"{name}.yaml")), str(d))
+        out[name] = d
+    return out

@@ -88,14 +88,9 @@ def wait_exit(p, timeout=30.0) -> int | None:
     return p.proc.poll()
 
 
-@pytest.fixture(scope="module")
-def vla_graphs(tmp_path_factory):
-    from synflux_ros.build.export import build
-    from synflux_ros.core.config import load_config
-    from synflux_ros.nodes.testing import config_path
-    d = tmp_path_factory.mktemp("vla_graphs")
-    build(load_config(config_path("vla_demo_orin.yaml")), str(d))
-    return d
+@pytest.fixture()
+def vla_graphs(demo_graphs):
+    return demo_graphs["vla_demo_orin"]
 
 
 @pytest.fixture()

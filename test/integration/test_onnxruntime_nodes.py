@@ -7,22 +7,15 @@ import pytest
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs onnxruntime")
 
-from synflux_ros.core.config import load_config  # noqa: E402
-from synflux_ros.nodes.testing import config_path, rgb_image  # noqa: E402
-from synflux_ros.build.export import build  # noqa: E402
+from synflux_ros.nodes.testing import rgb_image  # noqa: E402
 
 from test_vla_node import Harness, stamp_ns  # noqa: E402
 from test_vlm_node import ChatClient, ok  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def graph_sets(tmp_path_factory):
-    out = {}
-    for name in ("vla_demo_orin", "vlm_demo"):
-        d = tmp_path_factory.mktemp(name)
-        build(load_config(config_path(f"{name}.yaml")), str(d))
-        out[name] = d / "config.yaml"
-    return out
+def graph_sets(demo_graphs):
+    return {name: d / "config.yaml" for name, d in demo_graphs.items()}
 
 
 def test_vla_node_on_onnxruntime(graph_sets, start_node, client):

@@ -12,20 +12,14 @@ pytest.importorskip("torch", reason="synflux-build needs torch (make test instal
 pytest.importorskip("onnxruntime", reason="the reference backend needs onnxruntime")
 
 from synflux_ros.bench.validate import main, validate  # noqa: E402
-from synflux_ros.build.export import build  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.core.graphs import graph_set  # noqa: E402
 from synflux_ros.nodes.testing import config_path  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def graph_sets(tmp_path_factory):
-    out = {}
-    for name in ("vla_demo_orin", "vlm_demo"):
-        d = tmp_path_factory.mktemp(name)
-        build(load_config(config_path(f"{name}.yaml")), str(d))
-        out[name] = str(d)
-    return out
+def graph_sets(demo_graphs):
+    return {name: str(d) for name, d in demo_graphs.items()}
 
 
 @pytest.mark.parametrize("name", ["vla_demo_orin", "vlm_demo"])
