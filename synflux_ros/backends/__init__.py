@@ -38,6 +38,9 @@ EXECUTORS: dict[str, BackendEntry] = {
     "mock": BackendEntry("synflux_ros.backends.mock:MockExecutor"),
     "onnxruntime": BackendEntry("synflux_ros.backends.onnxruntime:OnnxRuntimeExecutor", requires=("onnxruntime",),
                                 install_hint="pip install onnxruntime; onnxruntime-gpu for CUDA/TensorRT providers"),
+    "openvino": BackendEntry("synflux_ros.backends.openvino:OpenVINOExecutor", requires=("openvino",),
+                             install_hint="pip install openvino; Intel GPU and NPU devices also need their "
+                                          "drivers"),
 }
 
 

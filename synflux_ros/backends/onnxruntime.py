@@ -84,7 +84,8 @@ import numpy as np
 
 from ..core import graphset, graphset_writer
 from ..core.config import choices_hint
-from ..core.executor import Executor, GraphMeta, HostMemoryHooks, ShapeError
+from ..core.binding import HostBufferHooks, Port, binding_plan
+from ..core.executor import Executor, GraphMeta
 from ..core.graphset import GraphSetError, GraphSetNotFoundError
 
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
@@ -106,20 +107,7 @@ _OPTIONS = ("providers", "intra_op_num_threads", "inter_op_num_threads", "graph_
             "optimized_model_dir", "share_weights", "prepack", "mmap_weights", "allow_spinning")
 _IGNORED_OPTIONS = ("latency_ms",)  # the mock's simulated latency; the factory passes it to every backend
 
-_ALIGN = 64
 _CACHE_KEY = "ort_optimized"
-
-
-class _HostBuffer:
-    """A device buffer of the CPU 'device': an aligned numpy byte array and its address."""
-
-    __slots__ = ("array", "ptr")
-
-    def __init__(self, nbytes: int):
-        raw = np.zeros(nbytes + _ALIGN, np.uint8)
-        start = (-raw.ctypes.data) % _ALIGN
-        self.array = raw[start:start + nbytes]
-        self.ptr = self.array.ctypes.data
 
 
 class _Graph:
@@ -157,7 +145,7 @@ class _LazyModels(Mapping):
         return len(self._paths)
 
 
-class OnnxRuntimeExecutor(HostMemoryHooks, Executor):
+class OnnxRuntimeExecutor(HostBufferHooks, Executor):
     """Runs a synflux-build graph set with ONNX Runtime: weights loaded once for all graphs, every input
     and output bound to the static buffers (see the module docstring)."""
     name = "onnxruntime"
@@ -376,11 +364,6 @@ class OnnxRuntimeExecutor(HostMemoryHooks, Executor):
         if not g.verified:
             self._verify_outputs(g, device_outputs, meta)
 
-    alloc_is_zeroed = True  # _HostBuffer is np.zeros
-
-    def _alloc_device(self, nbytes: int) -> object:
-        return _HostBuffer(nbytes)
-
     def _unload_graph(self, graph_handle) -> None:
         g: _Graph = graph_handle
         g.binding.clear_binding_inputs()
@@ -398,54 +381,15 @@ class OnnxRuntimeExecutor(HostMemoryHooks, Executor):
         self._weights = None
 
     # ------------------------------------------------------------------ checks and helpers
-    @staticmethod
-    def _view(buf: _HostBuffer, shape, dtype) -> np.ndarray:
-        dt = np.dtype(dtype)
-        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        return buf.array[:n].view(dt).reshape(shape)
-
     def _check_io(self, session, meta: GraphMeta, path: str) -> dict:
         """The session's inputs and outputs must be the contract's (an input may come as views, see
         ``graphset.VIEW_INPUTS``). Returns the input binding plan of :class:`_Graph`."""
+        def ports(args):
+            return [Port(a.name, _ORT_TYPES.get(a.type, a.type), a.shape) for a in args]
+
         rebuild = ("the graph set was built for another config or model; "
                    + graphset.BUILD_HINT.format(dir=self._load_dir))
-        plan: dict[str, list[tuple[str, int, tuple]]] = {}
-        for what, declared, actual in (("input", meta.inputs, session.get_inputs()),
-                                       ("output", meta.outputs, session.get_outputs())):
-            specs = {s.name: s for s in declared}
-            parts: dict[str, list] = {s.name: [] for s in declared}  # contract name -> [(ONNX arg, offset, shape)]
-            extra = []
-            for arg in actual:
-                if arg.name in specs:
-                    parts[arg.name].append((arg, 0, tuple(specs[arg.name].shape)))
-                    continue
-                view = None
-                if what == "input":
-                    for spec in declared:
-                        view = graphset.input_views(spec.name, spec.shape, np.dtype(spec.dtype).itemsize, arg.name)
-                        if view is not None:
-                            parts[spec.name].append((arg, view[0], view[1]))
-                            break
-                if view is None:
-                    extra.append(arg.name)
-            missing = [name for name, found in parts.items() if not found]
-            if missing or extra:
-                raise ShapeError(f"graph {meta.name!r} ({path}): {what}s differ from the manifest: missing "
-                                 f"{missing}, unexpected {extra} (the ONNX model has {[a.name for a in actual]}); "
-                                 f"{rebuild}")
-            for spec in declared:
-                for arg, offset, want in parts[spec.name]:
-                    dtype = _ORT_TYPES.get(arg.type, arg.type)
-                    shape = list(arg.shape) if arg.shape is not None else None
-                    ok_shape = shape is not None and len(shape) == len(want) and all(
-                        not isinstance(d, int) or d == s for d, s in zip(shape, want))
-                    if dtype != spec.dtype or not ok_shape:
-                        part = repr(spec.name) if arg.name == spec.name else f"{arg.name!r} (a view of {spec.name!r})"
-                        raise ShapeError(f"graph {meta.name!r} ({path}): {what} {part} is {dtype}{shape} in the "
-                                         f"ONNX model but {spec.dtype}{list(want)} in the graph contract; {rebuild}")
-                if what == "input":
-                    plan[spec.name] = [(arg.name, offset, want) for arg, offset, want in parts[spec.name]]
-        return plan
+        return binding_plan(meta, ports(session.get_inputs()), ports(session.get_outputs()), path, rebuild)
 
     def _verify_outputs(self, g: _Graph, device_outputs: dict, meta: GraphMeta) -> None:
         values = g.binding.get_outputs()
