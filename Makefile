@@ -14,7 +14,7 @@ export ROS_AUTOMATIC_DISCOVERY_RANGE := LOCALHOST
 SOURCES := $(shell find synflux_ros msg srv scripts launch config -type f -not -path '*/__pycache__/*') \
            CMakeLists.txt package.xml
 
-.PHONY: all venv install test unit integration demo demo-onnx graphs bench bench-llm clean
+.PHONY: all venv install test unit integration demo demo-onnx graphs bench bench-llm clean rknn-venv graphs-rknn
 
 all: install
 
@@ -43,8 +43,26 @@ $(VENV)/.stamp-install: $(VENV)/.stamp-deps $(SOURCES)
 	cmake --install $(BUILD) >> $(BUILD)/synflux-cmake.log 2>&1 || { tail -40 $(BUILD)/synflux-cmake.log; exit 1; }
 	touch $@
 
+# The Rockchip RKNN toolchain (rknn-toolkit2: compiler + x86 simulator) in a venv of its own: it pins numpy
+# <= 1.26.4 and onnx <= 1.18, so it cannot share .venv. The rknn-toolkit2 line of requirements-rknn.txt is
+# installed with --no-deps (it declares torch <= 2.4.0, a CUDA-only build on PyPI); every other line is
+# installed with the whole file as constraints, so the CPU torch of requirements-build.txt is taken.
+RKNN_VENV := .venv-rknn
+RKNN_PY := $(abspath $(RKNN_VENV))/bin/python
+rknn-venv: $(RKNN_VENV)/.stamp-rknn
+
+$(RKNN_VENV)/.stamp-rknn: requirements-rknn.txt
+	python3 -m venv $(RKNN_VENV)
+	$(RKNN_PY) -m pip install --quiet --upgrade "pip>=23"
+	grep -v -E '^[[:space:]]*(#|$$|rknn-toolkit2)' requirements-rknn.txt > $(RKNN_VENV)/deps.txt
+	$(RKNN_PY) -m pip install --quiet -c $(RKNN_VENV)/deps.txt -r $(RKNN_VENV)/deps.txt
+	$(RKNN_PY) -m pip install --quiet --no-deps $$(grep -E '^rknn-toolkit2' requirements-rknn.txt)
+	$(RKNN_PY) -c "from rknn.api import RKNN; import numpy, torch; print('rknn-toolkit2 ready: numpy', numpy.__version__, 'torch', torch.__version__)"
+	touch $@
+
 # The tests import the installed package (with its generated messages), not the source tree.
-test: install
+# The RKNN venv is a prerequisite so that the rknn backend tests run (they skip without it).
+test: install rknn-venv
 	cd test && $(PY) -m pytest -q -rs unit integration launch
 
 unit: install
@@ -61,6 +79,14 @@ ENGINES := $(abspath engines)
 graphs: install
 	cd $(BUILD) && $(PY) -m synflux_ros.build --config $(abspath config/vla_demo_orin.yaml) --out $(ENGINES)/vla_demo_orin
 	cd $(BUILD) && $(PY) -m synflux_ros.build --config $(abspath config/vlm_demo.yaml) --out $(ENGINES)/vlm_demo
+
+# The demo graph sets compiled for a Rockchip NPU (one .rknn per graph beside the ONNX files).
+RKNN_TARGET ?= rk3588
+graphs-rknn: install rknn-venv
+	cd $(BUILD) && $(PY) -m synflux_ros.build --config $(abspath config/vla_demo_orin.yaml) --out $(ENGINES)/vla_demo_orin \
+	    --backend rknn --target $(RKNN_TARGET)
+	cd $(BUILD) && $(PY) -m synflux_ros.build --config $(abspath config/vlm_demo.yaml) --out $(ENGINES)/vlm_demo \
+	    --backend rknn --target $(RKNN_TARGET)
 
 demo-onnx: graphs
 	cd $(BUILD) && $(PY) -m synflux_ros.nodes.demo --vla-config $(ENGINES)/vla_demo_orin/config.yaml \

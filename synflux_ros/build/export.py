@@ -40,6 +40,7 @@ OPSET = 17
 BUILDERS = {
     # backend -> what the build step does beyond the portable ONNX files
     "onnxruntime": "portable ONNX; onnxruntime applies its graph optimisations (fusions) when it loads them",
+    "rknn": "portable ONNX, then one .rknn per graph for a Rockchip NPU (--target; rknn-toolkit2 in .venv-rknn)",
 }
 
 
@@ -226,10 +227,29 @@ def resolve_config(cfg: ModelConfig, hf_dir: str | None) -> ModelConfig:
 
 
 def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str | None = None, seed: int = 0,
-          force: bool = False, threads: int | None = None) -> dict:
-    """Build (or bring up to date) the graph set of ``cfg`` in ``out``; returns the manifest."""
+          force: bool = False, threads: int | None = None, target: str | None = None, quantize: str = "fp16",
+          toolkit_python: str | None = None) -> dict:
+    """Build (or bring up to date) the graph set of ``cfg`` in ``out``; returns the manifest. A backend
+    with a compiler of its own (``rknn``: ``target``, ``quantize``) then compiles the graphs beside it."""
     if backend not in BUILDERS:
         raise BuildError(f"no graph builder for backend {backend!r} (choices: {', '.join(sorted(BUILDERS))})")
+    if backend == "rknn":
+        from .rknn import TARGETS
+        if not target:
+            raise BuildError(f"--backend rknn needs --target (choices: {', '.join(TARGETS)})")
+    elif target:
+        raise BuildError(f"--target is for --backend rknn, not {backend!r}")
+    manifest = _build_onnx(cfg, out, backend, hf_dir, seed, force, threads)
+    if backend == "rknn":
+        from .rknn import compile_graph_set
+        compile_graph_set(out, manifest, target, quantize, force=force, toolkit_python=toolkit_python,
+                          progress=_progress)
+    return manifest
+
+
+def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, seed: int, force: bool,
+                threads: int | None) -> dict:
+    """The portable ONNX graph set of ``cfg`` in ``out`` (graphs whose key is unchanged are kept)."""
     t_start = time.perf_counter()
     import torch
     if threads:
@@ -251,7 +271,12 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
     _progress(f"synflux-build: {cfg.name} ({len(metas)} graphs, weights {weights}) -> {out}")
     if not stale:
         _progress("  all graphs up to date, nothing to do")
-        return graphset.read_manifest(out)
+        manifest = graphset.read_manifest(out)
+        if manifest.get("backend") != backend:  # the same graphs, now meant for another backend
+            manifest["backend"] = backend
+            graphset_writer.write_manifest(out, manifest)
+            _write_effective_config(cfg, out, backend, manifest.get("tokenizer") or "")
+        return manifest
     from .torch_models import build_graph_modules
     gm = build_graph_modules(cfg, seed=seed, hf_dir=hf_dir)
     modules, tokenizer = gm.modules, gm.tokenizer_path
@@ -287,14 +312,18 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
                 "source": {"weights": weights, "hf_dir": os.path.abspath(hf_dir) if hf_dir else ""},
                 "tools": versions, "backend": backend, "graphs": graphs}
     graphset_writer.write_manifest(out, manifest)
+    _write_effective_config(cfg, out, backend, tok_file)
+    _progress(f"  wrote {len(exported)} graphs, weights {info['bytes'] / 2**20:.1f} MiB "
+              f"in {time.perf_counter() - t_start:.1f} s")
+    return manifest
+
+
+def _write_effective_config(cfg: ModelConfig, out: str, backend: str, tok_file: str) -> None:
     effective = cfg.with_overrides(executor={"backend": backend, "graph_dir": "."},
                                    tokenizer={"path": tok_file} if tok_file else {})
     with open(os.path.join(out, "config.yaml"), "w", encoding="utf-8") as fh:
         fh.write(f"# Effective config of the graph set in this directory (written by synflux-build).\n")
         yaml.safe_dump(_yaml_ready(effective.to_dict()), fh, sort_keys=False)
-    _progress(f"  wrote {len(exported)} graphs, weights {info['bytes'] / 2**20:.1f} MiB "
-              f"in {time.perf_counter() - t_start:.1f} s")
-    return manifest
 
 
 def _yaml_ready(obj):
@@ -316,10 +345,18 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     ap.add_argument("--force", action="store_true", help="rebuild every graph")
     ap.add_argument("--threads", type=int, default=None, help="torch threads while exporting")
+    ap.add_argument("--target", default=None,
+                    help="--backend rknn: the Rockchip platform to compile for (rk3588, rk3576, ...)")
+    ap.add_argument("--quantize", default="fp16",
+                    help="--backend rknn: data type of the compiled graphs (fp16; int8 is not implemented)")
+    ap.add_argument("--rknn-python", dest="toolkit_python", default=None,
+                    help="--backend rknn: Python of the venv holding rknn-toolkit2 (default: .venv-rknn beside "
+                         "this package's venv, made by `make rknn-venv`)")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config)
-        build(cfg, args.out, args.backend, args.hf_dir, args.seed, args.force, args.threads)
+        build(cfg, args.out, args.backend, args.hf_dir, args.seed, args.force, args.threads, target=args.target,
+              quantize=args.quantize, toolkit_python=args.toolkit_python)
     except (ConfigError, BuildError) as exc:
         print(f"synflux-build: error: {exc}", file=sys.stderr)
         return 2

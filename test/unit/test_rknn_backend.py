@@ -1,0 +1,346 @@
+"""RKNN backend: synflux-build --backend rknn compiles the demo graph sets for rk3588 with rknn-toolkit2, the
+rknn executor runs them in the toolkit's simulator (a worker under .venv-rknn exchanging tensors through
+shared memory) and synflux-validate compares them with onnxruntime in reduced precision; the board code path
+(RKNNLite) runs against a stand-in of rknnlite; load-time and compile-time errors.
+
+The simulator tests need the RKNN venv (`make rknn-venv`, a prerequisite of `make test`) and skip without it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime", reason="onnxruntime is the reference these tests compare against")
+pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
+onnx = pytest.importorskip("onnx")
+
+from synflux_ros.backends import BackendUnavailableError, build_executor, resolve_executor_class  # noqa: E402
+from synflux_ros.backends import rknn as rknn_backend  # noqa: E402
+from synflux_ros.bench.validate import validate  # noqa: E402
+from synflux_ros.build import rknn as rknn_build  # noqa: E402
+from synflux_ros.build.export import BuildError, build  # noqa: E402
+from synflux_ros.core import graphset  # noqa: E402
+from synflux_ros.core.config import load_config  # noqa: E402
+from synflux_ros.core.graphset import GraphSetError, GraphSetNotFoundError  # noqa: E402
+from synflux_ros.core.memory import PoolFrozenError  # noqa: E402
+from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
+from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = ("vla_demo_orin", "vlm_demo")
+TARGET = "rk3588"
+SIMULATOR = next((p for p in rknn_backend.default_simulator_pythons() if os.path.isfile(p)), "")
+needs_simulator = pytest.mark.skipif(
+    not SIMULATOR, reason=f"no rknn-toolkit2 venv at {' or '.join(rknn_backend.default_simulator_pythons())} "
+                          f"(run `make rknn-venv`)")
+
+
+def config(graph_dir: str, backend: str, **options):
+    cfg = load_config(os.path.join(graph_dir, "config.yaml"))
+    return cfg.with_overrides(executor={"backend": backend, "options": options, "latency_ms": {}})
+
+
+def metas(graph_dir: str, *names: str):
+    all_metas = graphset.graph_metas(graph_dir, graphset.read_manifest(graph_dir))
+    return [m for m in all_metas if not names or m.name in names]
+
+
+@pytest.fixture(scope="module")
+def rknn_sets(tmp_path_factory):
+    """The two demo configs exported and compiled for rk3588 once for the module (random weights)."""
+    if not SIMULATOR:
+        pytest.skip("no rknn-toolkit2 venv (run `make rknn-venv`)")
+    out = {}
+    for name in CONFIGS:
+        d = tmp_path_factory.mktemp(f"{name}_rknn")
+        t0 = time.perf_counter()
+        build(load_config(str(REPO / "config" / f"{name}.yaml")), str(d), backend="rknn", target=TARGET)
+        print(f"{name}: ONNX export + rknn compile {time.perf_counter() - t0:.1f} s")
+        out[name] = str(d)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ registry, options
+def test_registry_row_and_errors_without_a_runtime(tmp_path):
+    assert resolve_executor_class("rknn") is rknn_backend.RKNNExecutor
+    with pytest.raises(BackendUnavailableError, match=r"simulator_python .*does not exist; run `make rknn-venv`"):
+        build_executor("rknn", [], str(tmp_path), {"runtime": "simulator", "simulator_python": "/nonexistent/python"})
+    with pytest.raises(ValueError, match=r"unknown option 'targte' .*did you mean 'target'\?"):
+        build_executor("rknn", [], str(tmp_path), {"targte": "rk3588"})
+    with pytest.raises(ValueError, match=r"runtime 'npu' is not allowed \(choices: auto, board, simulator\)"):
+        build_executor("rknn", [], str(tmp_path), {"runtime": "npu"})
+    with pytest.raises(ValueError, match=r"core_mask '3' is not allowed"):
+        build_executor("rknn", [], str(tmp_path), {"runtime": "simulator", "core_mask": "3"})
+    if not rknn_backend.board_runtime_available():
+        import importlib.util
+        if importlib.util.find_spec("rknnlite") is None:
+            with pytest.raises(BackendUnavailableError, match="rknn-toolkit-lite2"):
+                build_executor("rknn", [], str(tmp_path), {"runtime": "board"})
+
+
+def test_build_options_are_checked(tmp_path):
+    cfg = load_config(str(REPO / "config" / "vlm_demo.yaml"))
+    with pytest.raises(BuildError, match=r"--backend rknn needs --target \(choices: .*rk3588"):
+        build(cfg, str(tmp_path), backend="rknn")
+    with pytest.raises(BuildError, match=r"--target is for --backend rknn"):
+        build(cfg, str(tmp_path), backend="onnxruntime", target="rk3588")
+    with pytest.raises(rknn_build.RKNNBuildError, match=r"--target 'rk9999' is not an RKNN platform"):
+        rknn_build.compile_graph_set(str(tmp_path), {"graphs": []}, "rk9999")
+    with pytest.raises(rknn_build.RKNNBuildError, match=r"--quantize 'int8': only fp16"):
+        rknn_build.compile_graph_set(str(tmp_path), {"graphs": []}, TARGET, "int8")
+    with pytest.raises(rknn_build.RKNNBuildError, match=r"--rknn-python /nonexistent: no such file; run `make rknn-venv`"):
+        rknn_build.compile_graph_set(str(tmp_path), {"graphs": []}, TARGET, toolkit_python="/nonexistent")
+
+
+# ------------------------------------------------------------------------------------------ build side
+@needs_simulator
+def test_compiled_graph_sets_and_skip_unchanged(rknn_sets):
+    for name, gdir in rknn_sets.items():
+        manifest = graphset.read_manifest(gdir)
+        tdir = os.path.join(gdir, "rknn", TARGET)
+        side = json.loads(Path(tdir, "rknn.json").read_text())
+        assert side["format"] == "synflux-rknn/1" and side["target"] == TARGET and side["dtype"] == "fp16"
+        assert side["toolkit"] == "2.5.0"
+        assert sorted(side["graphs"]) == sorted(g["name"] for g in manifest["graphs"])
+        keys = {g["name"]: g["key"] for g in manifest["graphs"]}
+        for graph, entry in side["graphs"].items():
+            assert Path(tdir, entry["file"]).stat().st_size > 0
+            assert entry["onnx_key"] == keys[graph]
+            # a graph that reads its KV views unsliced (decode over the whole cache) is compiled from a copy
+            # that passes each view through an Identity (see synflux_ros/build/rknn.py)
+            assert entry["source"] in (f"{graph}.onnx", f"{graph}.rknn.onnx")
+            if entry["source"] != f"{graph}.onnx":
+                model = onnx.load(os.path.join(gdir, entry["source"]), load_external_data=False)
+                assert any(n.op_type == "Identity" and n.input[0].startswith("past_kv.") for n in model.graph.node)
+        assert load_config(os.path.join(gdir, "config.yaml")).executor.backend == "rknn"
+    # a second run compiles nothing: same ONNX keys, target and toolkit version
+    gdir = rknn_sets["vlm_demo"]
+    tdir = os.path.join(gdir, "rknn", TARGET)
+    mtimes = {f: os.stat(os.path.join(tdir, f)).st_mtime_ns for f in os.listdir(tdir) if f.endswith(".rknn")}
+    lines = []
+    t0 = time.perf_counter()
+    rknn_build.compile_graph_set(gdir, graphset.read_manifest(gdir), TARGET, progress=lines.append)
+    assert time.perf_counter() - t0 < 30
+    assert "0 of 8 graphs to compile" in lines[0], lines
+    assert {f: os.stat(os.path.join(tdir, f)).st_mtime_ns for f in mtimes} == mtimes
+
+
+@needs_simulator
+def test_compile_failure_names_the_graph_and_the_node(tmp_path):
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [16])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["r"], name="relu0"),
+                               helper.make_node("Unique", ["r"], ["y"], name="my_unique_node")], "g", [x], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              str(tmp_path / "bad_graph.onnx"))
+    manifest = {"format": graphset.FORMAT, "graphs": [
+        {"name": "bad_graph", "kind": "vision_encoder", "file": "bad_graph.onnx", "key": "k1",
+         "inputs": [{"name": "x", "shape": [4, 4], "dtype": "float32"}],
+         "outputs": [{"name": "y", "shape": [16], "dtype": "float32"}]}]}
+    with pytest.raises(rknn_build.RKNNBuildError) as info:
+        rknn_build.compile_graph_set(str(tmp_path), manifest, TARGET, progress=lambda _: None)
+    msg = str(info.value)
+    assert "graph 'bad_graph'" in msg and "bad_graph.onnx" in msg and "failed at build" in msg
+    assert "Unique('my_unique_node')" in msg  # the toolkit's words, naming operator and node
+    assert (tmp_path / "rknn" / TARGET / "compile.log").stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------------------ simulator
+@needs_simulator
+@pytest.mark.parametrize("name", CONFIGS)
+def test_validate_against_onnxruntime_in_reduced_precision(rknn_sets, name):
+    t0 = time.perf_counter()
+    rows = validate(rknn_sets[name], "rknn", precision="reduced")
+    print(f"{name}: validate {time.perf_counter() - t0:.1f} s")
+    for r in rows:
+        print(f"  {r.check:32s} max|diff| {r.max_abs_diff:10.3e}  cosine {r.cosine:.6f}  {r.detail}")
+    failed = [r for r in rows if not r.passed]
+    assert not failed, failed
+    graphs = {r.check.split("/")[0] for r in rows if "/" in r.check}
+    assert graphs == {m.name for m in metas(rknn_sets[name])}  # every graph ran through the simulator
+
+
+@needs_simulator
+def test_vlm_chat_on_the_simulator_reuse_equals_recompute(rknn_sets):
+    gdir = rknn_sets["vlm_demo"]
+    reuse = VLMRuntime(config(gdir, "rknn"))
+    recompute = VLMRuntime(config(gdir, "rknn").with_overrides(session={"reuse_kv_cache": False}))
+    try:
+        history = 0
+        for i, prompt in enumerate(("hello there, robot", "what is on the table?")):
+            a = reuse.chat(ChatRequest("s1", prompt, max_new_tokens=12, temperature=0.0))
+            b = recompute.chat(ChatRequest("s1", prompt, max_new_tokens=12, temperature=0.0))
+            assert a.cached_tokens == history and b.cached_tokens == 0
+            same = sum(x == y for x, y in zip(a.token_ids, b.token_ids))
+            assert same >= 0.9 * max(len(a.token_ids), len(b.token_ids)), (i, a.token_ids, b.token_ids)
+            history += a.prompt_tokens + a.generated_tokens - 1
+        ex = reuse.executor
+        assert ex.device_of("decode_256") == "rknn:rk3588-simulator"
+        assert all(isinstance(a.handle, rknn_backend.ShmBuffer) for a in ex.pool._allocs.values())  # KV slots too
+    finally:
+        reuse.close()
+        recompute.close()
+
+
+@needs_simulator
+def test_vla_infer_in_place_over_shared_memory(rknn_sets):
+    gdir = rknn_sets["vla_demo_orin"]
+    rt = VLARuntime(config(gdir, "rknn"))
+    ex = rt.executor
+    worker = ex._worker
+    try:
+        frames = [np.random.default_rng([7, i]).integers(0, 256, (240, 320, 3), np.uint8) for i in range(2)]
+        n_alloc = ex.pool.num_allocations
+        first = rt.infer(frames[0], seq=0)
+        second = rt.infer(frames[1], seq=1)
+        for res in (first, second):
+            assert res.actions.shape == (16, 7) and np.all(np.isfinite(res.actions))
+        assert ex.pool.num_allocations == n_alloc  # nothing allocated while serving
+        # every device buffer (staging and KV slots) is a shared-memory segment; the worker mapped the ones
+        # used so far, each once
+        buffers = {a.handle.id: a.handle for a in ex.pool._allocs.values()}
+        assert all(isinstance(b, rknn_backend.ShmBuffer) for b in buffers.values())
+        assert ex._mapped <= set(buffers) and len(ex._mapped) >= 10
+        with pytest.raises(PoolFrozenError):
+            ex.alloc_tensor("late", (4,), "float32")
+        ref = VLARuntime(config(gdir, "onnxruntime"))
+        want = ref.infer(frames[1], seq=1).actions
+        ref.close()
+        cos = float(np.dot(second.actions.ravel(), want.ravel()) /
+                    (np.linalg.norm(second.actions) * np.linalg.norm(want)))
+        assert cos > 0.99, cos
+    finally:
+        rt.close()
+    assert worker.proc.poll() is not None  # the worker exits with the executor
+    assert not os.path.exists(worker.log_path)
+
+
+@needs_simulator
+def test_graph_set_for_another_target_toolkit_or_onnx_is_refused(rknn_sets, tmp_path):
+    gdir = rknn_sets["vlm_demo"]
+    with pytest.raises(GraphSetNotFoundError) as info:
+        build_executor("rknn", metas(gdir), gdir, {"target": "rk3576"}).load()
+    assert os.path.join(gdir, "rknn", "rk3576", "rknn.json") in str(info.value)
+    assert "(it has: rk3588)" in str(info.value)
+    assert f"synflux-build --config <model.yaml> --out {gdir} --backend rknn --target rk3576" in str(info.value)
+
+    with pytest.raises(BackendUnavailableError, match=r"simulator worker .* failed to start: cannot import "
+                                                      r"rknn-toolkit2.*run `make rknn-venv`"):
+        build_executor("rknn", metas(gdir), gdir, {"simulator_python": sys.executable}).load()
+
+    copy = tmp_path / "copy"
+    shutil.copytree(gdir, copy)
+    side_path = copy / "rknn" / TARGET / "rknn.json"
+    side = json.loads(side_path.read_text())
+    side["toolkit"] = "2.3.0"
+    side_path.write_text(json.dumps(side))
+    with pytest.raises(GraphSetError, match=r"compiled by rknn-toolkit2 2\.3\.0, this machine has rknn-toolkit2 "
+                                            r"\(simulator\) 2\.5\.0; recompile them with: synflux-build"):
+        build_executor("rknn", metas(str(copy)), str(copy), {}).load()
+    side["toolkit"] = "2.5.0"
+    side["graphs"]["decode_512"]["onnx_key"] = "0000"
+    side_path.write_text(json.dumps(side))
+    with pytest.raises(GraphSetError, match=r"decode_512\.rknn was compiled from another version of "
+                                            r"decode_512\.onnx .*--backend rknn --target rk3588"):
+        build_executor("rknn", metas(str(copy), "decode_512"), str(copy), {}).load()
+
+
+# ------------------------------------------------------------------------------------------ board path
+FAKE_RKNNLITE = '''
+"""Stand-in of rknn-toolkit-lite2 for tests: RKNNLite runs the ONNX graph a .rknn was compiled from."""
+import json, os
+import numpy as np
+import onnxruntime
+
+CALLS = []
+
+
+class RKNNLite:
+    NPU_CORE_AUTO, NPU_CORE_0, NPU_CORE_1, NPU_CORE_2 = 0, 1, 2, 4
+    NPU_CORE_0_1, NPU_CORE_0_1_2, NPU_CORE_ALL = 3, 7, 0xffff
+
+    def __init__(self, verbose=False):
+        self.session = None
+
+    def load_rknn(self, path):
+        tdir = os.path.dirname(path)
+        side = json.load(open(os.path.join(tdir, "rknn.json")))
+        entry = [e for e in side["graphs"].values() if e["file"] == os.path.basename(path)][0]
+        self.source = os.path.join(tdir, "..", "..", entry["source"])
+        return 0
+
+    def init_runtime(self, core_mask=0):
+        self.core_mask = core_mask
+        self.session = onnxruntime.InferenceSession(self.source)
+        return 0
+
+    def inference(self, inputs, data_format=None):
+        names = [i.name for i in self.session.get_inputs()]
+        assert len(inputs) == len(names) and data_format == ["nchw"] * len(inputs)
+        CALLS.append(len(inputs))
+        return self.session.run(None, dict(zip(names, [np.array(x) for x in inputs])))
+
+    def release(self):
+        self.session = None
+'''
+
+
+@pytest.fixture()
+def fake_board(tmp_path, monkeypatch):
+    pkg = tmp_path / "fake_site" / "rknnlite"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "api.py").write_text(FAKE_RKNNLITE)
+    monkeypatch.syspath_prepend(str(tmp_path / "fake_site"))
+    for mod in ("rknnlite", "rknnlite.api"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    yield
+    for mod in ("rknnlite", "rknnlite.api"):
+        sys.modules.pop(mod, None)
+
+
+def _sidecar_without_toolkit(gdir: str, target: str) -> None:
+    """What synflux-build --backend rknn writes, with empty .rknn files (the stand-in runs the ONNX)."""
+    manifest = graphset.read_manifest(gdir)
+    by_name = {m.name: m for m in metas(gdir)}
+    tdir = Path(gdir, "rknn", target)
+    tdir.mkdir(parents=True)
+    graphs = {}
+    for g in manifest["graphs"]:
+        (tdir / f"{g['name']}.rknn").write_bytes(b"stand-in")
+        graphs[g["name"]] = {"file": f"{g['name']}.rknn", "source": g["file"], "key": "k", "onnx_key": g["key"],
+                             "inputs": [[n, list(s)] for n, s in rknn_build.model_inputs(by_name[g["name"]])],
+                             "outputs": [t.name for t in by_name[g["name"]].outputs]}
+    (tdir / "rknn.json").write_text(json.dumps({"format": "synflux-rknn/1", "target": target, "toolkit": "2.5.0",
+                                                "dtype": "fp16", "graphs": graphs}))
+
+
+def test_board_runtime_feeds_rknnlite_in_compiled_order(tmp_path, fake_board):
+    gdir = str(tmp_path / "vlm")
+    build(load_config(str(REPO / "config" / "vlm_demo.yaml")), gdir)
+    _sidecar_without_toolkit(gdir, "rk3576")
+    board = VLMRuntime(config(gdir, "rknn", runtime="board", target="rk3576", core_mask="0_1"))
+    ref = VLMRuntime(config(gdir, "onnxruntime"))
+    try:
+        assert board.executor.device_of("decode_256") == "rknn:rk3576"
+        assert all(isinstance(b, rknn_backend.HostBuffer) and not isinstance(b, rknn_backend.ShmBuffer)
+                   for b in board.executor._staging.values())
+        assert board.executor._handles["decode_256"].rknn.core_mask == 3
+        for prompt in ("hello there", "and again"):
+            a = board.chat(ChatRequest("s", prompt, max_new_tokens=6, temperature=0.0))
+            b = ref.chat(ChatRequest("s", prompt, max_new_tokens=6, temperature=0.0))
+            assert a.token_ids == b.token_ids and a.cached_tokens == b.cached_tokens
+        import rknnlite.api
+        assert 2 * 2 + 2 in rknnlite.api.CALLS  # decode: input_ids, cache_position and 2 layers x K/V views
+    finally:
+        board.close()
+        ref.close()
