@@ -285,6 +285,16 @@ class OpenVINOExecutor(HostBufferHooks, Executor):
             from_cache = False
         return _Graph(compiled, path, plan, from_cache)
 
+    def unsupported_nodes(self, graph: str) -> list[tuple[str, str]]:
+        """(node name, op type) of the operators of ``graph`` that the device does not support, from
+        OpenVINO's ``query_model`` (parameters, results and constants are never listed)."""
+        self._require_loaded()
+        model = self.core.read_model(self.graph_path(self.graphs[graph]))
+        supported = self.core.query_model(model, self.device)
+        return [(op.get_friendly_name(), op.get_type_name()) for op in model.get_ops()
+                if op.get_friendly_name() not in supported
+                and op.get_type_name() not in ("Parameter", "Result", "Constant")]
+
     def _load_error(self, path: str, meta: GraphMeta, exc: Exception, hint: str) -> Exception:
         """A file OpenVINO cannot read is a broken graph set; a file it reads but cannot compile is a device
         problem (a missing driver, an operator the device lacks)."""

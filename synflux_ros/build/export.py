@@ -352,6 +352,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rknn-python", dest="toolkit_python", default=None,
                     help="--backend rknn: Python of the venv holding rknn-toolkit2 (default: .venv-rknn beside "
                          "this package's venv, made by `make rknn-venv`)")
+    ap.add_argument("--check", nargs="?", const="", metavar="BACKEND",
+                    help="after building, load each graph on BACKEND (default: --backend; e.g. openvino) and report "
+                         "per graph whether it compiles and which operators it does not support; exit 1 if any")
+    ap.add_argument("--check-options", default="{}", help="with --check: executor options of that backend, JSON")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config)
@@ -360,6 +364,17 @@ def main(argv=None) -> int:
     except (ConfigError, BuildError) as exc:
         print(f"synflux-build: error: {exc}", file=sys.stderr)
         return 2
+    if args.check is not None:
+        from .check import check_graph_set, report
+        backend = args.check or args.backend
+        try:
+            options = json.loads(args.check_options)
+        except json.JSONDecodeError as exc:
+            print(f"synflux-build: error: --check-options: not JSON ({exc})", file=sys.stderr)
+            return 2
+        rows = check_graph_set(args.out, backend, options)
+        print(report(rows, backend))
+        return 0 if all(r.ok for r in rows) else 1
     return 0
 
 

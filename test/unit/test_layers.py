@@ -20,7 +20,7 @@ ROOMS = {
     "pieces": {"core"},
     "runtimes": {"core", "backends", "pieces"},
     "nodes": {"core", "runtimes", "msg", "srv"},
-    "build": {"core"},
+    "build": {"core", "backends"},
     "bench": {"core", "backends", "pieces", "runtimes", "build", "nodes"},
 }
 ROS_PACKAGES = {"rclpy", "rcl_interfaces", "sensor_msgs", "std_msgs", "std_srvs", "trajectory_msgs",
@@ -101,6 +101,7 @@ def test_every_import_points_down():
     ("runtimes", "import torch\n", "run-time code imports torch"),
     ("nodes", "from ..build.export import build\n", "upward"),
     ("build", "from ..runtimes import stack\n", "upward"),
+    ("backends", "from ..build import check\n", "upward"),
 ])
 def test_the_check_catches_a_wrong_import(tmp_path, room, source, needle):
     path = tmp_path / "mod.py"
