@@ -205,8 +205,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=20000, help="frames per rate")
     ap.add_argument("--rates", type=float, nargs="+", default=[30.0, 60.0], help="camera rates, Hz, in order")
-    ap.add_argument("--warmup-s", type=float, default=60.0,
-                    help="seconds of each rate before the reference RSS sample (at most a quarter of the rate's time)")
+    ap.add_argument("--warmup-s", type=float, default=180.0,
+                    help="seconds of each rate before the reference RSS sample (at most a quarter of the rate's "
+                         "time): the allocator's per-thread arenas grow in steps during the first minutes")
     ap.add_argument("--sample-s", type=float, default=2.0, help="seconds between RSS samples")
     ap.add_argument("--diagnostics-period", type=float, default=0.5, help="the node's diagnostics_period")
     args = ap.parse_args(argv)
