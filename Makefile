@@ -95,6 +95,7 @@ demo-onnx: graphs
 # Node/pipeline figures, then the LLM figures against transformers and onnxruntime-genai.
 bench: install
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.nodes $(ARGS)
+	cd $(BUILD) && $(PY) -m synflux_ros.bench.backends --work $(abspath $(BUILD))/bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench
 
 bench-llm: install
