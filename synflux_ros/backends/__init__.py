@@ -41,6 +41,9 @@ EXECUTORS: dict[str, BackendEntry] = {
     "openvino": BackendEntry("synflux_ros.backends.openvino:OpenVINOExecutor", requires=("openvino",),
                              install_hint="pip install openvino; Intel GPU and NPU devices also need their "
                                           "drivers"),
+    "qnn": BackendEntry("synflux_ros.backends.qnn:QNNExecutor", requires=("onnxruntime", "onnxruntime_qnn"),
+                        install_hint="pip install onnxruntime-qnn (Qualcomm's QNN execution provider for "
+                                     "onnxruntime, with the HTP libraries; on x86-64 the HTP simulator)"),
     "rknn": BackendEntry("synflux_ros.backends.rknn:RKNNExecutor",
                          install_hint="on an RK3588/RK3576 board: rknn-toolkit-lite2 and librknnrt.so; elsewhere "
                                       "`make rknn-venv` for rknn-toolkit2's simulator"),

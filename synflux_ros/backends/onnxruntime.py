@@ -149,6 +149,9 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
     """Runs a synflux-build graph set with ONNX Runtime: weights loaded once for all graphs, every input
     and output bound to the static buffers (see the module docstring)."""
     name = "onnxruntime"
+    option_names: tuple[str, ...] = _OPTIONS
+    """The options this executor takes (a subclass running ORT with another execution provider narrows or
+    extends them; an option it does not list keeps its default)."""
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
         super().__init__(graphs, graph_dir, options)
@@ -156,10 +159,10 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
 
         self._ort = ort
         opts = self.options
-        unknown = sorted(set(opts) - set(_OPTIONS) - set(_IGNORED_OPTIONS))
+        unknown = sorted(set(opts) - set(self.option_names) - set(_IGNORED_OPTIONS))
         if unknown:
             key = unknown[0]
-            raise ValueError(f"onnxruntime executor: unknown option {key!r}{choices_hint(key, _OPTIONS)}")
+            raise ValueError(f"{self.name} executor: unknown option {key!r}{choices_hint(key, self.option_names)}")
         self.providers = self._parse_providers(opts.get("providers", ["CPUExecutionProvider"]))
         self.intra_op_num_threads = self._int_option("intra_op_num_threads")
         self.inter_op_num_threads = self._int_option("inter_op_num_threads")
@@ -241,14 +244,21 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
     def load(self) -> "OnnxRuntimeExecutor":
         if self._loaded:
             return self
-        if self.optimized_model_dir:
-            self._load_dir, self._from_cache = self._optimized_graph_set(), True
+        cached = self._cached_graph_set()
+        if cached:
+            self._load_dir, self._from_cache = cached, True
         try:
             super().load()
         except BaseException:
             self._release_sessions()
             raise
         return self
+
+    def _cached_graph_set(self) -> str:
+        """Directory of a compiled copy of the graph set to load instead of ``graph_dir`` ('' = none); its
+        graphs are ``<name>.onnx`` and load with ORT's optimiser off. Here: the ``optimized_model_dir``
+        cache; an execution provider with a compiled form of its own overrides this."""
+        return self._optimized_graph_set() if self.optimized_model_dir else ""
 
     def graph_path(self, meta: GraphMeta) -> str:
         if self._from_cache:
@@ -430,13 +440,13 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
                 "source": os.path.abspath(self.graph_dir), "config_hash": manifest.get("config_hash", ""),
                 "files": files}
 
-    def _cache_valid(self, directory: str, fingerprint: dict) -> bool:
+    def _cache_valid(self, directory: str, fingerprint: dict, key: str = _CACHE_KEY) -> bool:
         try:
             with open(os.path.join(directory, graphset.MANIFEST_FILE), encoding="utf-8") as fh:
                 data = json.load(fh)
         except (OSError, ValueError):
             return False
-        return data.get(_CACHE_KEY) == fingerprint and all(
+        return data.get(key) == fingerprint and all(
             os.path.isfile(os.path.join(directory, f"{name}.onnx")) for name in self.graphs)
 
     def _optimized_graph_set(self) -> str:

@@ -36,6 +36,7 @@ def _spec(default=dataclasses.MISSING, *, choices=None, min=None, max=None, doc=
 
 
 DTYPES = ("float32", "float16")
+TOKEN_ID_DTYPES = ("int64", "int32")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +96,9 @@ class LLMConfig:
     decode_buckets: tuple[int, ...] = _spec(min=1, doc="attention spans of the decode graphs")
     max_seq_len: int = _spec(min=1, doc="KV-cache positions per session")
     kv_dtype: str = _spec("float32", choices=DTYPES)
+    token_id_dtype: str = _spec("int64", choices=TOKEN_ID_DTYPES,
+                                doc="dtype of the graphs' input_ids (the embedding's Gather indices); int32 for "
+                                    "the qnn backend")
     # Architecture details used by synflux-build (the mock ignores them).
     architecture: str = _spec("qwen3", choices=("qwen3", "llama", "gemma"),
                               doc="qwen3: q/k RMSNorm; llama: plain; gemma: (1+w) norms, GELU, scaled embeddings")

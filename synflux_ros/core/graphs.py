@@ -4,12 +4,16 @@ For a config with prefill buckets P and decode buckets D (S = max_seq_len, H = h
 L/KV/Dh = layers / kv heads / head dim, T = vision tiles)::
 
     vision_encoder      pixel_values [T,3,th,tw] f32                  -> vision_embeds [T*tokens_per_tile, H]
-    embed_<p>           input_ids [1,p] i64                           -> inputs_embeds [1,p,H]
+    embed_<p>           input_ids [1,p] ids                           -> inputs_embeds [1,p,H]
     prefill_<p>         inputs_embeds [1,p,H], num_tokens [1], cache_position [1], past_kv [L,2,KV,S,Dh]
                                                                       -> logits [1,V], new_kv [L,2,KV,p,Dh]
-    decode_<d>          input_ids [1,1], cache_position [1], past_kv  -> logits [1,V], new_kv [L,2,KV,1,Dh]
+    decode_<d>          input_ids [1,1] ids, cache_position [1], past_kv
+                                                                      -> logits [1,V], new_kv [L,2,KV,1,Dh]
     action_expert_<d>   noisy_actions [1,h,a], timestep [1], prefix_len [1], past_kv
                                                                       -> velocity [1,h,a]   (flow matching)
+
+``ids`` is ``llm.token_id_dtype``: int64 by default, int32 for devices that index in int32 (the qnn
+backend); counts and positions stay int64.
 
 ``past_kv`` is the session's whole cache slot, bound in place (``resident``); a graph reads only the
 positions below its bucket (decode / action-expert buckets are attention spans) and returns the new
@@ -39,6 +43,7 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
     llm, vis = cfg.llm, cfg.vision
     L, KV, Dh, H, V = llm.num_layers, llm.num_kv_heads, llm.head_dim, llm.hidden_dim, llm.vocab_size
     kv = kv_spec(cfg)
+    ids = llm.token_id_dtype
     graphs = [GraphMeta(
         "vision_encoder", "vision_encoder",
         (TensorSpec("pixel_values", (vis.num_tiles, 3, *vis.tile_size), F32),),
@@ -46,7 +51,7 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
         file="vision_encoder.onnx")]
     for p in llm.prefill_buckets:
         graphs.append(GraphMeta(
-            f"embed_{p}", "embed", (TensorSpec("input_ids", (1, p), I64),),
+            f"embed_{p}", "embed", (TensorSpec("input_ids", (1, p), ids),),
             (TensorSpec("inputs_embeds", (1, p, H), F32),), group="embed", file=f"embed_{p}.onnx",
             attrs={"bucket": p}))
         graphs.append(GraphMeta(
@@ -58,7 +63,7 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
     for d in llm.decode_buckets:
         graphs.append(GraphMeta(
             f"decode_{d}", "decode",
-            (TensorSpec("input_ids", (1, 1), I64), TensorSpec("cache_position", (1,), I64), kv),
+            (TensorSpec("input_ids", (1, 1), ids), TensorSpec("cache_position", (1,), I64), kv),
             (TensorSpec("logits", (1, V), F32), TensorSpec("new_kv", (L, 2, KV, 1, Dh), llm.kv_dtype)),
             group="decode", file=f"decode_{d}.onnx", attrs={"bucket": d, "hidden_dim": H}))
     act = cfg.action

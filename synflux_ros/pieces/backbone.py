@@ -28,6 +28,17 @@ class LLMBackbone:
         self.decode_buckets = cfg.llm.decode_buckets
         self.max_seq = cfg.llm.max_seq_len
         self.hidden = cfg.llm.hidden_dim
+        # Token ids are fed in the dtype the graphs declare (llm.token_id_dtype: int64 or int32).
+        self.id_dtype = np.dtype(self._id_dtype(executor, cfg))
+
+    @staticmethod
+    def _id_dtype(executor: Executor, cfg: ModelConfig) -> str:
+        graphs = getattr(executor, "graphs", {}) or {}
+        for name in (f"embed_{cfg.llm.prefill_buckets[0]}", f"decode_{cfg.llm.decode_buckets[0]}"):
+            meta = graphs.get(name)
+            if meta is not None:
+                return meta.input("input_ids").dtype
+        return cfg.llm.token_id_dtype
 
     def _chunks(self, n: int):
         """(offset, length, bucket) covering n tokens: full largest buckets, then the smallest fit."""
@@ -43,7 +54,7 @@ class LLMBackbone:
         ids = np.asarray(ids, np.int64).reshape(-1)
         out = np.empty((ids.size, self.hidden), np.float32)
         for off, m, b in self._chunks(ids.size):
-            padded = np.zeros((1, b), np.int64)
+            padded = np.zeros((1, b), self.id_dtype)
             padded[0, :m] = ids[off:off + m]
             out[off:off + m] = self.ex.run(f"embed_{b}", {"input_ids": padded})["inputs_embeds"][0, :m]
         return out
@@ -73,7 +84,7 @@ class LLMBackbone:
             raise ContextOverflowError(f"cache position {pos} is beyond the context of {self.max_seq}")
         d = select_bucket(self.decode_buckets, pos + 1)
         out = self.ex.run(f"decode_{d}", {
-            "input_ids": np.array([[token]], np.int64), "cache_position": np.array([pos], np.int64),
+            "input_ids": np.array([[token]], self.id_dtype), "cache_position": np.array([pos], np.int64),
             "past_kv": slot})
         self.ex.write(slot, np.s_[:, :, :, pos:pos + 1], out["new_kv"])
         return out["logits"][0]

@@ -323,7 +323,8 @@ class CausalLM(nn.Module):
 
     # -------------------------------------------------------------- pieces used by the graph modules
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] int64 -> [T, H] (Gemma: times sqrt(H))."""
+        """ids [T] int64 or int32 -> [T, H] (Gemma: times sqrt(H)). The ids index the table as they come (no
+        Cast): int32 ids (``llm.token_id_dtype: int32``) export an int32 Gather."""
         x = self.model.embed_tokens(ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
