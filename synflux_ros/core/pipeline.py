@@ -105,6 +105,7 @@ class Pipeline:
         self._lock = threading.Lock()
         self._submitted = self._processed = self._dropped = self._failed = 0
         self._threads: list[threading.Thread] = []
+        self._stragglers: list[threading.Thread] = []
         self._running = False
 
     # ---------------------------------------------------------------- control
@@ -117,18 +118,20 @@ class Pipeline:
         for t in self._threads:
             t.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0) -> bool:
         """Stop the stage threads. A frame waiting in the mailbox is dropped; frames already between
-        stages are finished (the stop marker queues behind them) unless a thread misses ``timeout``,
-        in which case what is left in the queues is dropped too."""
+        stages are finished (the stop marker queues behind them) unless a thread misses ``timeout``, in
+        which case what is left in the queues is dropped too. Returns False when a thread is still in a
+        call after ``timeout``: its stage then still uses what it runs on (the executor), which the
+        caller must not free (a device call cannot be cut short)."""
         if not self._running:
-            return
+            return not self._stragglers
         self._running = False
         old = self._inbox.put(_STOP)
         if old is not EMPTY and old is not _STOP:
             self._discard(old)
         deadline = time.monotonic() + timeout
-        for i, t in enumerate(self._threads):
+        for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         for q in self._queues:
             while True:
@@ -138,7 +141,15 @@ class Pipeline:
                     break
                 if item is not _STOP:
                     self._discard(item)
+        self._stragglers = [t for t in self._threads if t.is_alive()]
         self._threads = []
+        return not self._stragglers
+
+    @property
+    def busy(self) -> bool:
+        """A stage thread outlived :meth:`stop` and is still in its call."""
+        self._stragglers = [t for t in self._stragglers if t.is_alive()]
+        return bool(self._stragglers)
 
     @property
     def running(self) -> bool:

@@ -250,8 +250,16 @@ class SynfluxNode(LifecycleNode):
             self.destroy_publisher(self._diag)
             self._diag = None
         if self.runtime is not None:
-            self.runtime.close()
+            if self.runtime_in_use():
+                self.get_logger().error("the model is still in use by a device call; its memory is freed at "
+                                        "process exit instead")
+            else:
+                self.runtime.close()
             self.runtime = None
+
+    def runtime_in_use(self) -> bool:
+        """A thread is still inside the runtime (e.g. a device call that outlived a stop)."""
+        return False
 
     def _publish_diagnostics(self):
         if self.runtime is None:

@@ -53,6 +53,8 @@ INSTRUCTION_QOS = (
 )
 
 
+PIPELINE_STOP_TIMEOUT_S = 5.0
+"""How long stopping waits for the stages to finish their current device calls."""
 RATE_WINDOW = 120
 """Frames over which the receive and camera rates are estimated."""
 MIN_DELIVERY_RATIO = 0.9
@@ -79,6 +81,7 @@ class VLANode(SynfluxNode):
         self._arrivals = deque(maxlen=RATE_WINDOW)  # (receipt monotonic s, camera stamp s)
         self._last_input_error = ""
         self._subs, self._pubs = [], {}
+        self._busy_pipelines = []  # pipelines whose stage threads outlived stop()
 
     # ---------------------------------------------------------------- lifecycle hooks
     def setup(self, p: dict, cfg) -> str:
@@ -118,9 +121,16 @@ class VLANode(SynfluxNode):
     def deactivate(self) -> None:
         self.pipeline.stop()
 
+    def runtime_in_use(self) -> bool:
+        return any(p.busy for p in self._busy_pipelines)
+
     def teardown(self) -> None:
         if self.pipeline is not None:
-            self.pipeline.stop()
+            if not self.pipeline.stop(PIPELINE_STOP_TIMEOUT_S):
+                self.get_logger().error(
+                    f"a pipeline stage is still in a device call {PIPELINE_STOP_TIMEOUT_S:.0f} s after stop; "
+                    "its executor is left in place (freeing it under the call would crash the process)")
+                self._busy_pipelines.append(self.pipeline.pipeline)
             c = self.pipeline.pipeline.counters()
             with self._lock:
                 for key in self._retired:

@@ -176,8 +176,9 @@ class VLAPipeline:
     def start(self):
         self.pipeline.start()
 
-    def stop(self):
-        self.pipeline.stop()
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the stage threads; False if one is still in a device call after ``timeout``."""
+        return self.pipeline.stop(timeout)
 
     def submit(self, frame: Frame) -> bool:
         return self.pipeline.submit(frame)

@@ -145,3 +145,21 @@ def test_graph_dir_removed_while_serving(graph_copy, start_node, client):
     h.publish_until_chunks(3, lambda s, t: rgb_image(448, 448, s, t))
     d = h.diag_where(lambda d: int(d["frames_published"]) >= 5)
     assert d["frames_failed"] == "0"
+
+
+def test_a_device_call_that_outlives_the_stop_is_not_freed_under(start_node, client, make_config):
+    """A stage still in a device call when stopping gives up waiting must keep its executor: freeing it
+    under the call crashes the process. The node exits 0 and says why the model was not freed."""
+    import signal
+    cfg = make_config("vla_demo_orin.yaml", executor={"latency_ms": {"action_expert": 900.0}})
+    p = start_node("vla_node", {"config": cfg, "diagnostics_period": 0.2}, namespace="/stuck")
+    h = Harness(client, "/stuck")
+    h.wait_connected()
+    # the head runs 10 steps of 0.9 s: once a frame is in flight, give it time to reach the head, then stop
+    h.publish_until_diag(rgb_image(448, 448, 0, 10**9), lambda d: int(d["frames_in_flight"]) >= 1)
+    spin_until(client, lambda: False, 1.5)
+    p.proc.send_signal(signal.SIGINT)
+    assert p.proc.wait(30) == 0, p.output()[-3000:]
+    out = p.output()
+    assert "still in a device call" in out and "freed at process exit" in out, out[-3000:]
+    assert "terminate called" not in out

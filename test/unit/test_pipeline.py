@@ -296,6 +296,27 @@ def test_stop_discards_the_item_waiting_in_the_mailbox():
     assert p.counters().in_flight == 0
 
 
+def test_a_call_that_outlives_stop_is_reported():
+    rec = Recorder()
+    gate = threading.Event()
+    started = threading.Semaphore(0)
+
+    def stuck(x):
+        started.release()
+        gate.wait(10)
+        return x
+    p = make([("a", stuck)], rec)
+    p.submit(0)
+    assert started.acquire(timeout=5)
+    assert p.stop(timeout=0.1) is False  # the stage is still in its call: its executor must not be freed
+    assert p.busy
+    gate.set()
+    deadline = time.monotonic() + 5
+    while p.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not p.busy
+
+
 def test_none_items_are_accounted():
     rec = Recorder()
     fn, gate, started = gated_first_stage()
