@@ -494,13 +494,7 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
                      for m in self.graphs.values()]
             graphset_writer.write_manifest(work, metas, info, model=manifest.get("model", ""),
                                     config_hash=manifest.get("config_hash", ""), **{_CACHE_KEY: fingerprint})
-            try:
-                os.rename(work, target)
-            except OSError:
-                # Built concurrently by another process, or a stale incomplete one: keep a valid one.
-                if not self._cache_valid(target, fingerprint):
-                    shutil.rmtree(target, ignore_errors=True)
-                    os.rename(work, target)
+            graphset_writer.publish_directory(work, target, lambda d: self._cache_valid(d, fingerprint))
         finally:
             self._release_sessions()
             if os.path.isdir(work):

@@ -316,13 +316,7 @@ class QNNExecutor(OnnxRuntimeExecutor):
                                                   "config_hash": manifest.get("config_hash", ""),
                                                   "graphs": metas, _CACHE_KEY: fingerprint,
                                                   "files": sorted(os.listdir(work))})
-            try:
-                os.rename(work, target)
-            except OSError:
-                # Compiled concurrently by another process, or a stale incomplete one: keep a valid one.
-                if not self._context_valid(target, fingerprint):
-                    shutil.rmtree(target, ignore_errors=True)
-                    os.rename(work, target)
+            graphset_writer.publish_directory(work, target, lambda d: self._context_valid(d, fingerprint))
         finally:
             self._release_sessions()
             if os.path.isdir(work):

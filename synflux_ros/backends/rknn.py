@@ -147,7 +147,7 @@ class ShmBuffer(HostBuffer):
 
 
 # ---------------------------------------------------------------------------------------------- simulator
-def _worker_env() -> dict:
+def toolkit_env() -> dict:
     """The environment for the toolkit's Python: without this venv's library path (ROS wheels) and without
     PYTHONPATH/PYTHONHOME, which would mix another interpreter's packages into the toolkit's venv."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
@@ -175,7 +175,7 @@ class SimulatorWorker:
             self.proc = subprocess.Popen(
                 [python, WORKER, "--requests", str(req_r), "--replies", str(rep_w), "--log", self.log_path],
                 stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT, pass_fds=(req_r, rep_w),
-                cwd=self._cwd, env=_worker_env())
+                cwd=self._cwd, env=toolkit_env())
         except OSError as exc:
             for f in (req_w, rep_r):
                 os.close(f)

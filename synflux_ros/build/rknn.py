@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 
+from ..backends.rknn import toolkit_env
 from ..core import graphset
 from ..core.executor import GraphMeta
 
@@ -83,20 +84,6 @@ def find_toolkit_python(explicit: str | None = None) -> str:
             return path
     raise RKNNBuildError(f"--backend rknn needs rknn-toolkit2, which lives in a venv of its own; none found at "
                          f"{', '.join(default_toolkit_pythons())}: {VENV_HINT}")
-
-
-def toolkit_env() -> dict:
-    """The environment for the toolkit's Python: without this venv's library path (ROS wheels) and without
-    PYTHONPATH/PYTHONHOME, which would mix another interpreter's packages into the toolkit's venv."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    prefix = os.path.abspath(sys.prefix) + os.sep
-    if env.get("LD_LIBRARY_PATH"):
-        kept = [p for p in env["LD_LIBRARY_PATH"].split(os.pathsep) if p and not os.path.abspath(p).startswith(prefix)]
-        if kept:
-            env["LD_LIBRARY_PATH"] = os.pathsep.join(kept)
-        else:
-            del env["LD_LIBRARY_PATH"]
-    return env
 
 
 def toolkit_version(python: str) -> str:

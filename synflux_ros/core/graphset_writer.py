@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 from .graphset import (ALIGNMENT, EXTERNAL_MIN_BYTES, FORMAT, MANIFEST_FILE, WEIGHTS_FILE, GraphSetError,
                        GraphSetNotFoundError, external_initializers)
@@ -322,3 +323,14 @@ def _externalize(tensor, model_name, reader, writer, min_bytes, restore, TensorP
     offset = writer.put(raw)
     restore.append((tensor, saved))
     _set_external(tensor, WEIGHTS_FILE, offset, len(raw), prepacked)
+
+
+def publish_directory(work: str, target: str, valid) -> None:
+    """Move ``work`` (written next to ``target``) into place. If another process published ``target``
+    first, a valid one (``valid(target)``) is kept; a stale or incomplete one is replaced."""
+    try:
+        os.rename(work, target)
+    except OSError:
+        if not valid(target):
+            shutil.rmtree(target, ignore_errors=True)
+            os.rename(work, target)
