@@ -1,7 +1,22 @@
-"""Small checkpoint files the tests build (the test directory is on sys.path through its conftest)."""
+"""Small checkpoint files and graph-set helpers the tests share (the test directory is on sys.path
+through its conftest)."""
 from __future__ import annotations
 
 import os
+
+from synflux_ros.core import graphset
+from synflux_ros.core.config import load_config
+from synflux_ros.core.executor import GraphMeta
+
+
+def config(graph_dir: str, backend: str, **options):
+    cfg = load_config(os.path.join(graph_dir, "config.yaml"))
+    return cfg.with_overrides(executor={"backend": backend, "options": options, "latency_ms": {}})
+
+
+def metas(graph_dir: str, *names: str) -> list[GraphMeta]:
+    all_metas = graphset.graph_metas(graph_dir, graphset.read_manifest(graph_dir))
+    return [m for m in all_metas if not names or m.name in names]
 
 
 def write_tokenizer(path: str) -> None:

@@ -149,6 +149,7 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
     """Runs a synflux-build graph set with ONNX Runtime: weights loaded once for all graphs, every input
     and output bound to the static buffers (see the module docstring)."""
     name = "onnxruntime"
+    runtime_label = "ORT"
     option_names: tuple[str, ...] = _OPTIONS
     """The options this executor takes (a subclass running ORT with another execution provider narrows or
     extends them; an option it does not list keeps its default)."""
@@ -199,13 +200,6 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         self._weight_values: dict[tuple, object] = {}
 
     # ------------------------------------------------------------------ options
-    def _int_option(self, key: str) -> int:
-        value = self.options.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"onnxruntime executor: {key} must be an integer >= 0 (0 = ORT's default), "
-                             f"got {value!r}")
-        return value
-
     def _bool_option(self, key: str, default: bool) -> bool:
         value = self.options.get(key, default)
         if not isinstance(value, bool):

@@ -107,6 +107,7 @@ class OpenVINOExecutor(HostBufferHooks, Executor):
     """Runs a synflux-build graph set with OpenVINO: one compiled model and request per graph, every input
     and output set to the static buffers (see the module docstring)."""
     name = "openvino"
+    runtime_label = "OpenVINO"
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
         super().__init__(graphs, graph_dir, options)
@@ -148,13 +149,6 @@ class OpenVINOExecutor(HostBufferHooks, Executor):
         self._cache_path = ""
 
     # ------------------------------------------------------------------ options
-    def _int_option(self, key: str) -> int:
-        value = self.options.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"openvino executor: {key} must be an integer >= 0 (0 = OpenVINO's default), "
-                             f"got {value!r}")
-        return value
-
     def _check_device(self, device: str) -> list[str]:
         """The hardware devices ``device`` runs on (their plugin names); an error when one is missing."""
         available = list(self.core.available_devices)

@@ -24,6 +24,7 @@ from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.core.executor import GraphMeta, ShapeError, TensorSpec  # noqa: E402
 from synflux_ros.core.memory import PoolFrozenError  # noqa: E402
 from synflux_ros.runtimes.stack import create_executor  # noqa: E402
+from checkpoints import config, metas  # noqa: E402
 from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
 from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime  # noqa: E402
 
@@ -41,16 +42,6 @@ def graph_sets(tmp_path_factory):
         build(load_config(str(REPO / "config" / f"{name}.yaml")), str(d))
         out[name] = str(d)
     return out
-
-
-def config(graph_dir: str, backend: str, **options):
-    cfg = load_config(os.path.join(graph_dir, "config.yaml"))
-    return cfg.with_overrides(executor={"backend": backend, "options": options, "latency_ms": {}})
-
-
-def metas(graph_dir: str, *names: str) -> list[GraphMeta]:
-    all_metas = graphset.graph_metas(graph_dir, graphset.read_manifest(graph_dir))
-    return [m for m in all_metas if not names or m.name in names]
 
 
 def kv_pair(cfg, executors, seed=0):

@@ -23,12 +23,13 @@ from synflux_ros.backends import BackendUnavailableError, build_executor, resolv
 from synflux_ros.bench import validate as validate_cli  # noqa: E402
 from synflux_ros.bench.validate import seeded_feeds, validate  # noqa: E402
 from synflux_ros.build.export import build  # noqa: E402
-from synflux_ros.core import graphset, graphset_writer  # noqa: E402
+from synflux_ros.core import graphset_writer  # noqa: E402
 from synflux_ros.core.config import ConfigError, load_config  # noqa: E402
 from synflux_ros.core.executor import GraphMeta, TensorSpec  # noqa: E402
 from synflux_ros.core.graphs import graph_set  # noqa: E402
 from synflux_ros.core.graphset import GraphSetError  # noqa: E402
 from synflux_ros.runtimes.stack import create_executor  # noqa: E402
+from checkpoints import config, metas  # noqa: E402
 from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,16 +58,6 @@ def graph_sets(tmp_path_factory):
         build(load_config(str(int32_config(name, d))), str(d / "graphs"))
         out[name] = str(d / "graphs")
     return out
-
-
-def config(graph_dir: str, backend: str, **options):
-    cfg = load_config(os.path.join(graph_dir, "config.yaml"))
-    return cfg.with_overrides(executor={"backend": backend, "options": options, "latency_ms": {}})
-
-
-def metas(graph_dir: str, *names: str) -> list[GraphMeta]:
-    all_metas = graphset.graph_metas(graph_dir, graphset.read_manifest(graph_dir))
-    return [m for m in all_metas if not names or m.name in names]
 
 
 # ------------------------------------------------------------------------------------------ numerics
