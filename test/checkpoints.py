@@ -31,3 +31,24 @@ def write_tokenizer(path: str) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["the robot picks up the red block and puts it in the bowl"] * 50, trainer)
     tok.save(os.path.join(path, "tokenizer.json"))
+
+
+def demo_size(raw: dict) -> dict:
+    """Shrink a real-size config's widths; keep its structure (architecture, buckets, heads, dtypes)."""
+    llm = raw["llm"]
+    if llm["hidden_dim"] <= 256:
+        return raw
+    llm.update(num_layers=2, hidden_dim=64, num_heads=4, num_kv_heads=min(llm.get("num_kv_heads", 4), 2),
+               head_dim=16, intermediate_size=128, vocab_size=1024)
+    vis = raw["vision"]
+    vis.update(hidden_dim=32, num_layers=1, num_heads=2, intermediate_size=64)
+    if vis.get("deepstack_layers"):
+        vis["deepstack_layers"] = [0]
+    act = raw.get("action")
+    if act:
+        act.update(expert_hidden_dim=32, expert_intermediate_size=64)
+        if act.get("token_vocab_size"):
+            act["token_vocab_size"] = 1000
+    if raw.get("text", {}).get("eos_token_ids"):
+        raw["text"]["eos_token_ids"] = [1000, 1001]
+    return raw

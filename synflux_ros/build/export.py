@@ -41,6 +41,8 @@ BUILDERS = {
     # backend -> what the build step does beyond the portable ONNX files
     "onnxruntime": "portable ONNX; onnxruntime applies its graph optimisations (fusions) when it loads them",
     "rknn": "portable ONNX, then one .rknn per graph for a Rockchip NPU (--target; rknn-toolkit2 in .venv-rknn)",
+    "tensorrt": "portable ONNX, shape-polymorphic ONNX per graph kind, then one TensorRT engine per kind with a "
+                "profile per bucket (JetPack's TensorRT; --tensorrt-module tensorrt_rtx_bindings on a CPU)",
 }
 
 
@@ -123,12 +125,16 @@ def onnx_inputs(meta: GraphMeta) -> list[tuple[str, tuple, str]]:
 
 
 def example_inputs(meta: GraphMeta):
-    """Valid example tensors for tracing the exported inputs (:func:`onnx_inputs`): zeros, with
-    counts/positions that are in range."""
+    """Valid example tensors for tracing the exported inputs (:func:`onnx_inputs`)."""
+    return example_tensors(onnx_inputs(meta))
+
+
+def example_tensors(inputs):
+    """Example tensors for ``inputs`` (name, shape, dtype): zeros, with counts/positions that are in range."""
     import numpy as np
     import torch
     out = []
-    for name, shape, dtype in onnx_inputs(meta):
+    for name, shape, dtype in inputs:
         arr = np.zeros(shape, dtype)
         if name in ("num_tokens", "prefix_len"):
             arr[...] = 1
@@ -228,9 +234,10 @@ def resolve_config(cfg: ModelConfig, hf_dir: str | None) -> ModelConfig:
 
 def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str | None = None, seed: int = 0,
           force: bool = False, threads: int | None = None, target: str | None = None, quantize: str = "fp16",
-          toolkit_python: str | None = None) -> dict:
+          toolkit_python: str | None = None, tensorrt=None) -> dict:
     """Build (or bring up to date) the graph set of ``cfg`` in ``out``; returns the manifest. A backend
-    with a compiler of its own (``rknn``: ``target``, ``quantize``) then compiles the graphs beside it."""
+    with a compiler of its own (``rknn``: ``target``, ``quantize``; ``tensorrt``: a
+    :class:`~synflux_ros.build.tensorrt.TensorRTOptions`) then compiles the graphs beside it."""
     if backend not in BUILDERS:
         raise BuildError(f"no graph builder for backend {backend!r} (choices: {', '.join(sorted(BUILDERS))})")
     if backend == "rknn":
@@ -239,7 +246,17 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
             raise BuildError(f"--backend rknn needs --target (choices: {', '.join(TARGETS)})")
     elif target:
         raise BuildError(f"--target is for --backend rknn, not {backend!r}")
+    if tensorrt is not None and backend != "tensorrt":
+        raise BuildError(f"TensorRT options are for --backend tensorrt, not {backend!r}")
+    if backend == "tensorrt":
+        from .tensorrt import TensorRTOptions, load_tensorrt
+        tensorrt = tensorrt or TensorRTOptions()
+        load_tensorrt(tensorrt.module)  # before exporting anything
     manifest = _build_onnx(cfg, out, backend, hf_dir, seed, force, threads)
+    if backend == "tensorrt":
+        from .tensorrt import build_for_tensorrt
+        build_for_tensorrt(resolve_config(cfg, hf_dir), out, manifest, hf_dir, seed, force, tensorrt,
+                           progress=_progress)
     if backend == "rknn":
         from .rknn import compile_graph_set
         compile_graph_set(out, manifest, target, quantize, force=force, toolkit_python=toolkit_python,
@@ -334,6 +351,26 @@ def _yaml_ready(obj):
     return obj
 
 
+def _tensorrt_options(args):
+    """The TensorRT builder options of the command line (None unless --backend tensorrt)."""
+    given = args.fp16 or args.int8 or args.calib or args.dla_core is not None or args.no_gpu_fallback \
+        or args.workspace or args.sm or args.tensorrt_module != "tensorrt"
+    if args.backend != "tensorrt":
+        if given:
+            raise BuildError(f"--fp16/--int8/--calib/--dla-core/--workspace/--sm/--tensorrt-module are for "
+                             f"--backend tensorrt, not {args.backend!r}")
+        return None
+    from .tensorrt import TensorRTBuildError, TensorRTOptions
+    if args.fp16 and args.int8:
+        raise BuildError("--fp16 and --int8: choose one (--int8 builds the other engines in fp16)")
+    try:
+        return TensorRTOptions(precision="int8" if args.int8 else "fp16" if args.fp16 else "fp32",
+                               calib_dir=args.calib, dla_core=args.dla_core, gpu_fallback=not args.no_gpu_fallback,
+                               workspace_mb=args.workspace, module=args.tensorrt_module, sm=args.sm)
+    except TensorRTBuildError as exc:
+        raise BuildError(str(exc)) from exc
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="synflux-build", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -352,6 +389,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rknn-python", dest="toolkit_python", default=None,
                     help="--backend rknn: Python of the venv holding rknn-toolkit2 (default: .venv-rknn beside "
                          "this package's venv, made by `make rknn-venv`)")
+    trt = ap.add_argument_group("--backend tensorrt")
+    trt.add_argument("--fp16", action="store_true", help="build the engines in fp16 (needed for DLA)")
+    trt.add_argument("--int8", action="store_true", help="vision encoder in int8, calibrated on --calib")
+    trt.add_argument("--calib", default=None, metavar="DIR", help="--int8: npz batches of the engine inputs")
+    trt.add_argument("--dla-core", type=int, default=None, metavar="N",
+                     help="build the vision encoder and action expert for DLA core N (GPU fallback per layer)")
+    trt.add_argument("--no-gpu-fallback", action="store_true",
+                     help="with --dla-core: a layer DLA cannot run is an error instead of running on the GPU")
+    trt.add_argument("--workspace", type=int, default=0, metavar="MB", help="builder workspace limit (0: TensorRT's)")
+    trt.add_argument("--sm", default=None, help="compute capability to build for (default: the device's; 8.7 = Orin)")
+    trt.add_argument("--tensorrt-module", default="tensorrt",
+                     help="Python module of TensorRT (tensorrt_rtx_bindings: TensorRT-RTX, builds without a GPU)")
     ap.add_argument("--check", nargs="?", const="", metavar="BACKEND",
                     help="after building, load each graph on BACKEND (default: --backend; e.g. openvino) and report "
                          "per graph whether it compiles and which operators it does not support; exit 1 if any")
@@ -359,8 +408,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config)
+        trt_opts = _tensorrt_options(args)
         build(cfg, args.out, args.backend, args.hf_dir, args.seed, args.force, args.threads, target=args.target,
-              quantize=args.quantize, toolkit_python=args.toolkit_python)
+              quantize=args.quantize, toolkit_python=args.toolkit_python, tensorrt=trt_opts)
     except (ConfigError, BuildError) as exc:
         print(f"synflux-build: error: {exc}", file=sys.stderr)
         return 2
@@ -372,7 +422,16 @@ def main(argv=None) -> int:
         except json.JSONDecodeError as exc:
             print(f"synflux-build: error: --check-options: not JSON ({exc})", file=sys.stderr)
             return 2
-        rows = check_graph_set(args.out, backend, options)
+        if backend == "tensorrt":
+            from .tensorrt import TensorRTBuildError, check_engines
+            try:
+                rows = check_engines(args.out, graphset.graph_metas(args.out, graphset.read_manifest(args.out)),
+                                     trt_opts)
+            except TensorRTBuildError as exc:
+                print(f"synflux-build: error: {exc}", file=sys.stderr)
+                return 2
+        else:
+            rows = check_graph_set(args.out, backend, options)
         print(report(rows, backend))
         return 0 if all(r.ok for r in rows) else 1
     return 0

@@ -21,6 +21,7 @@ from synflux_ros.build.export import build  # noqa: E402
 
 from test_vla_node import Harness  # noqa: E402
 from test_vlm_node import ChatClient, ok  # noqa: E402
+from checkpoints import demo_size  # noqa: E402
 
 BACKENDS = ["onnxruntime"] + [b for b, module in (("openvino", "openvino"), ("qnn", "onnxruntime_qnn"))
                                if importlib.util.find_spec(module)]
@@ -35,27 +36,6 @@ QNN_OPTIONS = {"soc_model": 43}
 QNN_CONFIGS = ("vla_demo_orin.yaml", "vla_openvla.yaml", "vlm_demo.yaml")
 TOKEN_ID_DTYPE = {"qnn": "int32"}
 VALIDATE = {"qnn": {"options": QNN_OPTIONS, "precision": "reduced"}}
-
-
-def demo_size(raw: dict) -> dict:
-    """Shrink a real-size config's widths; keep its structure (architecture, buckets, heads, dtypes)."""
-    llm = raw["llm"]
-    if llm["hidden_dim"] <= 256:
-        return raw
-    llm.update(num_layers=2, hidden_dim=64, num_heads=4, num_kv_heads=min(llm.get("num_kv_heads", 4), 2),
-               head_dim=16, intermediate_size=128, vocab_size=1024)
-    vis = raw["vision"]
-    vis.update(hidden_dim=32, num_layers=1, num_heads=2, intermediate_size=64)
-    if vis.get("deepstack_layers"):
-        vis["deepstack_layers"] = [0]
-    act = raw.get("action")
-    if act:
-        act.update(expert_hidden_dim=32, expert_intermediate_size=64)
-        if act.get("token_vocab_size"):
-            act["token_vocab_size"] = 1000
-    if raw.get("text", {}).get("eos_token_ids"):
-        raw["text"]["eos_token_ids"] = [1000, 1001]
-    return raw
 
 
 @pytest.fixture(scope="module")

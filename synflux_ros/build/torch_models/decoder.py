@@ -135,7 +135,10 @@ def layer_kv(past, layer: int, span: int | None = None) -> tuple[torch.Tensor, t
     tensor [L, 2, KV, S, Dh] or its per-layer views, a sequence of L (keys, values) pairs [KV, S, Dh]
     (how the build tool exports the graphs, see ``graphset.VIEW_INPUTS``: each view is bound in place,
     so a layer that reads the whole cache copies nothing). Only the first ``span`` positions are read
-    (default all); reading fewer copies just those."""
+    (default all); reading fewer copies just those. ``span`` is an int (static graphs: a span equal to
+    the cache length exports no Slice) or a traced size (a 0-d tensor, e.g. ``attention_span.shape[0]``
+    of the shape-polymorphic graphs, see :mod:`.profiled`): then the views are always sliced, to that
+    dynamic length."""
     if isinstance(past, torch.Tensor):
         kv, s, dh = past.shape[2], past.shape[3], past.shape[4]
         span = s if span is None else span
@@ -144,7 +147,7 @@ def layer_kv(past, layer: int, span: int | None = None) -> tuple[torch.Tensor, t
         pv = past[layer:layer + 1, 1:2, :, :span].reshape(kv, span, dh)
     else:
         pk, pv = past[layer]
-        if span is not None and span < pk.shape[1]:
+        if span is not None and (isinstance(span, torch.Tensor) or span < pk.shape[1]):
             pk, pv = pk[:, :span], pv[:, :span]
     if pk.dtype != torch.float32:
         pk, pv = pk.to(torch.float32), pv.to(torch.float32)
