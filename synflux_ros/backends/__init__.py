@@ -47,6 +47,10 @@ EXECUTORS: dict[str, BackendEntry] = {
     "rknn": BackendEntry("synflux_ros.backends.rknn:RKNNExecutor",
                          install_hint="on an RK3588/RK3576 board: rknn-toolkit-lite2 and librknnrt.so; elsewhere "
                                       "`make rknn-venv` for rknn-toolkit2's simulator"),
+    "tensorrt": BackendEntry("synflux_ros.backends.tensorrt:TensorRTExecutor", requires=("tensorrt", "cuda"),
+                             install_hint="TensorRT 10 comes with JetPack 6 on a Jetson (python3-libnvinfer); "
+                                          "cuda-python: pip install cuda-python; engines: synflux-build --backend "
+                                          "tensorrt on the device"),
 }
 
 

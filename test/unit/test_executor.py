@@ -376,8 +376,8 @@ def test_unknown_backend_lists_choices():
     assert not isinstance(info.value, BackendUnavailableError)
     assert not issubclass(UnknownBackendError, BackendUnavailableError)
     assert not issubclass(BackendUnavailableError, UnknownBackendError)
-    cfg = load_config(str(CONFIG_DIR / "vlm_demo.yaml")).with_overrides(executor={"backend": "tensorrt"})
-    with pytest.raises(UnknownBackendError, match="'tensorrt'"):
+    cfg = load_config(str(CONFIG_DIR / "vlm_demo.yaml")).with_overrides(executor={"backend": "trt"})
+    with pytest.raises(UnknownBackendError, match=r"unknown backend 'trt' \(choices: .*tensorrt\)"):
         create_executor(cfg)
 
 
