@@ -101,11 +101,28 @@ bench: install
 bench-llm: install
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench
 
+# The TensorRT hardware check, on a Jetson (JetPack 6: TensorRT 10, CUDA) after `colcon build` and
+# `source install/setup.bash`, with the system Python that has JetPack's tensorrt (TRT_PY): builds the demo
+# engines on the device, compares them with onnxruntime (synflux-validate), then runs the tensorrt_gpu tests.
+TRT_PY ?= python3
+TRT_PRECISION ?= fp16
+TRT_WORK ?= /tmp/synflux_trt_check
+check-tensorrt:
+	@$(TRT_PY) -c "import tensorrt, cuda.bindings, onnxruntime, torch" || { echo "check-tensorrt needs tensorrt (JetPack), cuda-python, onnxruntime and torch in $(TRT_PY)"; exit 2; }
+	for c in vla_demo_orin vlm_demo; do \
+	  $(TRT_PY) -m synflux_ros.build --config $(abspath config)/$$c.yaml --out $(TRT_WORK)/$$c --backend tensorrt \
+	    $(if $(filter fp32,$(TRT_PRECISION)),,--$(TRT_PRECISION)) && \
+	  $(TRT_PY) -m synflux_ros.bench.validate --graphs $(TRT_WORK)/$$c --backend tensorrt \
+	    --options '{"precision": "$(TRT_PRECISION)", "cuda_graphs": true}' \
+	    --precision $(if $(filter fp32,$(TRT_PRECISION)),fp32,reduced) --json $(TRT_WORK)/$$c.json || exit 1; \
+	done
+	cd test && $(TRT_PY) -m pytest -q -rs -m tensorrt_gpu unit/test_tensorrt_runtime.py
+
 clean:
 	rm -rf $(BUILD) $(BUILD)/synflux-cmake.log $(VENV)
 
 # Long run of vla_node, not part of `make test`: frame accounting, chunk latency and memory growth at 30 Hz
 # and 60 Hz (20,000 frames each by default, about 17 minutes); `make soak ARGS="--frames 600"` for a short one.
-.PHONY: soak
+.PHONY: soak check-tensorrt
 soak: install
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.soak $(ARGS)

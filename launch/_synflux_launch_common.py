@@ -45,8 +45,11 @@ def _unset(fallback):
     return f"Empty = not set here (the params file's value, else {fallback})."
 
 
-EXECUTOR_HELP = ("Inference backend (the executor parameter). Empty = the config's executor.backend; "
-                 "one of the registered backends (mock, onnxruntime, ...).")
+BACKENDS_HELP = ("one of the registered backends: mock, onnxruntime, openvino, qnn, rknn, tensorrt. tensorrt "
+                 "(Jetson Orin) needs JetPack's TensorRT 10 and cuda-python, and a graph_dir whose engines were "
+                 "built on that device: synflux-build --config <model.yaml> --out <graph_dir> --backend "
+                 "tensorrt --fp16.")
+EXECUTOR_HELP = "Inference backend (the executor parameter). Empty = the config's executor.backend; " + BACKENDS_HELP
 
 FASTDDS_HELP = (
     "Fast DDS XML profile, set as FASTDDS_DEFAULT_PROFILES_FILE for the processes this launch starts "
@@ -121,8 +124,7 @@ def _synflux_arguments():
         vlm['config'].renamed('vlm_config', 'VLM model config YAML: a path, or a file name in '
                               'share/synflux_ros/config. ' + _unset('vlm_demo.yaml')),
         vla['executor'].renamed('executor', "Inference backend of both nodes. Empty = each config's "
-                                'executor.backend; one of the registered backends (mock, onnxruntime, '
-                                '...).'),
+                                'executor.backend; ' + BACKENDS_HELP),
         vla['graph_dir'].renamed('vla_graph_dir', 'Directory of the VLA graph set. '
                                  "Empty = the VLA config's executor.graph_dir."),
         vlm['graph_dir'].renamed('vlm_graph_dir', 'Directory of the VLM graph set. '
