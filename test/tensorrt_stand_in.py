@@ -98,7 +98,17 @@ def make_cudart():
         return (ok,)
 
     cu.cudaStreamBeginCapture, cu.cudaStreamEndCapture = begin_capture, end_capture
-    cu.cudaGraphInstantiate = lambda graph, flags: (ok, graph)
+    def instantiate(graph, flags):
+        exec_graph = handle()
+        state["graphs"][int(exec_graph)] = list(state["graphs"][int(graph)])
+        return ok, exec_graph
+
+    def destroy_graph(graph):
+        state["graphs"].pop(int(graph))
+        return (ok,)
+
+    cu.cudaGraphInstantiate, cu.cudaGraphDestroy = instantiate, destroy_graph
+    cu.cudaDeviceSynchronize = cu.cudaGetLastError = lambda: (ok,)
     cu.cudaGraphLaunch = launch
     return cu
 
@@ -205,6 +215,8 @@ def make_tensorrt(cudart):
             missing = set(self.engine.names) - set(self.addresses)
             assert not missing, f"unbound tensors {missing}"
             capture = cudart.state["capturing"].get(int(stream))
+            if capture is not None and cudart.state.get("refuse_capture"):
+                return False  # an engine with operations that cannot be captured
             if capture is not None:
                 capture.append(self._run)
             else:

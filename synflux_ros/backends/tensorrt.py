@@ -16,11 +16,14 @@ What it does
 * **Bindings**: ``set_tensor_address`` per engine tensor, redone only when an address changes (a KV slot
   of another session); the per-layer KV views ``past_kv.<l>.<j>`` are bound at their byte offsets in the
   slot, nothing is copied.
-* **Streams**: one CUDA stream per pipeline stage (vision encoder, LLM graphs, action expert), so the
-  three stages of the VLA pipeline run concurrently on the device; each call records an event on its
-  stream and waits for that event before its outputs are read.
+* **Streams**: one CUDA stream per graph group (the vision encoder, the prefill buckets, the decode
+  buckets, the action expert, ...). A pipeline stage runs its own groups, so the three stages of the VLA
+  pipeline run concurrently on the device, and no two threads ever enqueue on one stream (a group runs
+  under its lock), which stream capture needs. Each call records an event on its stream and waits for
+  it before its outputs are read.
 * **CUDA graphs** (``cuda_graphs: true``): a decode step is captured once per (bucket, bound addresses)
-  after a first normal run and replayed with ``cudaGraphLaunch``.
+  after a first normal run and replayed with ``cudaGraphLaunch``; a step TensorRT cannot capture falls
+  back to normal enqueues (and is not tried again).
 
 Options (``executor.options``)
 ------------------------------
@@ -53,9 +56,11 @@ from ..core.executor import Executor, GraphMeta
 from . import tensorrt_plan as plan
 
 PRECISIONS = ("fp32", "fp16", "int8")
-STAGE_OF_KIND = {"vision_encoder": "vision", "action_expert": "head"}
-"""Stream of each graph kind; the others (embed, prefill, decode) run on the ``backbone`` stream."""
 MAX_CUDA_GRAPHS = 64
+MIN_VERSION = (10, 1)
+"""``set_device_memory(ptr, size)`` and the per-profile memory sizes came with TensorRT 10.1 (JetPack 6.1)."""
+BIND_ALIGNMENT = 256
+"""TensorRT wants every bound address 256-byte aligned (KV views included)."""
 
 
 class TensorRTError(RuntimeError):
@@ -173,6 +178,9 @@ class TensorRTExecutor(Executor):
         if side.get("format") != plan.FORMAT:
             raise TensorRTError(f"tensorrt executor: {side_path} is not a {plan.FORMAT} file; rebuild with: {hint}")
         version = getattr(self.trt, "__version__", "")
+        if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < MIN_VERSION:
+            raise TensorRTError(f"tensorrt executor: TensorRT {version} is too old: this backend needs TensorRT >= "
+                                f"{MIN_VERSION[0]}.{MIN_VERSION[1]} (JetPack 6.1 or later)")
         if side.get("tensorrt") != version or side.get("sm") != sm:
             raise TensorRTError(f"tensorrt executor: the engines in {edir} were built with TensorRT "
                                 f"{side.get('tensorrt')} for sm {side.get('sm')}; this device is sm {sm} with "
@@ -201,6 +209,14 @@ class TensorRTExecutor(Executor):
                                     f"device or TensorRT version?); rebuild with: {hint}")
             self._engines[spec.name] = _Engine(spec.name, engine, entry)
             self._engine_bytes += len(blob)
+        for meta in self.graphs.values():
+            for spec in meta.inputs:
+                bad = plan.misaligned_views(spec, BIND_ALIGNMENT)
+                if bad:
+                    raise TensorRTError(f"tensorrt executor: graph {meta.name!r}: the KV views {bad[:3]} start at "
+                                        f"offsets that are not {BIND_ALIGNMENT}-byte aligned, which TensorRT needs; "
+                                        f"choose llm.max_seq_len so that num_kv_heads * max_seq_len * head_dim * "
+                                        f"itemsize is a multiple of {BIND_ALIGNMENT}")
         self._specs = {s.name: s for s in specs}
         self._routes = {name: self._engine_order(route) for name, route in
                         plan.plan_routes(list(self.graphs.values()), specs).items()}
@@ -228,8 +244,9 @@ class TensorRTExecutor(Executor):
     def _load_graph(self, path: str, meta: GraphMeta) -> object:
         return self._routes[meta.name]
 
-    def _stream(self, meta: GraphMeta):
-        return STAGE_OF_KIND.get(meta.kind, "backbone")
+    @staticmethod
+    def _stream(meta: GraphMeta) -> str:
+        return meta.group
 
     def _allocate_extras(self) -> None:
         """Streams, events, contexts with their activation memory, route scratch, the span buffer and the
@@ -266,7 +283,6 @@ class TensorRTExecutor(Executor):
                     self._extra[k] = self.pool.allocate(f"tensorrt/{k}", spec.nbytes)
         activations = {key: self.pool.allocate(f"tensorrt/activations/{key[0]}/{key[1]}", max(n, 256))
                        for key, n in need.items()}
-        setup = self._streams.get("backbone") or next(iter(self._streams.values()))
         for engine_name, profile, group in uses:
             if (engine_name, profile) in self._contexts:
                 continue
@@ -274,17 +290,21 @@ class TensorRTExecutor(Executor):
             ctx = eng.create_execution_context(strategy)
             if ctx is None:
                 raise TensorRTError(f"tensorrt executor: cannot create an execution context of {engine_name!r}")
-            mem = activations[(engine_name, group)]
-            ctx.set_device_memory(mem.ptr, mem.nbytes)
+            # as trtexec does it: profile, then input shapes, then the activation memory for that profile
             if eng.num_optimization_profiles > 1 or profile:
-                ctx.set_optimization_profile_async(profile, int(setup))
+                ctx.set_optimization_profile_async(profile, int(self._streams[group]))
             for i in range(eng.num_io_tensors):
                 name = eng.get_tensor_name(i)
                 if eng.get_tensor_mode(name) == self.trt.TensorIOMode.INPUT and -1 in tuple(eng.get_tensor_shape(name)):
-                    ctx.set_input_shape(name, tuple(eng.get_tensor_profile_shape(name, profile)[1]))
+                    if not ctx.set_input_shape(name, tuple(eng.get_tensor_profile_shape(name, profile)[1])):
+                        raise TensorRTError(f"tensorrt executor: {engine_name}: cannot set the shape of {name!r} "
+                                            f"for profile {profile}")
+            mem = activations[(engine_name, group)]
+            ctx.set_device_memory(mem.ptr, mem.nbytes)
             self._contexts[(engine_name, profile)] = ctx
             self._bound[(engine_name, profile)] = {}
-        self._cuda(cudart.cudaStreamSynchronize(setup), "cudaStreamSynchronize")
+        # memsets and pageable copies of the load ran on the legacy stream: finish them before any call
+        self._cuda(cudart.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
         for buf in self._staging.values():  # pinned host mirrors: host copies at full PCIe / DMA speed
             self._attach_pinned(buf)
         largest = max([s.nbytes for m in self.graphs.values() for s in m.outputs if s.name == "new_kv"] or [0])
@@ -355,6 +375,8 @@ class TensorRTExecutor(Executor):
         return self._extra[bind.source].ptr
 
     def _execute(self, route: plan.Route, device_inputs, device_outputs, meta: GraphMeta) -> None:
+        if self.device:
+            self._cuda(self.cudart.cudaSetDevice(self.device), "cudaSetDevice")  # per calling thread
         stage = self._stream(meta)
         stream = self._streams[stage]
         addresses = []
@@ -369,12 +391,13 @@ class TensorRTExecutor(Executor):
                         raise TensorRTError(f"tensorrt executor: {step.engine}: cannot bind {tensor!r}")
                     bound[tensor] = ptr
         key = (meta.name, tuple(addresses))
-        exec_graph = self._graphs_exec.get(key) if self.cuda_graphs and meta.kind == "decode" else None
-        if exec_graph is not None:
+        capture = self.cuda_graphs and meta.kind == "decode"
+        exec_graph = self._graphs_exec.get(key) if capture else None
+        if exec_graph:
             self._cuda(self.cudart.cudaGraphLaunch(exec_graph, stream), "cudaGraphLaunch")
         else:
             self._enqueue(route, stream, meta)
-            if self.cuda_graphs and meta.kind == "decode" and len(self._graphs_exec) < MAX_CUDA_GRAPHS:
+            if capture and exec_graph is None and len(self._graphs_exec) < MAX_CUDA_GRAPHS:
                 self._capture(key, route, stream, meta)
         self._cuda(self.cudart.cudaEventRecord(self._events[stage], stream), "cudaEventRecord")
         self._cuda(self.cudart.cudaEventSynchronize(self._events[stage]), "cudaEventSynchronize")
@@ -386,16 +409,24 @@ class TensorRTExecutor(Executor):
                                     f"(profile {step.profile})")
 
     def _capture(self, key, route: plan.Route, stream, meta: GraphMeta) -> None:
-        """Capture the steps of a decode call that has just run (TensorRT did its deferred work then)."""
+        """Capture the steps of a decode call that has just run (TensorRT did its deferred work then). If
+        an engine cannot be captured, the key is marked (False) and the steps keep running uncaptured."""
         cudart = self.cudart
         self._cuda(cudart.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
         self._cuda(cudart.cudaStreamBeginCapture(stream, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
                    "cudaStreamBeginCapture")
-        try:
-            self._enqueue(route, stream, meta)
-        finally:
-            graph = self._cuda(cudart.cudaStreamEndCapture(stream), "cudaStreamEndCapture")
-        self._graphs_exec[key] = self._cuda(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+        captured = all(self._contexts[(s.engine, s.profile)].execute_async_v3(int(stream)) for s in route.steps)
+        err, graph = cudart.cudaStreamEndCapture(stream)
+        if int(err) == 0 and captured:
+            err, exec_graph = cudart.cudaGraphInstantiate(graph, 0)
+            cudart.cudaGraphDestroy(graph)
+            if int(err) == 0:
+                self._graphs_exec[key] = exec_graph
+                return
+        elif graph is not None:
+            cudart.cudaGraphDestroy(graph)
+        cudart.cudaGetLastError()  # clear the capture's error: the call itself has already run
+        self._graphs_exec[key] = False
 
     # ------------------------------------------------------------------ bookkeeping
     def device_of(self, graph: str) -> str:
@@ -411,7 +442,8 @@ class TensorRTExecutor(Executor):
 
     def close(self) -> None:
         for exec_graph in self._graphs_exec.values():
-            self.cudart.cudaGraphExecDestroy(exec_graph)
+            if exec_graph:
+                self.cudart.cudaGraphExecDestroy(exec_graph)
         self._graphs_exec.clear()
         self._contexts.clear()
         self._bound.clear()

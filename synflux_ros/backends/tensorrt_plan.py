@@ -192,6 +192,12 @@ def kv_view_offsets(spec: TensorSpec) -> list[tuple[str, int, tuple[int, ...]]]:
     return out
 
 
+def misaligned_views(spec: TensorSpec, alignment: int) -> list[str]:
+    """The views of ``spec`` (see :func:`kv_view_offsets`) whose byte offset is not a multiple of
+    ``alignment`` (the slot itself comes from the allocator, aligned)."""
+    return [name for name, offset, _ in kv_view_offsets(spec) if offset % alignment]
+
+
 def _contract_binds(meta: GraphMeta, skip=()) -> list[tuple[str, Bind]]:
     binds = []
     for spec in meta.inputs:

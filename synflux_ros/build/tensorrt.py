@@ -44,6 +44,7 @@ import hashlib
 import importlib
 import json
 import os
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -99,6 +100,21 @@ class TensorRTOptions:
         return d
 
 
+def _target_sm(opts: TensorRTOptions) -> str:
+    """The compute capability the engines are for. TensorRT builds for the GPU it runs on, so ``--sm``
+    may only name that one; TensorRT-RTX (no GPU needed) builds for the one named."""
+    if opts.module == "tensorrt_rtx_bindings":
+        if not opts.sm:
+            raise TensorRTBuildError("--tensorrt-module tensorrt_rtx_bindings needs --sm (e.g. 8.6): there is no "
+                                     "device to take it from")
+        return opts.sm
+    sm = device_sm()
+    if opts.sm and opts.sm != sm:
+        raise TensorRTBuildError(f"--sm {opts.sm}: TensorRT builds for the GPU it runs on, which is sm {sm}; build "
+                                 f"on the device the engines are for")
+    return sm
+
+
 def _valid_sm(sm: str) -> bool:
     major, dot, minor = str(sm).partition(".")
     return bool(dot) and major.isdigit() and minor.isdigit()
@@ -131,7 +147,9 @@ def device_sm() -> str:
 
 
 class _Log:
-    """A TensorRT logger that keeps the errors (to quote them) and prints nothing below warnings."""
+    """A TensorRT logger that keeps the errors, to quote them in the build error, and prints nothing (the
+    builder's progress is ours). TensorRT keeps the first logger of a process while any builder or runtime
+    is alive, so errors are quoted only where the build runs in a process of its own (synflux-build)."""
 
     def __new__(cls, trt):
         class Log(trt.ILogger):
@@ -231,14 +249,21 @@ def build_engine(trt, graph_dir: str, spec: plan.EngineSpec, opts: TensorRTOptio
     logger = _Log(trt)
     onnx_path = os.path.join(graph_dir, spec.onnx)
     builder, network, _parser = parse(trt, logger, onnx_path, spec.name)
+    if calibrator is not None:
+        calibrator.shapes = {network.get_input(i).name: tuple(network.get_input(i).shape)
+                             for i in range(network.num_inputs)}
     config = builder.create_builder_config()
     _add_profiles(trt, builder, config, network, spec)
     fallback = _configure(trt, builder, config, network, spec, opts, calibrator)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # TensorRT-RTX: timing-cache calls are no-ops
         cache = config.create_timing_cache(timing)
-        config.set_timing_cache(cache, False)
+        if not config.set_timing_cache(cache, False) and timing:  # from another TensorRT version: start anew
+            cache = config.create_timing_cache(b"")
+            config.set_timing_cache(cache, False)
     serialized = builder.build_serialized_network(network, config)
+    if calibrator is not None and calibrator.error:
+        raise TensorRTBuildError(f"engine {spec.name}: INT8 calibration: {calibrator.error}")
     if serialized is None:
         detail = "; ".join(logger.errors[-5:]) or "no reason given"
         raise TensorRTBuildError(f"engine {spec.name}: TensorRT could not build {onnx_path}: {detail}")
@@ -248,6 +273,15 @@ def build_engine(trt, graph_dir: str, spec: plan.EngineSpec, opts: TensorRTOptio
     return bytes(serialized), timing, fallback
 
 
+def _calibrator(trt, spec: plan.EngineSpec, opts: TensorRTOptions, out_dir: str, key: str):
+    """A fresh INT8 calibrator for an engine that builds in int8; its table is kept per engine key, so new
+    batches, weights or TensorRT calibrate anew."""
+    if opts.precision != "int8" or spec.kind != "vision_encoder":
+        return None
+    from .tensorrt_calib import EntropyCalibrator
+    return EntropyCalibrator(trt, opts.calib_dir, os.path.join(out_dir, f"{spec.name}-{key}.calib"))
+
+
 def engine_dir(graph_dir: str, sm: str, opts: TensorRTOptions) -> str:
     return os.path.join(graph_dir, "tensorrt", plan.device_tag(sm, opts.dla_core, opts.precision))
 
@@ -255,7 +289,7 @@ def engine_dir(graph_dir: str, sm: str, opts: TensorRTOptions) -> str:
 def build_engines(graph_dir: str, metas, opts: TensorRTOptions, force: bool = False, progress=print) -> dict:
     """Build every stale engine of the graph set in ``graph_dir``; returns the sidecar written."""
     trt = load_tensorrt(opts.module)
-    sm = opts.sm or device_sm()
+    sm = _target_sm(opts)
     dla_kinds = plan.DLA_CAPABLE if opts.dla_core is not None else ()
     engines = plan.plan_engines(metas, dla_kinds)
     out_dir = engine_dir(graph_dir, sm, opts)
@@ -271,10 +305,6 @@ def build_engines(graph_dir: str, metas, opts: TensorRTOptions, force: bool = Fa
         with open(timing_path, "rb") as fh:
             timing = fh.read()
     flags = opts.flags()
-    calibrator = None
-    if opts.precision == "int8":
-        from .tensorrt_calib import EntropyCalibrator
-        calibrator = EntropyCalibrator(trt, opts.calib_dir, os.path.join(out_dir, "int8.calib"))
     entries = {}
     progress(f"synflux-build: {len(engines)} TensorRT engines ({opts.module} {trt.__version__}, sm {sm}, "
              f"{opts.precision}{'' if opts.dla_core is None else f', DLA core {opts.dla_core}'}) -> {out_dir}")
@@ -289,7 +319,8 @@ def build_engines(graph_dir: str, metas, opts: TensorRTOptions, force: bool = Fa
             continue
         progress(f"{tag}: building ({len(spec.profiles)} profiles{', DLA' if spec.dla else ''}) ...")
         t0 = time.perf_counter()
-        blob, timing, fallback = build_engine(trt, graph_dir, spec, opts, timing, calibrator)
+        blob, timing, fallback = build_engine(trt, graph_dir, spec, opts, timing,
+                                              _calibrator(trt, spec, opts, out_dir, key))
         seconds = time.perf_counter() - t0
         file = f"{spec.name}.engine"
         _write_atomic(os.path.join(out_dir, file), blob)
@@ -379,17 +410,17 @@ def build_for_tensorrt(cfg, out: str, manifest: dict, hf_dir: str | None, seed: 
 def check_engines(graph_dir: str, metas, opts: TensorRTOptions) -> list:
     """``synflux-build --check`` for TensorRT: per engine, does it parse and build, and (with a DLA core)
     which layers would fall back from DLA to the GPU. Rows as :class:`synflux_ros.build.check.GraphCheck`."""
-    from .check import GraphCheck
     trt = load_tensorrt(opts.module)
     dla_kinds = plan.DLA_CAPABLE if opts.dla_core is not None else ()
-    rows = []
-    for spec in plan.plan_engines(metas, dla_kinds):
-        try:
-            _blob, _timing, fallback = build_engine(trt, graph_dir, spec, opts)
-        except TensorRTBuildError as exc:
-            rows.append(GraphCheck(spec.name, False, str(exc)))
-            continue
-        rows.append(GraphCheck(spec.name, True, unsupported=[(n, f"{t}, GPU fallback") for n, t in fallback]))
-    return rows
+    with tempfile.TemporaryDirectory(prefix="synflux_trt_check_") as tmp:
+        return [_check_engine(trt, graph_dir, spec, opts, tmp) for spec in plan.plan_engines(metas, dla_kinds)]
 
 
+def _check_engine(trt, graph_dir: str, spec: plan.EngineSpec, opts: TensorRTOptions, tmp: str):
+    from .check import GraphCheck
+    try:
+        _blob, _timing, fallback = build_engine(trt, graph_dir, spec, opts,
+                                                calibrator=_calibrator(trt, spec, opts, tmp, "check"))
+    except TensorRTBuildError as exc:
+        return GraphCheck(spec.name, False, str(exc))
+    return GraphCheck(spec.name, True, unsupported=[(n, f"{t}, GPU fallback") for n, t in fallback])

@@ -3,8 +3,9 @@ JetPack's TensorRT and a CUDA device; TensorRT-RTX has no INT8 calibration).
 
 ``DIR`` holds ``*.npz`` files, each one batch: an array per engine input by name (for the vision encoder,
 ``pixel_values`` [T, 3, h, w] float32, preprocessed as the node does: ``synflux_ros.core.image``). The
-calibration table is written beside the engines (``int8.calib``) and read back on the next build, so a
-rebuild with the same batches does not calibrate again.
+calibration table is written beside the engines (``<engine>-<key>.calib``, keyed like the engine) and read
+back while the key holds, so new batches, weights or TensorRT versions calibrate anew. Batches are converted to float32 and checked
+against the engine's input shapes; a bad batch stops the calibration and is named in the build error.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ def _check(result, what: str):
     return rest[0] if len(rest) == 1 else rest
 
 
-def EntropyCalibrator(trt, calib_dir: str, cache_path: str):  # noqa: N802 - a class factory
-    """An ``IInt8EntropyCalibrator2`` over the batches in ``calib_dir``."""
+def EntropyCalibrator(trt, calib_dir: str, cache_path: str, shapes: dict | None = None):  # noqa: N802
+    """An ``IInt8EntropyCalibrator2`` over the batches in ``calib_dir`` (float32 arrays; ``shapes``: the
+    engine's input shapes, checked per batch)."""
     from cuda.bindings import runtime as cudart
     files = sorted(glob.glob(os.path.join(calib_dir, "*.npz")))
     if not files:
@@ -33,20 +35,38 @@ def EntropyCalibrator(trt, calib_dir: str, cache_path: str):  # noqa: N802 - a c
             trt.IInt8EntropyCalibrator2.__init__(self)
             self.files, self.next = files, 0
             self.buffers: dict[str, tuple[int, int]] = {}
+            self.error = ""
+            """TensorRT swallows exceptions raised in get_batch (it reads them as the end of the data): the
+            first problem is kept here and raised by the builder after the build."""
 
         def get_batch_size(self):
             return 1
 
         def get_batch(self, names):
-            if self.next >= len(self.files):
+            if self.next >= len(self.files) or self.error:
+                self.free()
                 return None
-            with np.load(self.files[self.next]) as batch:
+            path = self.files[self.next]
+            try:
+                ptrs = self._upload(path, names)
+            except Exception as exc:  # noqa: BLE001 - reported after the build, see error
+                self.error = f"{path}: {exc}"
+                self.free()
+                return None
+            self.next += 1
+            return ptrs
+
+        def _upload(self, path, names):
+            with np.load(path) as batch:
                 missing = [n for n in names if n not in batch]
                 if missing:
-                    raise KeyError(f"{self.files[self.next]}: no arrays {missing} (has {list(batch)})")
+                    raise KeyError(f"no arrays {missing} (has {list(batch)})")
                 ptrs = []
                 for name in names:
-                    arr = np.ascontiguousarray(batch[name])
+                    arr = np.ascontiguousarray(batch[name], dtype=np.float32)
+                    want = self.shapes.get(name)
+                    if want is not None and tuple(arr.shape) != tuple(want):
+                        raise ValueError(f"{name} is {list(arr.shape)}, the engine takes {list(want)}")
                     ptr, size = self.buffers.get(name, (0, 0))
                     if size < arr.nbytes:
                         if ptr:
@@ -56,8 +76,12 @@ def EntropyCalibrator(trt, calib_dir: str, cache_path: str):  # noqa: N802 - a c
                     _check(cudart.cudaMemcpy(ptr, arr.ctypes.data, arr.nbytes,
                                              cudart.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy")
                     ptrs.append(int(ptr))
-            self.next += 1
             return ptrs
+
+        def free(self):
+            for ptr, _ in self.buffers.values():
+                cudart.cudaFree(ptr)
+            self.buffers.clear()
 
         def read_calibration_cache(self):
             if os.path.isfile(cache_path):
@@ -69,4 +93,6 @@ def EntropyCalibrator(trt, calib_dir: str, cache_path: str):  # noqa: N802 - a c
             with open(cache_path, "wb") as fh:
                 fh.write(bytes(cache))
 
-    return Calibrator()
+    calibrator = Calibrator()
+    calibrator.shapes = dict(shapes or {})
+    return calibrator

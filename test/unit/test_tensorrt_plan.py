@@ -101,6 +101,9 @@ def test_kv_view_offsets_are_the_views_of_the_slot():
         got = raw[offset:offset + int(np.prod(shape)) * 2].view(np.float16).reshape(shape)
         np.testing.assert_array_equal(got, slot[layer, j])
     assert plan.kv_view_offsets(TensorSpec("x", (4, 5), "float32")) == [("x", 0, (4, 5))]
+    # 2 heads x 16 positions x 8 dims x 2 bytes = 512 bytes per view: aligned to 256, not to 1024
+    assert plan.misaligned_views(spec, 256) == []
+    assert plan.misaligned_views(spec, 1024) == ["past_kv.0.1", "past_kv.1.1", "past_kv.2.1"]
 
 
 def _copy_2d(dst: np.ndarray, src: np.ndarray, offset, pitch, width, height):

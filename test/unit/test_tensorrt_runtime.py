@@ -86,6 +86,20 @@ def test_stand_in_decode_steps_replay_as_cuda_graphs(fake_device, graphs):
         assert cudart.state["launches"] > before
 
 
+def test_stand_in_decode_that_cannot_be_captured_runs_uncaptured(fake_device, tmp_path_factory):
+    _, cudart = fake_device
+    out = graph_set_for(tmp_path_factory, "vlm_demo.yaml")
+    stand_in.write_engines(out, TAG)
+    before = cudart.state["launches"]
+    cudart.state["refuse_capture"] = True
+    try:
+        rows = validate(out, "tensorrt", options={"cuda_graphs": True})
+    finally:
+        cudart.state["refuse_capture"] = False
+    assert not failures(rows), failures(rows)
+    assert cudart.state["launches"] == before
+
+
 def test_stand_in_chat_reuses_the_cache_as_recomputing_does(fake_device, tmp_path_factory):
     out = graph_set_for(tmp_path_factory, "vlm_demo.yaml")
     stand_in.write_engines(out, TAG)
