@@ -12,8 +12,13 @@ Two runtimes behind the same five hooks:
   once at load (``_alloc_device``), so the worker reads inputs and writes outputs in place; the pipe to
   it carries only graph names and buffer ids. The toolkit's simulator cannot run a model loaded from a
   ``.rknn`` file, so the worker builds each graph again from the ONNX file its ``.rknn`` was compiled from
-  (same target, fp16): loading takes a few seconds per graph. The simulator computes in fp16: compare it
-  with ``synflux-validate --precision reduced``.
+  (same target and data type; an int8 graph is quantized again on the calibration samples kept in
+  ``rknn/<target>/calib/<graph>/``): loading takes a few seconds per graph. The simulator computes in fp16
+  (int8 where quantized): compare it with ``synflux-validate --precision reduced``.
+
+Graph sets built with ``--quantize int8[:KINDS]`` load like fp16 ones: each graph's sidecar entry says its
+``dtype`` (fp16 or int8); an int8 graph takes and returns float32 like the others (the runtime quantizes and
+dequantizes at the graph boundary; integer inputs are not quantized).
 
 A graph set compiled for another target, by another toolkit version or before its ONNX graphs were
 rebuilt is refused with the file named and the ``synflux-build`` command that rebuilds it.
@@ -61,11 +66,12 @@ CORE_MASKS = {"auto": "NPU_CORE_AUTO", "0": "NPU_CORE_0", "1": "NPU_CORE_1", "2"
 _OPTIONS = ("target", "runtime", "simulator_python", "core_mask", "check_toolkit_version")
 _IGNORED_OPTIONS = ("latency_ms",)  # the mock's simulated latency; the factory passes it to every backend
 _ALIGNMENT = 64
+DTYPES = ("fp16", "int8")  # of a compiled graph (synflux_ros/build/rknn.py)
 
 
-def rebuild_command(graph_dir: str, target: str) -> str:
+def rebuild_command(graph_dir: str, target: str, quantize: str = "fp16") -> str:
     return (f"synflux-build --config <model.yaml> --out {graph_dir or '<graph_dir>'} --backend rknn "
-            f"--target {target or '<soc>'}")
+            f"--target {target or '<soc>'}" + ("" if quantize in ("", "fp16") else f" --quantize {quantize}"))
 
 
 def default_simulator_pythons() -> list[str]:
@@ -421,8 +427,9 @@ class RKNNExecutor(HostMemoryHooks, Executor):
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("target") != target:
             raise GraphSetError(f"rknn executor: {path} is not a {FORMAT} description for {target}; rebuild: "
                                 f"{rebuild_command(gdir, target)}")
-        if data.get("dtype", "fp16") != "fp16":
-            raise GraphSetError(f"rknn executor: {path}: dtype {data.get('dtype')!r} is not supported (fp16)")
+        if data.get("dtype", "fp16") not in DTYPES:
+            raise GraphSetError(f"rknn executor: {path}: dtype {data.get('dtype')!r} is not supported "
+                                f"({', '.join(DTYPES)}); rebuild: {rebuild_command(gdir, target)}")
         self._sidecar = data
 
     def _check_toolkit(self, version: str, exact: bool) -> None:
@@ -451,7 +458,7 @@ class RKNNExecutor(HostMemoryHooks, Executor):
     def _load_graph(self, path: str, meta: GraphMeta) -> object:
         gdir, target = self.graph_dir, self.target
         entry = (self._sidecar.get("graphs") or {}).get(meta.name)
-        rebuild = rebuild_command(gdir, target)
+        rebuild = rebuild_command(gdir, target, str(self._sidecar.get("quantize", "fp16")))
         if not isinstance(entry, dict):
             raise GraphSetNotFoundError(f"rknn executor: {self._sidecar_path} has no graph {meta.name!r}; compile "
                                         f"it with: {rebuild}")
@@ -462,6 +469,10 @@ class RKNNExecutor(HostMemoryHooks, Executor):
         if entry.get("onnx_key") != self._onnx_keys.get(meta.name):
             raise GraphSetError(f"rknn executor: {rknn_file} was compiled from another version of "
                                 f"{meta.name}.onnx (the graph set was rebuilt since); recompile it with: {rebuild}")
+        dtype = entry.get("dtype", "fp16")
+        if dtype not in DTYPES:
+            raise GraphSetError(f"rknn executor: {self._sidecar_path}: graph {meta.name!r} has dtype {dtype!r} "
+                                f"({', '.join(DTYPES)} are supported); recompile it with: {rebuild}")
         plan = input_plan(meta)
         compiled = [(str(n), tuple(int(d) for d in s)) for n, s in entry.get("inputs", [])]
         if compiled != [(n, shape) for n, _, _, shape, _ in plan] or \
@@ -475,14 +486,25 @@ class RKNNExecutor(HostMemoryHooks, Executor):
         if not os.path.isfile(source):
             raise GraphSetNotFoundError(f"rknn executor: graph {meta.name!r}: {source} (the ONNX file {rknn_file} "
                                         f"was compiled from, which the simulator builds again) not found; {rebuild}")
+        quantize = None
+        if dtype == "int8":
+            q = entry.get("quantization") or {}
+            dataset = graphset.member_path(tdir, str(q["dataset"]), f"graph {meta.name!r} calibration set") \
+                if q.get("dataset") else os.path.join(tdir, "calib", meta.name, "dataset.txt")
+            if not q.get("dataset") or not os.path.isfile(dataset):
+                raise GraphSetNotFoundError(
+                    f"rknn executor: graph {meta.name!r} is int8 and the simulator quantizes it again on its "
+                    f"calibration set, but {dataset} is missing; {rebuild}")
+            quantize = {"dtype": str(q.get("dtype", "w8a8")), "algorithm": str(q.get("algorithm", "normal")),
+                        "method": str(q.get("method", "channel")), "dataset": os.path.abspath(dataset)}
         reply = self._worker.request({
             "op": "load", "graph": meta.name, "onnx": os.path.abspath(source), "target": target,
-            "inputs": [[n, list(shape), dtype, index, offset] for n, index, offset, shape, dtype in plan],
-            "outputs": [[t.name, list(t.shape), t.dtype] for t in meta.outputs]})
+            "inputs": [[n, list(shape), dt, index, offset] for n, index, offset, shape, dt in plan],
+            "outputs": [[t.name, list(t.shape), t.dtype] for t in meta.outputs], "quantize": quantize})
         if not reply.get("ok"):
             said = "; ".join(reply.get("messages") or [])
-            raise RuntimeError(f"rknn executor: the simulator cannot build graph {meta.name!r} from {source} for "
-                               f"{target}: {reply.get('error')}" + (f"; the toolkit says: {said}" if said else "")
+            raise RuntimeError(f"rknn executor: the simulator cannot build graph {meta.name!r} ({dtype}) from {source} "
+                               f"for {target}: {reply.get('error')}" + (f"; the toolkit says: {said}" if said else "")
                                + f" (log: {self._worker.log_path})")
         return _Graph(meta.name, None, plan, entry)
 

@@ -7,7 +7,8 @@ pipes, one JSON object per line::
 
     -> {"op": "load", "graph": name, "onnx": path, "target": "rk3588",
         "inputs": [[onnx name, shape, dtype, contract index, byte offset], ...],
-        "outputs": [[name, shape, dtype], ...]}
+        "outputs": [[name, shape, dtype], ...],
+        "quantize": null | {"dtype": "w8a8", "algorithm": ..., "method": ..., "dataset": path}}
     <- {"ok": true, "seconds": s}
     -> {"op": "run", "graph": name, "map": [[buffer id, shm name, size], ...],
         "in": [buffer id per contract input], "out": [buffer id per output]}
@@ -23,7 +24,9 @@ from and writes its outputs into in place.
 
 rknn-toolkit2's simulator cannot run a model loaded from a ``.rknn`` file (``init_runtime`` without a
 target refuses it: "use load_xxx & build instead of load_rknn"), so each graph is built here again from
-the ONNX file its ``.rknn`` was compiled from, with the same target and fp16, and then run.
+the ONNX file its ``.rknn`` was compiled from, with the same target and data type, and then run: an int8
+graph is quantized again on the calibration set it was compiled with (``quantize.dataset``, the
+toolkit's dataset.txt kept beside the ``.rknn`` files), so it computes what the ``.rknn`` file holds.
 """
 from __future__ import annotations
 
@@ -104,8 +107,13 @@ class Worker:
         t0 = time.perf_counter()
         rknn = self.RKNN(verbose=False)
         stage = "config"
+        quantize = msg.get("quantize")
         try:
-            if rknn.config(target_platform=msg["target"], float_dtype="float16") != 0:
+            kwargs = {"target_platform": msg["target"], "float_dtype": "float16"}
+            if quantize:
+                kwargs.update(quantized_dtype=quantize["dtype"], quantized_algorithm=quantize["algorithm"],
+                              quantized_method=quantize["method"])
+            if rknn.config(**kwargs) != 0:
                 raise RuntimeError("config() failed")
             stage = "load_onnx"
             ins = msg["inputs"]
@@ -113,7 +121,11 @@ class Worker:
                               outputs=[o[0] for o in msg["outputs"]]) != 0:
                 raise RuntimeError("load_onnx() failed")
             stage = "build"
-            if rknn.build(do_quantization=False) != 0:
+            if quantize:
+                stage = "build (int8 quantization)"
+                if rknn.build(do_quantization=True, dataset=quantize["dataset"]) != 0:
+                    raise RuntimeError(f"build() failed quantizing on {quantize['dataset']}")
+            elif rknn.build(do_quantization=False) != 0:
                 raise RuntimeError("build() failed")
             stage = "init_runtime"
             if rknn.init_runtime() != 0:

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..core.config import ConfigError, ModelConfig, load_config
 from ..core.executor import DeviceTensor, GraphMeta
+from ..core.graphs import seeded_feeds
 from ..core.graphset import MANIFEST_FILE, GraphSetError
 from ..runtimes.stack import create_executor
 
@@ -57,32 +58,6 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     if na == 0.0 or nb == 0.0:
         return 0.0
     return float(np.dot(a, b) / (na * nb))
-
-
-def seeded_feeds(meta: GraphMeta, cfg: ModelConfig, rng: np.random.Generator, kv: DeviceTensor) -> dict:
-    """Inputs a graph accepts by construction: ids inside the vocabulary, positions inside the bucket."""
-    bucket = int(meta.attrs.get("bucket", 0))
-    S = cfg.llm.max_seq_len
-    feeds = {}
-    for spec in meta.inputs:
-        name = spec.name
-        if name == "past_kv":
-            feeds[name] = kv
-        elif name == "input_ids":
-            feeds[name] = rng.integers(0, cfg.llm.vocab_size, spec.shape).astype(spec.dtype)
-        elif name == "num_tokens":  # a partly filled prefill bucket
-            feeds[name] = np.array([max(1, bucket - bucket // 4)], spec.dtype)
-        elif name == "cache_position":  # decode: the last position of its span; prefill: after a history
-            pos = bucket - 1 if meta.kind == "decode" else min(S - bucket, S // 4)
-            feeds[name] = np.array([pos], spec.dtype)
-        elif name == "prefix_len":
-            feeds[name] = np.array([max(1, bucket // 2)], spec.dtype)
-        elif name == "timestep":
-            feeds[name] = rng.uniform(0.0, 1.0, spec.shape).astype(spec.dtype)
-        else:  # pixel values, embeddings, noisy actions: Gaussian at the scale the graph sees
-            scale = 0.05 if name == "inputs_embeds" else 1.0
-            feeds[name] = (rng.standard_normal(spec.shape) * scale).astype(spec.dtype)
-    return feeds
 
 
 def _on(cfg: ModelConfig, backend: str, graph_dir: str, options: dict) -> ModelConfig:

@@ -12,10 +12,14 @@ rknn``) writes the job and reads the results.
         {"graph": name, "ok": true, "seconds": s} or {"graph": name, "ok": false, "stage": ...,
         "error": ..., "messages": [the toolkit's error lines for this graph]}
 
-JOB.json: {"target": "rk3588", "dtype": "fp16", "graphs": [{"name": ..., "onnx": path, "out": path,
-"inputs": [[name, shape], ...], "outputs": [name, ...]}, ...]}. The inputs are passed to the toolkit in
-the order given (the order the runtime feeds them in). The toolkit's own log (stdout/stderr) is expected
-to go to LOG; error lines are read back from it to say which node or operator failed.
+JOB.json: {"target": "rk3588", "graphs": [{"name": ..., "onnx": path, "out": path,
+"inputs": [[name, shape], ...], "outputs": [name, ...], "quantize": null | {"dtype": "w8a8", "algorithm":
+"normal", "method": "channel", "dataset": path of the toolkit's dataset.txt}}, ...]}. The inputs are passed
+to the toolkit in the order given (the order the runtime feeds them in). A graph without ``quantize``
+compiles in fp16; with it, rknn.config takes its quantized_dtype/algorithm/method and rknn.build quantizes
+on its dataset (one line per sample: the .npy file of each input, space-separated, in input order). The
+toolkit's own log (stdout/stderr) is expected to go to LOG; error lines are read back from it to say which
+node or operator failed.
 """
 from __future__ import annotations
 
@@ -66,12 +70,22 @@ def _log_size(log_path: str) -> int:
         return 0
 
 
-def compile_graph(rknn_cls, graph: dict, target: str, dtype: str) -> tuple[str, str]:
+def config_kwargs(target: str, quantize: dict | None) -> dict:
+    """rknn.config() arguments of a graph: fp16, or int8 with the job's quantization choices."""
+    kwargs = {"target_platform": target, "float_dtype": "float16"}
+    if quantize:
+        kwargs.update(quantized_dtype=quantize["dtype"], quantized_algorithm=quantize["algorithm"],
+                      quantized_method=quantize["method"])
+    return kwargs
+
+
+def compile_graph(rknn_cls, graph: dict, target: str) -> tuple[str, str]:
     """Compile one graph; returns ("", "") or (failed stage, error)."""
     rknn = rknn_cls(verbose=False)
     stage = "config"
+    quantize = graph.get("quantize")
     try:
-        if rknn.config(target_platform=target, float_dtype="float16") != 0:
+        if rknn.config(**config_kwargs(target, quantize)) != 0:
             return stage, "config() failed"
         stage = "load_onnx"
         names = [name for name, _ in graph["inputs"]]
@@ -80,7 +94,11 @@ def compile_graph(rknn_cls, graph: dict, target: str, dtype: str) -> tuple[str, 
                           outputs=list(graph["outputs"])) != 0:
             return stage, "load_onnx() failed"
         stage = "build"
-        if rknn.build(do_quantization=False) != 0:
+        if quantize:
+            stage = "build (int8 quantization)"
+            if rknn.build(do_quantization=True, dataset=quantize["dataset"]) != 0:
+                return stage, f"build() failed quantizing on {quantize['dataset']}"
+        elif rknn.build(do_quantization=False) != 0:
             return stage, "build() failed"
         stage = "export_rknn"
         partial = graph["out"] + ".partial"
@@ -115,14 +133,12 @@ def main(argv=None) -> int:
     results = os.fdopen(args.results_fd, "w", encoding="utf-8", buffering=1)
     from rknn.api import RKNN
 
-    if job.get("dtype", "fp16") != "fp16":
-        raise SystemExit(f"unsupported dtype {job.get('dtype')!r}")
     failed = 0
     for graph in job["graphs"]:
         print(f"=== synflux: compiling {graph['name']} for {job['target']} ===", flush=True)
         start = _log_size(args.log)
         t0 = time.perf_counter()
-        stage, error = compile_graph(RKNN, graph, job["target"], job.get("dtype", "fp16"))
+        stage, error = compile_graph(RKNN, graph, job["target"])
         sys.stdout.flush()
         sys.stderr.flush()
         row = {"graph": graph["name"], "ok": not stage, "seconds": round(time.perf_counter() - t0, 2)}

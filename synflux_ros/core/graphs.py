@@ -21,6 +21,8 @@ entries, which the runtime appends at ``cache_position``. ``logits`` are those o
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .executor import GraphMeta, TensorSpec
 from .config import ModelConfig
 
@@ -44,11 +46,13 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
     L, KV, Dh, H, V = llm.num_layers, llm.num_kv_heads, llm.head_dim, llm.hidden_dim, llm.vocab_size
     kv = kv_spec(cfg)
     ids = llm.token_id_dtype
-    graphs = [GraphMeta(
-        "vision_encoder", "vision_encoder",
-        (TensorSpec("pixel_values", (vis.num_tiles, 3, *vis.tile_size), F32),),
-        (TensorSpec("vision_embeds", (vis.num_tokens, H), F32),),
-        file="vision_encoder.onnx")]
+    graphs = []
+    if vis is not None:  # text-only chat models have no vision encoder
+        graphs.append(GraphMeta(
+            "vision_encoder", "vision_encoder",
+            (TensorSpec("pixel_values", (vis.num_tiles, 3, *vis.tile_size), F32),),
+            (TensorSpec("vision_embeds", (vis.num_tokens, H), F32),),
+            file="vision_encoder.onnx"))
     for p in llm.prefill_buckets:
         graphs.append(GraphMeta(
             f"embed_{p}", "embed", (TensorSpec("input_ids", (1, p), ids),),
@@ -76,3 +80,30 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
                 (TensorSpec("velocity", (1, act.action_horizon, act.action_dim), F32),),
                 group="action_expert", file=f"action_expert_{d}.onnx", attrs={"bucket": d}))
     return graphs
+
+
+def seeded_feeds(meta: GraphMeta, cfg: ModelConfig, rng: np.random.Generator, kv) -> dict:
+    """Inputs a graph accepts by construction: ids inside the vocabulary, positions inside the bucket;
+    ``kv`` (a device tensor) is fed as ``past_kv``. Used to validate backends and to calibrate."""
+    bucket = int(meta.attrs.get("bucket", 0))
+    S = cfg.llm.max_seq_len
+    feeds = {}
+    for spec in meta.inputs:
+        name = spec.name
+        if name == "past_kv":
+            feeds[name] = kv
+        elif name == "input_ids":
+            feeds[name] = rng.integers(0, cfg.llm.vocab_size, spec.shape).astype(spec.dtype)
+        elif name == "num_tokens":  # a partly filled prefill bucket
+            feeds[name] = np.array([max(1, bucket - bucket // 4)], spec.dtype)
+        elif name == "cache_position":  # decode: the last position of its span; prefill: after a history
+            pos = bucket - 1 if meta.kind == "decode" else min(S - bucket, S // 4)
+            feeds[name] = np.array([pos], spec.dtype)
+        elif name == "prefix_len":
+            feeds[name] = np.array([max(1, bucket // 2)], spec.dtype)
+        elif name == "timestep":
+            feeds[name] = rng.uniform(0.0, 1.0, spec.shape).astype(spec.dtype)
+        else:  # pixel values, embeddings, noisy actions: Gaussian at the scale the graph sees
+            scale = 0.05 if name == "inputs_embeds" else 1.0
+            feeds[name] = (rng.standard_normal(spec.shape) * scale).astype(spec.dtype)
+    return feeds
