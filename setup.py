@@ -14,7 +14,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["synflux_ros", "synflux_ros.*"]),
     package_data={"synflux_ros": []},
-    install_requires=["numpy", "pyyaml", "pillow"],
+    install_requires=["numpy", "pyyaml", "pillow", "jinja2>=3.1.6"],
     extras_require={
         "tokenizers": ["tokenizers"],
         "onnxruntime": ["onnxruntime"],

@@ -371,7 +371,7 @@ def ttft_turns(graph_dir: str, threads: int, turns: int = 8, prompt_chars: int =
                 for t in range(turns):
                     r = rt.chat(ChatRequest(f"bench-{rep}", prompt, max_new_tokens=max_new, temperature=0.0))
                     res[name]["ttft_ms"][t] = min(res[name]["ttft_ms"][t], r.ttft_ms)
-                    res[name]["prompt_tokens"][t] = r.prompt_tokens  # the turn's new tokens
+                    res[name]["prompt_tokens"][t] = r.prompt_tokens  # prefilled this turn
                     res[name]["cached_tokens"][t] = r.cached_tokens
     finally:
         for rt in runtimes.values():

@@ -46,6 +46,10 @@ BUILDERS = {
 }
 
 
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+"""Files of a checkpoint copied beside its tokenizer.json: the chat template and the special tokens."""
+
+
 class BuildError(RuntimeError):
     """The graph set cannot be built: unknown backend, a graph without a module, or an exported graph
     that does not match its contract."""
@@ -234,16 +238,17 @@ def resolve_config(cfg: ModelConfig, hf_dir: str | None) -> ModelConfig:
 
 def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str | None = None, seed: int = 0,
           force: bool = False, threads: int | None = None, target: str | None = None, quantize: str = "fp16",
-          toolkit_python: str | None = None, tensorrt=None) -> dict:
+          toolkit_python: str | None = None, tensorrt=None, calib: str | None = None) -> dict:
     """Build (or bring up to date) the graph set of ``cfg`` in ``out``; returns the manifest. A backend
-    with a compiler of its own (``rknn``: ``target``, ``quantize``; ``tensorrt``: a
+    with a compiler of its own (``rknn``: ``target``, ``quantize``, ``calib``; ``tensorrt``: a
     :class:`~synflux_ros.build.tensorrt.TensorRTOptions`) then compiles the graphs beside it."""
     if backend not in BUILDERS:
         raise BuildError(f"no graph builder for backend {backend!r} (choices: {', '.join(sorted(BUILDERS))})")
     if backend == "rknn":
-        from .rknn import TARGETS
+        from .rknn import TARGETS, check_quantize
         if not target:
             raise BuildError(f"--backend rknn needs --target (choices: {', '.join(TARGETS)})")
+        check_quantize(quantize, calib)  # before exporting anything
     elif target:
         raise BuildError(f"--target is for --backend rknn, not {backend!r}")
     if tensorrt is not None and backend != "tensorrt":
@@ -260,7 +265,7 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
     if backend == "rknn":
         from .rknn import compile_graph_set
         compile_graph_set(out, manifest, target, quantize, force=force, toolkit_python=toolkit_python,
-                          progress=_progress)
+                          calib=calib, progress=_progress)
     return manifest
 
 
@@ -319,6 +324,10 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
     if tokenizer:
         shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.json"))
         tok_file = "tokenizer.json"
+        for name in TOKENIZER_SIDE_FILES:  # the chat template and special tokens travel with the tokenizer
+            side = os.path.join(os.path.dirname(tokenizer), name)
+            if os.path.isfile(side):
+                shutil.copyfile(side, os.path.join(out, name))
     graphs = []
     for meta in metas:
         d = dataclasses.replace(meta, file=f"{meta.name}.onnx").to_dict()
@@ -353,7 +362,8 @@ def _yaml_ready(obj):
 
 def _tensorrt_options(args):
     """The TensorRT builder options of the command line (None unless --backend tensorrt)."""
-    given = args.fp16 or args.int8 or args.calib or args.dla_core is not None or args.no_gpu_fallback \
+    given = args.fp16 or args.int8 or (args.calib and args.backend != "rknn") or args.dla_core is not None \
+        or args.no_gpu_fallback \
         or args.workspace or args.sm or args.tensorrt_module != "tensorrt"
     if args.backend != "tensorrt":
         if given:
@@ -385,14 +395,18 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=None,
                     help="--backend rknn: the Rockchip platform to compile for (rk3588, rk3576, ...)")
     ap.add_argument("--quantize", default="fp16",
-                    help="--backend rknn: data type of the compiled graphs (fp16; int8 is not implemented)")
+                    help="--backend rknn: fp16 (default); int8 = the vision encoder in int8 (w8a8), the rest fp16; "
+                         "int8:KIND[,KIND] = these graph kinds (vision_encoder, embed, prefill, decode, "
+                         "action_expert, all) in int8; calibrated on --calib DIR (DIR/<graph>/*.npz), else on "
+                         "generated samples (bring-up only)")
     ap.add_argument("--rknn-python", dest="toolkit_python", default=None,
                     help="--backend rknn: Python of the venv holding rknn-toolkit2 (default: .venv-rknn beside "
                          "this package's venv, made by `make rknn-venv`)")
     trt = ap.add_argument_group("--backend tensorrt")
     trt.add_argument("--fp16", action="store_true", help="build the engines in fp16 (needed for DLA)")
     trt.add_argument("--int8", action="store_true", help="vision encoder in int8, calibrated on --calib")
-    trt.add_argument("--calib", default=None, metavar="DIR", help="--int8: npz batches of the engine inputs")
+    trt.add_argument("--calib", default=None, metavar="DIR",
+                     help="--int8: npz batches of the engine inputs (also --backend rknn --quantize int8)")
     trt.add_argument("--dla-core", type=int, default=None, metavar="N",
                      help="build the vision encoder and action expert for DLA core N (GPU fallback per layer)")
     trt.add_argument("--no-gpu-fallback", action="store_true",
@@ -410,7 +424,8 @@ def main(argv=None) -> int:
         cfg = load_config(args.config)
         trt_opts = _tensorrt_options(args)
         build(cfg, args.out, args.backend, args.hf_dir, args.seed, args.force, args.threads, target=args.target,
-              quantize=args.quantize, toolkit_python=args.toolkit_python, tensorrt=trt_opts)
+              quantize=args.quantize, toolkit_python=args.toolkit_python, tensorrt=trt_opts,
+              calib=args.calib if args.backend == "rknn" else None)
     except (ConfigError, BuildError) as exc:
         print(f"synflux-build: error: {exc}", file=sys.stderr)
         return 2

@@ -181,6 +181,10 @@ class TokenizerConfig:
     """``tokenizer``: a tokenizer.json (else byte-level) and the VLA prompt template."""
     path: str = _spec("", doc="tokenizer.json; empty = byte-level tokenizer")
     prompt_template: str = _spec("{instruction}\n", doc="VLA: how an instruction becomes the text prompt")
+    chat_template: str = _spec("", doc="VLM: a chat template (.jinja file); empty = the checkpoint's (beside the "
+                                       "tokenizer), else the built-in ChatML")
+    image_token: str = _spec("<|image_pad|>", doc="VLM: the token the chat template marks an image with; each "
+                                                  "becomes the image's vision tokens")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,7 +263,8 @@ class ModelConfig:
     """One model YAML, validated: every field checked at load with its path and the allowed values."""
     name: str = _spec()
     mode: str = _spec(choices=("vla", "vlm"))
-    vision: VisionConfig = _spec(default_factory=VisionConfig)
+    vision: VisionConfig | None = _spec(None, doc="the vision encoder; none (no section, or null) = a text-only "
+                                                   "chat model (mode vlm)")
     llm: LLMConfig = _spec()
     action: ActionConfig | None = _spec(None)
     text: TextConfig = _spec(default_factory=TextConfig)
@@ -273,6 +278,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.mode == "vla" and self.action is None:
             raise ConfigError("action: required when mode is 'vla'")
+        if self.mode == "vla" and self.vision is None:
+            raise ConfigError("vision: required when mode is 'vla' (only a vlm config may be text-only)")
         if self.action is not None and self.action.head_type == "autoregressive":
             vocab = self.action.token_vocab_size or self.llm.vocab_size
             if not self.action.num_bins <= vocab <= self.llm.vocab_size:

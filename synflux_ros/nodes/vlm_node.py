@@ -38,6 +38,7 @@ def chat_request(request, images) -> ChatRequest:
     top_p = float(request.top_p)
     return ChatRequest(
         session_id=request.session_id, prompt=request.prompt, images=images, reset=request.reset,
+        system=request.system_prompt or None,
         max_new_tokens=int(request.max_new_tokens) or None,
         temperature=None if temperature < 0 else temperature,
         top_p=None if top_p <= 0 else top_p)
@@ -90,8 +91,9 @@ class VLMNode(SynfluxNode):
     def _serve_chat(self, request, response):
         try:
             # The checks that cost nothing come before any image is decoded.
-            self.runtime.check_limits(request.session_id, request.prompt, len(request.images))
-            max_pixels = self.cfg.vision.max_input_pixels
+            self.runtime.check_limits(request.session_id, request.prompt, len(request.images),
+                                      request.system_prompt or None)
+            max_pixels = self.cfg.vision.max_input_pixels if self.cfg.vision is not None else 0
             images = []
             for i, im in enumerate(request.images):
                 try:

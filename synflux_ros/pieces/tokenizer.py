@@ -32,6 +32,17 @@ class Tokenizer(abc.ABC):
     def special(self, token: str) -> int:
         """Id of a special token such as ``<|im_start|>``; KeyError if the vocabulary lacks it."""
 
+    @abc.abstractmethod
+    def encode_chat(self, text: str) -> list[int]:
+        """A rendered chat template: special tokens written in it become their ids (user text goes
+        through :meth:`encode`, where they stay text)."""
+
+    special_strings: frozenset = frozenset()
+    """The text of every special token (a chat message holding one is refused: it would become a token)."""
+
+    directory: str = ""
+    """Where the tokenizer's files are (the chat template and tokenizer_config.json are looked up there)."""
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes are ids 0..255; the chat specials follow at 256.. (vocab must have room)."""
@@ -44,9 +55,24 @@ class ByteTokenizer(Tokenizer):
         self.vocab_size = vocab_size
         self._specials = {tok: 256 + i for i, tok in enumerate(CHAT_SPECIALS)}
         self.eos_ids = tuple(eos_ids) or (self._specials["<|im_end|>"], self._specials["<|endoftext|>"])
+        self.special_strings = frozenset(CHAT_SPECIALS)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_chat(self, text: str) -> list[int]:
+        out, i = [], 0
+        while i < len(text):
+            for tok in CHAT_SPECIALS:
+                if text.startswith(tok, i):
+                    out.append(self._specials[tok])
+                    i += len(tok)
+                    break
+            else:
+                j = min([k for k in (text.find(t, i) for t in CHAT_SPECIALS) if k >= 0] or [len(text)])
+                out += list(text[i:j].encode("utf-8"))
+                i = j
+        return out
 
     def decode(self, ids) -> str:
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
@@ -69,19 +95,29 @@ class HFTokenizer(Tokenizer):
             raise ConfigError(f"tokenizer.path: {path!r} does not exist")
         self._tok = _Tok.from_file(path)
         # Text typed by a user is text: "<|im_end|>" in a prompt must not become the special token and
-        # break out of the chat template. The runtimes insert special tokens by id.
+        # break out of the chat template. The runtimes insert special tokens by id, or render the chat
+        # template and encode that with encode_chat.
         self._tok.encode_special_tokens = True
+        self._chat_tok = _Tok.from_file(path)
+        self.special_strings = frozenset(t.content for t in self._tok.get_added_tokens_decoder().values()
+                                         if t.special)
         self.vocab_size = vocab_size
         n = self._tok.get_vocab_size(with_added_tokens=True)
         if n > vocab_size:
             raise ConfigError(f"tokenizer.path: {path!r} has {n} tokens but llm.vocab_size is {vocab_size}")
-        if not eos_ids:
-            found = [self._tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>")]
-            eos_ids = tuple(i for i in found if i is not None)
+        self.directory = os.path.dirname(os.path.abspath(path))
+        if not eos_ids:  # the checkpoint's eos_token (tokenizer_config.json), else the usual ones
+            from .chat_template import special_tokens
+            named = special_tokens(self.directory).get("eos_token")
+            found = [self._tok.token_to_id(t) for t in (named, "<|im_end|>", "<|endoftext|>", "</s>", "<eos>") if t]
+            eos_ids = tuple(dict.fromkeys(i for i in found if i is not None))
         self.eos_ids = tuple(eos_ids)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, text: str) -> list[int]:
+        return self._chat_tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -9,8 +9,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..core.kv_cache import KVCachePool
 
 
@@ -19,27 +17,34 @@ class RequestError(ValueError):
 
 
 @dataclass
-class Segment:
-    """Part of a conversation: text token ids, or an image's vision embeddings (for recompute)."""
+class Message:
+    """One message of a conversation as the chat template sees it, with the keys of its images."""
+    role: str
+    text: str
+    images: list = field(default_factory=list)  # keys into Session.images, in order
 
-    ids: list[int]
-    image_embeds: np.ndarray | None = None
+    def for_template(self) -> dict:
+        """A string content, or (with images) a list of image items then the text, as transformers'
+        processors pass it."""
+        if not self.images:
+            return {"role": self.role, "content": self.text}
+        return {"role": self.role, "content": [{"type": "image"} for _ in self.images]
+                + [{"type": "text", "text": self.text}]}
 
 
 @dataclass
 class Session:
-    """One conversation: its KV slot, what the slot holds and what is still to prefill."""
+    """One conversation: its KV slot, what the slot holds, and the conversation to render."""
     id: str
     slot: int
     cached: int = 0  # valid positions in the slot
-    history: list[Segment] = field(default_factory=list)  # everything fed to the model so far
-    pending: list[int] = field(default_factory=list)  # tokens to feed before the next user turn
+    tokens: list = field(default_factory=list)
+    """What the slot holds, position by position: a token id, or (image key, row) for an image's rows."""
+    messages: list[Message] = field(default_factory=list)
+    system: str = ""  # the system prompt the session started with; "" = the template's default
+    images: dict = field(default_factory=dict)  # image key -> vision embeddings [tokens, H]
     turns: int = 0
     last_used: float = field(default_factory=time.monotonic)
-
-    @property
-    def history_tokens(self) -> int:
-        return sum(len(s.ids) for s in self.history)
 
 
 class SessionManager:
@@ -93,6 +98,8 @@ class SessionManager:
 
     def reset(self, s: Session) -> None:
         s.cached = 0
-        s.history.clear()
-        s.pending.clear()
+        s.tokens.clear()
+        s.messages.clear()
+        s.images.clear()
+        s.system = ""
         s.turns = 0

@@ -105,7 +105,7 @@ class ModelRuntime:
         try:
             self.tokenizer = tokenizer if tokenizer is not None else \
                 load_tokenizer(cfg, graphset.tokenizer_file(gdir, manifest))
-            self.vision = VisionEncoder(cfg, self.executor)
+            self.vision = VisionEncoder(cfg, self.executor) if cfg.vision is not None else None
             self.backbone = LLMBackbone(cfg, self.executor)
             self.kv_pool = KVCachePool(self.executor, kv_slots, cfg.llm.kv_shape, cfg.llm.kv_dtype, kv_name)
             self.executor.freeze()

@@ -1,17 +1,19 @@
 """VLM runtime: multi-turn chat with a per-session KV cache.
 
-A turn is rendered with a Qwen-style template::
-
-    <|im_start|>user\\n[<|vision_start|><|image_pad|>*N<|vision_end|>]...{prompt}<|im_end|>\\n<|im_start|>assistant\\n
-
-Only the turn's new tokens are prefilled on top of the session's cache (``cached_tokens`` reports how
-many positions were reused). With ``session.reuse_kv_cache: false`` the whole history is recomputed each
-turn instead, which must give the same reply: it is the reference the cache path is tested against.
+Each turn renders the whole conversation (system prompt, earlier turns with the replies as text, the new
+message) with the checkpoint's chat template (:mod:`synflux_ros.pieces.chat_template`) and tokenizes it;
+each image marker (``tokenizer.image_token``, one per image) becomes the image's vision tokens. The
+longest common prefix of that token sequence and what the session's KV slot holds is reused; only the
+rest is prefilled (``cached_tokens`` reports the reuse). This works with any template, including those
+that rewrite earlier turns (their unchanged prefix is still reused). With ``session.reuse_kv_cache:
+false`` the whole conversation is prefilled each turn instead, which must give the same reply: it is the
+reference the cache path is tested against.
 """
 from __future__ import annotations
 
 import math
 import numbers
+import os
 import threading
 import time
 import zlib
@@ -22,9 +24,10 @@ import numpy as np
 from ..core.config import ConfigError, ModelConfig
 from ..core.executor import Executor
 from ..core.image import ImageError, check_image_size
+from ..pieces.chat_template import ChatTemplateError, load_chat_template
 from ..pieces.heads.text_sampling import SamplingParams, generate
 from ..pieces.tokenizer import Tokenizer
-from .sessions import RequestError, Segment, Session, SessionManager
+from .sessions import Message, RequestError, Session, SessionManager
 from .stack import ModelRuntime
 
 MAX_SESSION_ID_CHARS = 128
@@ -41,6 +44,7 @@ class ChatRequest:
     max_new_tokens: int | None = None  # None = the config's text.max_new_tokens
     temperature: float | None = None  # None = the config's sampling; 0 = greedy
     top_p: float | None = None  # None = the config's text.top_p
+    system: str | None = None  # the system prompt of a new or reset session; None / "" = the template's default
 
 
 @dataclass
@@ -59,13 +63,15 @@ class ChatResult:
 
 @dataclass
 class _Turn:
-    """A checked request: what the turn adds to the session and where it starts."""
+    """A checked request: the rendered conversation and how much of it the session's cache holds."""
 
     req: ChatRequest
     params: SamplingParams
-    segments: list[Segment]
-    new_tokens: int
-    history: int  # positions the session held before this turn
+    message: Message
+    images: dict  # this turn's image key -> embeddings
+    system: str
+    tokens: list  # the whole conversation: token ids, (image key, row) for image rows
+    reused: int  # leading positions of ``tokens`` the session's cache already holds
     t0: float
 
 
@@ -88,17 +94,18 @@ class VLMRuntime(ModelRuntime):
     def _setup(self) -> None:
         self.sessions = SessionManager(self.kv_pool, self.cfg.session.eviction)
         tok = self.tokenizer
-        try:
-            sp = {name: tok.special(f"<|{name}|>") for name in ("im_start", "im_end", "vision_start", "vision_end",
-                                                                "image_pad")}
-        except KeyError as exc:
-            raise ConfigError(f"tokenizer: the chat template needs the special token {exc.args[0]!r}") from None
-        self._sp = sp
-        nl = tok.encode("\n")
-        self._user_prefix = [sp["im_start"]] + tok.encode("user\n")
-        self._turn_suffix = [sp["im_end"]] + nl + [sp["im_start"]] + tok.encode("assistant\n")
-        self._close_reply = [sp["im_end"]] + nl
-        self._nl = nl
+        self.template = load_chat_template(tok.directory, self._config_path(self.cfg.tokenizer.chat_template))
+        self._image_id = None
+        if self.cfg.vision is not None:
+            marker = self.cfg.tokenizer.image_token
+            try:
+                self._image_id = tok.special(marker)
+            except KeyError:
+                raise ConfigError(f"tokenizer.image_token: {marker!r} is not a token of the tokenizer; a model with "
+                                  f"a vision section needs the token its chat template marks images with") from None
+            if marker not in self.template.source and "image" not in self.template.source:
+                raise ConfigError(f"the chat template ({self.template.origin}) does not place images; set "
+                                  f"tokenizer.chat_template to one that does, or use a text-only config")
         eos = tuple(tok.eos_ids)
         if not eos:
             raise ConfigError("text.eos_token_ids: no end-of-sequence id (set it or use a tokenizer that has one)")
@@ -106,6 +113,11 @@ class VLMRuntime(ModelRuntime):
         self._lock = threading.Lock()
         self.turns_served = 0
         self.requests_refused = 0
+
+    def _config_path(self, path: str) -> str:
+        if path and not os.path.isabs(path) and self.cfg.source:
+            return os.path.join(os.path.dirname(self.cfg.source), path)
+        return path
 
     # ---------------------------------------------------------------- validation
     def sampling_params(self, req: ChatRequest) -> SamplingParams:
@@ -136,9 +148,10 @@ class VLMRuntime(ModelRuntime):
         top_p = t.top_p if req.top_p is None else req.top_p
         return SamplingParams(max_new, temperature, top_p, self._eos)
 
-    def check_limits(self, session_id: str, prompt: str, num_images: int) -> None:
-        """The checks that cost nothing: session id, prompt size in bytes and the number of images. A
-        caller that still has to decode the images runs these first; :meth:`chat` runs them too."""
+    def check_limits(self, session_id: str, prompt: str, num_images: int, system: str | None = None) -> None:
+        """The checks that cost nothing: session id, prompt (and system prompt) size in bytes and special
+        tokens, and the number of images. A caller that still has to decode the images runs these first;
+        :meth:`chat` runs them too."""
         if not isinstance(session_id, str) or not session_id.strip():
             raise RequestError("session_id is empty")
         if len(session_id) > MAX_SESSION_ID_CHARS:
@@ -154,6 +167,21 @@ class VLMRuntime(ModelRuntime):
         size = len(_utf8("prompt", prompt))
         if size > limit:
             raise RequestError(f"prompt has {size} bytes, over the limit of {limit} bytes (session.max_prompt_bytes)")
+        if system is not None and not isinstance(system, str):
+            raise RequestError(f"system prompt must be text, got {type(system).__name__}")
+        if system:
+            size = len(_utf8("system prompt", system))
+            if size > limit:
+                raise RequestError(f"system prompt has {size} bytes, over the limit of {limit} bytes "
+                                   f"(session.max_prompt_bytes)")
+        for name, text in (("prompt", prompt), ("system prompt", system or "")):
+            found = sorted(t for t in self.tokenizer.special_strings if t and t in text)
+            if found:
+                raise RequestError(f"{name} contains the special token {found[0]!r}, which the chat template would "
+                                   f"turn into a control token; remove it")
+        if num_images and self.cfg.vision is None:
+            raise RequestError(f"{num_images} images attached, but {self.cfg.name!r} is a text-only model (its "
+                               f"config has no vision section): send the prompt without images")
         limit = self.cfg.session.max_images_per_turn
         if num_images > limit:
             raise RequestError(f"{num_images} images attached, at most {limit} per turn "
@@ -163,8 +191,8 @@ class VLMRuntime(ModelRuntime):
         images = req.images
         if not isinstance(images, (list, tuple)):
             raise RequestError(f"images must be a list of arrays, got {type(images).__name__}")
-        self.check_limits(req.session_id, req.prompt, len(images))
-        max_pixels = self.cfg.vision.max_input_pixels
+        self.check_limits(req.session_id, req.prompt, len(images), req.system)
+        max_pixels = self.cfg.vision.max_input_pixels if self.cfg.vision is not None else 0
         for i, img in enumerate(images):
             if not isinstance(img, np.ndarray) or img.ndim != 3 or img.shape[2] != 3 or img.dtype != np.uint8:
                 what = f"shape {img.shape}, dtype {img.dtype}" if isinstance(img, np.ndarray) else \
@@ -179,23 +207,35 @@ class VLMRuntime(ModelRuntime):
                 raise RequestError(f"images[{i}]: {exc}") from None
 
     # ---------------------------------------------------------------- chat
-    def _turn_segments(self, pending: list[int], prompt: str, image_embeds: list[np.ndarray]) -> list[Segment]:
-        segs = [Segment(list(pending) + self._user_prefix)]
-        for emb in image_embeds:
-            segs.append(Segment([self._sp["vision_start"]]))
-            segs.append(Segment([self._sp["image_pad"]] * emb.shape[0], emb))
-            segs.append(Segment([self._sp["vision_end"]]))
-        segs.append(Segment(self.tokenizer.encode(prompt) + self._turn_suffix))
-        return segs
+    def _render(self, system: str, messages: list[Message], images: dict) -> list:
+        """The conversation as the model reads it: token ids, each image marker replaced by that image's
+        rows as ``(image key, row)``."""
+        convo = ([{"role": "system", "content": system}] if system else []) + [m.for_template() for m in messages]
+        try:
+            ids = self.tokenizer.encode_chat(self.template.render(convo))
+        except ChatTemplateError as exc:
+            raise RequestError(str(exc)) from None
+        keys = [k for m in messages for k in m.images]
+        markers = sum(1 for i in ids if i == self._image_id) if self._image_id is not None else 0
+        if markers != len(keys):
+            raise RequestError(f"the chat template ({self.template.origin}) placed {markers} image markers for "
+                               f"{len(keys)} images")
+        out, n = [], 0
+        for i in ids:
+            if i == self._image_id and self._image_id is not None:
+                key = keys[n]
+                n += 1
+                out += [(key, row) for row in range(images[key].shape[0])]
+            else:
+                out.append(i)
+        return out
 
-    def _embed_segments(self, segs: list[Segment]) -> np.ndarray:
-        ids = [i for s in segs for i in s.ids]
+    def _embed(self, tokens: list, images: dict) -> np.ndarray:
+        ids = [t if isinstance(t, int) else self._image_id for t in tokens]
         x = self.backbone.embed(ids)
-        off = 0
-        for s in segs:
-            if s.image_embeds is not None:
-                x[off:off + len(s.ids)] = s.image_embeds
-            off += len(s.ids)
+        for pos, t in enumerate(tokens):
+            if not isinstance(t, int):
+                x[pos] = images[t[0]][t[1]]
         return x
 
     def chat(self, req: ChatRequest) -> ChatResult:
@@ -212,58 +252,72 @@ class VLMRuntime(ModelRuntime):
             raise
 
     def _check(self, req: ChatRequest) -> _Turn:
-        """Validate a request, encode its images and template, and check that it fits the context."""
+        """Validate a request, encode its images, render the conversation, and check that it fits."""
         t0 = time.perf_counter()
         self._validate(req)
         params = self.sampling_params(req)
-        images = []
+        existing = None if req.reset else self.sessions.peek(req.session_id)
+        system = req.system or ""
+        if existing is not None and existing.turns and system and system != existing.system:
+            raise RequestError("system prompt: it applies when a session starts or resets; this session already "
+                               "has one (send reset to start it again with another)")
+        if existing is not None and existing.turns:
+            system = existing.system
+        images = {}
+        start = existing.turns if existing else 0
         for i, img in enumerate(req.images):
             try:
-                images.append(self.vision(img))
+                images[(start, i)] = self.vision(img)
             except ImageError as exc:
                 raise RequestError(f"images[{i}]: {exc}") from None
-        existing = None if req.reset else self.sessions.peek(req.session_id)
-        history = existing.history_tokens if existing else 0
-        segs = self._turn_segments(existing.pending if existing else [], req.prompt, images)
-        n_new = sum(len(s.ids) for s in segs)
+        message = Message("user", req.prompt, list(images))
+        earlier = existing.messages if existing else []
+        all_images = {**(existing.images if existing else {}), **images}
+        tokens = self._render(system, earlier + [message], all_images)
+        reused = 0
+        if existing is not None and self.cfg.session.reuse_kv_cache:
+            held = existing.tokens[:existing.cached]
+            limit = min(len(held), len(tokens) - 1)  # at least one token is prefilled: its logits start the reply
+            while reused < limit and held[reused] == tokens[reused]:
+                reused += 1
         ctx = self.cfg.llm.max_seq_len
-        if history + n_new > ctx:
-            where = f"the session has {ctx - history} of {ctx} context positions left" if history else \
-                f"the context is {ctx} tokens"
-            raise RequestError(f"prompt needs {n_new} tokens but {where}; shorten the prompt"
-                               f"{' or reset the session' if history else ''}")
-        if history + n_new + params.max_new_tokens - 1 > ctx:
-            room = ctx - history - n_new + 1
+        if len(tokens) > ctx:
+            raise RequestError(f"the conversation needs {len(tokens)} tokens but the context is {ctx} tokens; "
+                               f"shorten the prompt{' or reset the session' if earlier else ''}")
+        if len(tokens) + params.max_new_tokens - 1 > ctx:
+            room = ctx - len(tokens) + 1
             raise RequestError(f"max_new_tokens {params.max_new_tokens} does not fit: after this prompt "
-                               f"({n_new} tokens) only {room} tokens can be generated in the context of {ctx}; "
-                               f"lower max_new_tokens or reset the session")
-        return _Turn(req, params, segs, n_new, history, t0)
+                               f"({len(tokens)} tokens with the conversation) only {room} tokens can be generated in "
+                               f"the context of {ctx}; lower max_new_tokens or reset the session")
+        return _Turn(req, params, message, images, system, tokens, reused, t0)
 
     def _run_turn(self, turn: _Turn, session: Session, evicted: str | None) -> ChatResult:
-        """Prefill the turn (only its new tokens when the cache is reused), generate, record the turn."""
+        """Prefill what the cache does not hold (all of it without reuse), generate, record the turn."""
         slot = self.kv_pool.tensor(session.slot)
-        if self.cfg.session.reuse_kv_cache:
-            cached = session.cached
-            logits = self.backbone.prefill(slot, cached, self._embed_segments(turn.segments))
-        else:
-            cached = 0
-            logits = self.backbone.prefill(slot, 0, self._embed_segments(session.history + turn.segments))
-        pos = turn.history + turn.new_tokens
+        # From here on the slot is written from ``reused``: if the turn fails, the session keeps only
+        # what stays valid (the next turn prefills the rest of its conversation again).
+        session.cached = min(session.cached, turn.reused)
+        del session.tokens[session.cached:]
+        images = {**session.images, **turn.images}
+        logits = self.backbone.prefill(slot, turn.reused, self._embed(turn.tokens[turn.reused:], images))
+        pos = len(turn.tokens)
         rng = np.random.default_rng([self.cfg.text.seed, zlib.crc32(turn.req.session_id.encode()), session.turns])
         gen = generate(logits, lambda p, tok: self.backbone.decode(slot, p, tok), pos, turn.params, rng, turn.t0)
-        self._record_turn(session, turn, gen.tokens, gen.stopped_by_eos)
         text_ids = [t for t in gen.tokens if t not in self._eos]
+        reply = self.tokenizer.decode(text_ids)
+        self._record_turn(session, turn, gen.tokens, reply)
         total = (time.perf_counter() - turn.t0) * 1e3
-        return ChatResult(self.tokenizer.decode(text_ids), turn.new_tokens, cached, len(gen.tokens),
+        return ChatResult(reply, len(turn.tokens) - turn.reused, turn.reused, len(gen.tokens),
                           gen.ttft_s * 1e3, total, gen.stopped_by_eos, evicted, list(gen.tokens))
 
-    def _record_turn(self, session: Session, turn: _Turn, tokens: list[int], stopped_by_eos: bool) -> None:
-        """Everything but the last sampled token is now in the cache; that token and the reply's closing
-        template are prefilled at the start of the next turn."""
-        session.history.extend(turn.segments)
-        session.history.append(Segment(tokens[:-1]))
-        session.cached = turn.history + turn.new_tokens + len(tokens) - 1
-        session.pending = [tokens[-1]] + (self._nl if stopped_by_eos else self._close_reply)
+    def _record_turn(self, session: Session, turn: _Turn, tokens: list[int], reply: str) -> None:
+        """The slot now holds the conversation and every sampled token but the last; the next turn renders
+        the reply as text and reuses whatever of it tokenizes the same."""
+        session.system = turn.system
+        session.images.update(turn.images)
+        session.messages += [turn.message, Message("assistant", reply)]
+        session.tokens = list(turn.tokens) + [int(t) for t in tokens[:-1]]
+        session.cached = len(session.tokens)
         session.turns += 1
         self.turns_served += 1
 

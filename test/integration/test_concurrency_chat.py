@@ -49,9 +49,15 @@ class Turn:
                 self.generated_tokens)
 
     @property
-    def adds(self) -> int:
-        """Positions this turn leaves in the session's cache for the next one."""
-        return self.prompt_tokens + self.generated_tokens - 1
+    def conversation(self) -> int:
+        """Tokens of the conversation this turn rendered (reused + prefilled)."""
+        return self.cached_tokens + self.prompt_tokens
+
+    @property
+    def holds(self) -> int:
+        """Positions this turn leaves in the session's cache: the conversation and the reply but its
+        last token."""
+        return self.conversation + self.generated_tokens - 1
 
 
 class ThreadClient:
@@ -140,15 +146,22 @@ def turn_request(caller: int, t: int) -> dict:
 
 
 def check_history(turns: list[Turn]) -> int:
-    """Each turn of a conversation reuses exactly what the turns before it left in the cache, from the
-    last fresh start (cached_tokens 0) on. Returns the number of fresh starts after the first turn."""
-    history, restarts = 0, 0
+    """Each turn of a conversation reuses what the turn before it left in the cache, from the last fresh
+    start (cached_tokens 0) on: at least that turn's whole conversation, at most also its reply (the
+    reply is rendered as text again and reused as far as it tokenizes the same). Returns the number of
+    fresh starts after the first turn."""
+    before, restarts = None, 0
     for i, t in enumerate(turns):
         assert t.success, f"{t.session} turn {i}: {t.error}"
         if i and t.cached_tokens == 0:
-            restarts, history = restarts + 1, 0
-        assert t.cached_tokens == history, f"{t.session} turn {i}: cached {t.cached_tokens}, history {history}"
-        history += t.adds
+            restarts, before = restarts + 1, None
+        if before is None:
+            assert t.cached_tokens == 0, f"{t.session} turn {i}: cached {t.cached_tokens} at a fresh start"
+        else:
+            assert before.conversation <= t.cached_tokens <= before.holds, \
+                f"{t.session} turn {i}: cached {t.cached_tokens}, the turn before left {before.conversation}.." \
+                f"{before.holds}"
+        before = t
     return restarts
 
 
@@ -218,9 +231,8 @@ def test_two_callers_on_one_session_are_served_in_turn(start_node, callers):
     # The node's order is the order of the cache: each turn starts where the one before it ended.
     order = sorted(seen, key=lambda t: t.cached_tokens)
     assert check_history(order) == 0
-    history = sum(t.adds for t in order)
     last = a.chat("shared", "and now?", max_new_tokens=MAX_NEW, temperature=0.0)
-    assert last.success and last.cached_tokens == history
+    assert last.success and order[-1].conversation <= last.cached_tokens <= order[-1].holds
     # the node counted each turn once and holds one session
     assert a.diagnostics("/same/vlm_node:", lambda d: d["turns_served"] == str(2 * n + 1)), a.last_diagnostics
     assert a.last_diagnostics["sessions_open"] == "1" and a.last_diagnostics["requests_refused"] == "0"

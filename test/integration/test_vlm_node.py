@@ -56,19 +56,20 @@ def test_multi_turn_reuses_cache_and_matches_recompute(vlm, start_node, client, 
     image = rgb_image(120, 160, 3)
     turns = [dict(prompt="Describe the scene.", images=[image]), dict(prompt="What is on the left?"),
              dict(prompt="And now, in one word?", temperature=0.8, top_p=0.9)]
-    history = 0
+    previous = 0
     for i, turn in enumerate(turns):
         a = ok(vlm.chat("kitchen", **turn))
         b = ok(ref.chat("kitchen", **turn))
         assert a.reply == b.reply and a.generated_tokens == b.generated_tokens, f"turn {i + 1} differs"
-        assert a.prompt_tokens == b.prompt_tokens
+        # the same conversation: prefilled after the reused prefix, or all of it
+        assert a.cached_tokens + a.prompt_tokens == b.prompt_tokens
         assert b.cached_tokens == 0
         if i == 0:
             assert a.cached_tokens == 0
         else:
-            # everything said before (prompts and replies, minus the last reply token) was reused
-            assert a.cached_tokens == history > 0
-        history += a.prompt_tokens + a.generated_tokens - 1
+            # everything up to the previous reply (image rows included) was reused
+            assert a.cached_tokens >= previous > 0
+        previous = b.prompt_tokens
         assert a.generated_tokens > 0 and a.ttft_ms > 0 and a.total_ms >= a.ttft_ms
 
 
@@ -221,3 +222,25 @@ def test_diagnostics_report_sessions(vlm, client):
         {kv.key: kv.value for kv in st.values} for st in m.status if st.name.startswith("/chat1/vlm_node:")), 10)
     assert spin_until(client, lambda: any(d["sessions_open"] == "1" and d["turns_served"] == "1" for d in seen), 10)
     assert seen[-1]["backend"] == "mock" and seen[-1]["sessions_max"] == "4"
+
+
+def test_system_prompt_over_the_service(vlm):
+    first = ok(vlm.chat("sys", "Hello robot", system_prompt="Answer in one word.", max_new_tokens=3))
+    plain = ok(vlm.chat("nosys", "Hello robot", max_new_tokens=3))
+    # the system message is part of the rendered conversation
+    assert first.prompt_tokens > plain.prompt_tokens
+    assert ok(vlm.chat("sys", "Again", system_prompt="Answer in one word.", max_new_tokens=3)).cached_tokens > 0
+    refused = vlm.chat("sys", "Again", system_prompt="Answer at length.")
+    assert not refused.success and "applies when a session starts or resets" in refused.error
+    again = ok(vlm.chat("sys", "Again", system_prompt="Answer at length.", reset=True, max_new_tokens=3))
+    assert again.cached_tokens == 0
+
+
+def test_a_text_only_model_serves_text_and_refuses_images(start_node, client, make_config):
+    cfg = make_config("vlm_demo.yaml", vision=None)
+    start_node("vlm_node", {"config": cfg, "executor": "mock"}, namespace="/textonly")
+    chat = ChatClient(client, "/textonly")
+    assert ok(chat.chat("t", "Hello robot", max_new_tokens=3)).generated_tokens > 0
+    refused = chat.chat("t", "What is this?", images=[rgb_image(32, 32, 1)])
+    assert not refused.success and "text-only model" in refused.error
+    assert ok(chat.chat("t", "Still there?", max_new_tokens=3)).cached_tokens > 0

@@ -9,7 +9,7 @@ from synflux_ros.backends.mock import MockExecutor
 from synflux_ros.core.executor import DeviceTensor
 from synflux_ros.core.kv_cache import KVCachePool, NoFreeSlotError
 from synflux_ros.core.memory import PoolFrozenError
-from synflux_ros.runtimes.sessions import RequestError, Segment, SessionManager
+from synflux_ros.runtimes.sessions import Message, RequestError, SessionManager
 
 SHAPE = (2, 2, 1, 16, 4)
 
@@ -191,11 +191,11 @@ def test_session_reset_clears_state():
     _, pool = make_pool(1)
     sm = SessionManager(pool)
     s, _ = sm.get_or_create("a")
-    s.cached, s.turns, s.pending = 10, 2, [1, 2]
-    s.history.append(Segment([1, 2, 3]))
-    assert s.history_tokens == 3
+    s.cached, s.turns, s.tokens, s.system = 3, 2, [1, 2, 3], "be brief"
+    s.messages.append(Message("user", "hi", [(0, 0)]))
+    s.images[(0, 0)] = "embeds"
     sm.reset(s)
-    assert (s.cached, s.turns, s.pending, s.history) == (0, 0, [], [])
+    assert (s.cached, s.turns, s.tokens, s.messages, s.images, s.system) == (0, 0, [], [], {}, "")
     assert s.slot == 0
 
 

@@ -1,7 +1,8 @@
 """RKNN backend: synflux-build --backend rknn compiles the demo graph sets for rk3588 with rknn-toolkit2, the
 rknn executor runs them in the toolkit's simulator (a worker under .venv-rknn exchanging tensors through
 shared memory) and synflux-validate compares them with onnxruntime in reduced precision; the board code path
-(RKNNLite) runs against a stand-in of rknnlite; load-time and compile-time errors.
+(RKNNLite) runs against a stand-in of rknnlite; load-time and compile-time errors; int8 quantization
+(--quantize, --calib: values, calibration checks, cache keys, the vision encoder in int8 on the simulator).
 
 The simulator tests need the RKNN venv (`make rknn-venv`, a prerequisite of `make test`) and skip without it.
 """
@@ -28,6 +29,7 @@ from synflux_ros.build import rknn as rknn_build  # noqa: E402
 from synflux_ros.build.export import BuildError, build  # noqa: E402
 from synflux_ros.core import graphset  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
+from synflux_ros.core.graphs import graph_set  # noqa: E402
 from synflux_ros.core.graphset import GraphSetError, GraphSetNotFoundError  # noqa: E402
 from synflux_ros.core.memory import PoolFrozenError  # noqa: E402
 from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
@@ -93,8 +95,9 @@ def test_build_options_are_checked(tmp_path):
         build(cfg, str(tmp_path), backend="onnxruntime", target="rk3588")
     with pytest.raises(rknn_build.RKNNBuildError, match=r"--target 'rk9999' is not an RKNN platform"):
         rknn_build.compile_graph_set(str(tmp_path), {"graphs": []}, "rk9999")
-    with pytest.raises(rknn_build.RKNNBuildError, match=r"--quantize 'int8': only fp16"):
-        rknn_build.compile_graph_set(str(tmp_path), {"graphs": []}, TARGET, "int8")
+    with pytest.raises(BuildError, match=r"--quantize 'int4' is not allowed \(--quantize fp16, int8 "):
+        build(cfg, str(tmp_path / "q"), backend="rknn", target=TARGET, quantize="int4")
+    assert not (tmp_path / "q").exists()  # refused before exporting anything
     with pytest.raises(rknn_build.RKNNBuildError, match=r"--rknn-python /nonexistent: no such file; run `make rknn-venv`"):
         rknn_build.compile_graph_set(str(tmp_path), {"graphs": []}, TARGET, toolkit_python="/nonexistent")
 
@@ -175,14 +178,12 @@ def test_vlm_chat_on_the_simulator_reuse_equals_recompute(rknn_sets):
     reuse = VLMRuntime(config(gdir, "rknn"))
     recompute = VLMRuntime(config(gdir, "rknn").with_overrides(session={"reuse_kv_cache": False}))
     try:
-        history = 0
         for i, prompt in enumerate(("hello there, robot", "what is on the table?")):
             a = reuse.chat(ChatRequest("s1", prompt, max_new_tokens=12, temperature=0.0))
             b = recompute.chat(ChatRequest("s1", prompt, max_new_tokens=12, temperature=0.0))
-            assert a.cached_tokens == history and b.cached_tokens == 0
+            assert b.cached_tokens == 0 and (a.cached_tokens > 0) == (i > 0)
             same = sum(x == y for x, y in zip(a.token_ids, b.token_ids))
             assert same >= 0.9 * max(len(a.token_ids), len(b.token_ids)), (i, a.token_ids, b.token_ids)
-            history += a.prompt_tokens + a.generated_tokens - 1
         ex = reuse.executor
         assert ex.device_of("decode_256") == "rknn:rk3588-simulator"
         assert all(isinstance(a.handle, rknn_backend.ShmBuffer) for a in ex.pool._allocs.values())  # KV slots too
@@ -252,6 +253,169 @@ def test_graph_set_for_another_target_toolkit_or_onnx_is_refused(rknn_sets, tmp_
     with pytest.raises(GraphSetError, match=r"decode_512\.rknn was compiled from another version of "
                                             r"decode_512\.onnx .*--backend rknn --target rk3588"):
         build_executor("rknn", metas(str(copy), "decode_512"), str(copy), {}).load()
+
+
+# ------------------------------------------------------------------------------------------ int8 quantization
+def test_quantize_values_are_checked(tmp_path):
+    assert rknn_build.parse_quantize("fp16") == () and rknn_build.parse_quantize("int8") == ("vision_encoder",)
+    assert rknn_build.parse_quantize("int8:decode,vision_encoder") == ("vision_encoder", "decode")
+    assert rknn_build.parse_quantize("int8:all") == rknn_build.KINDS
+    assert rknn_build.quantize_spec(rknn_build.parse_quantize("int8")) == "int8:vision_encoder"
+    for bad, said in (("int4", "is not allowed"), ("w8a8", "is not allowed"), ("int8:", "name at least one"),
+                      ("int8:vision_encoder,", "name at least one"), ("int8:vision", "unknown graph kind 'vision'")):
+        with pytest.raises(rknn_build.RKNNBuildError, match=rf"--quantize '{bad}'.*{said}.*action_expert, all"):
+            rknn_build.parse_quantize(bad)
+    with pytest.raises(rknn_build.RKNNBuildError, match=r"--calib is for --quantize int8"):
+        rknn_build.compile_graph_set(str(tmp_path), {"graphs": []}, TARGET, "fp16", calib=str(tmp_path))
+    with pytest.raises(rknn_build.RKNNBuildError, match=r"--calib /nonexistent: no such directory"):
+        rknn_build.compile_graph_set(str(tmp_path), {"graphs": []}, TARGET, "int8", calib="/nonexistent")
+    from synflux_ros.build.export import main
+    assert main(["--config", str(REPO / "config" / "vlm_demo.yaml"), "--out", str(tmp_path / "cli"), "--backend",
+                 "rknn", "--target", TARGET, "--quantize", "int8:vison_encoder"]) == 2
+    assert main(["--config", str(REPO / "config" / "vlm_demo.yaml"), "--out", str(tmp_path / "cli"), "--backend",
+                 "rknn", "--target", TARGET, "--calib", str(tmp_path)]) == 2  # --calib without --quantize int8
+    assert main(["--config", str(REPO / "config" / "vlm_demo.yaml"), "--out", str(tmp_path / "cli"), "--backend",
+                 "onnxruntime", "--calib", str(tmp_path)]) == 2  # --calib stays tensorrt's/rknn's
+    assert not (tmp_path / "cli").exists()  # all refused before exporting anything
+
+
+def _npz(path, **arrays):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **arrays)
+
+
+def test_bad_calibration_data_names_graph_and_input(tmp_path):
+    cfg = load_config(str(REPO / "config" / "vla_demo_orin.yaml"))
+    by_name = {m.name: m for m in graph_set(cfg)}
+    vision, decode = [by_name["vision_encoder"]], [by_name["decode_256"]]
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    plan = rknn_build.plan_quantization
+    with pytest.raises(rknn_build.RKNNBuildError, match=r"no samples for graph 'vision_encoder' \(int8\): expected "
+                                                        r".*vision_encoder/\*\.npz"):
+        plan(str(tmp_path), vision, ("vision_encoder",), str(calib))
+    px = np.zeros((4, 3, 224, 224), np.float32)
+    _npz(calib / "vision_encoder" / "a.npz", pixels=px)
+    with pytest.raises(rknn_build.RKNNBuildError, match=r"graph 'vision_encoder': .*a\.npz has no input 'pixel_values' "
+                                                        r"\(it has: pixels; the graph takes: pixel_values\)"):
+        plan(str(tmp_path), vision, ("vision_encoder",), str(calib))
+    _npz(calib / "vision_encoder" / "a.npz", pixel_values=px[:, :, :112, :112])
+    with pytest.raises(rknn_build.RKNNBuildError, match=r"graph 'vision_encoder' input 'pixel_values': .*a\.npz "
+                                                        r"holds shape \[4, 3, 112, 112\], the graph takes "
+                                                        r"\[4, 3, 224, 224\]"):
+        plan(str(tmp_path), vision, ("vision_encoder",), str(calib))
+    px[0, 0, 0, 0] = np.nan
+    _npz(calib / "vision_encoder" / "a.npz", pixel_values=px)
+    with pytest.raises(rknn_build.RKNNBuildError, match=r"input 'pixel_values': .*non-finite"):
+        plan(str(tmp_path), vision, ("vision_encoder",), str(calib))
+    # the --backend tensorrt layout (batches of pixel_values directly in DIR) serves the vision encoder
+    shutil.rmtree(calib / "vision_encoder")
+    _npz(calib / "b.npz", pixel_values=np.ones((4, 3, 224, 224), np.float32))
+    assert len(plan(str(tmp_path), vision, ("vision_encoder",), str(calib))["vision_encoder"].samples) == 1
+    # multi-input graph: the KV cache as its views or whole; ids must stay integers
+    kv = np.random.default_rng(0).standard_normal(cfg.llm.kv_shape).astype(np.float32)
+    ids, pos = np.array([[5]], np.int64), np.array([200], np.int64)
+    _npz(calib / "decode_256" / "s0.npz", input_ids=ids, cache_position=pos, past_kv=kv)
+    views = {f"past_kv.{l}.{k}": kv[l, k] for l in range(2) for k in range(2)}
+    _npz(calib / "decode_256" / "s1.npz", input_ids=ids, cache_position=pos, **views)
+    cal = plan(str(tmp_path), decode, ("decode",), str(calib))["decode_256"]
+    assert [n for n, _ in cal.inputs] == ["input_ids", "cache_position", *views]
+    assert all(np.array_equal(a, b) for a, b in zip(*cal.samples))
+    _npz(calib / "decode_256" / "s1.npz", input_ids=ids.astype(np.float32), cache_position=pos, **views)
+    with pytest.raises(rknn_build.RKNNBuildError, match=r"graph 'decode_256' input 'input_ids': .*s1\.npz holds "
+                                                        r"float32 values; the graph takes integers"):
+        plan(str(tmp_path), decode, ("decode",), str(calib))
+    del views["past_kv.1.0"]
+    _npz(calib / "decode_256" / "s1.npz", input_ids=ids, cache_position=pos, **views)
+    with pytest.raises(rknn_build.RKNNBuildError, match=r"graph 'decode_256': .*s1\.npz has no input 'past_kv\.1\.0'"):
+        plan(str(tmp_path), decode, ("decode",), str(calib))
+    # without --calib the samples are generated (seeded) from the graph set's config.yaml
+    with pytest.raises(rknn_build.RKNNBuildError, match=r"config\.yaml not found; pass --calib DIR"):
+        plan(str(tmp_path), vision, ("vision_encoder",))
+
+
+def test_key_changes_with_dtype_and_calibration():
+    cfg = load_config(str(REPO / "config" / "vla_demo_orin.yaml"))
+    vision = next(m for m in graph_set(cfg) if m.kind == "vision_encoder")
+    gen = rknn_build.generated_calibration(cfg, vision)
+    again = rknn_build.generated_calibration(cfg, vision)
+    other = rknn_build.generated_calibration(cfg, vision, n=2)
+    assert len(gen.samples) == rknn_build.CALIB_SAMPLES and gen.sha256 == again.sha256 != other.sha256
+    key = rknn_build.rknn_key
+    fp16 = key("k", TARGET, "2.5.0", "fp16")
+    int8 = key("k", TARGET, "2.5.0", "int8", gen.choices())
+    assert len({fp16, int8, key("k", TARGET, "2.5.0", "int8", other.choices()),
+                key("k", TARGET, "2.5.0", "int8", {**gen.choices(), "algorithm": "mmse"})}) == 4
+    assert int8 == key("k", TARGET, "2.5.0", "int8", again.choices())
+
+
+@needs_simulator
+def test_int8_vision_encoder_on_the_simulator(rknn_sets, tmp_path):
+    """--quantize int8 on the compiled fp16 demo VLA set: only the vision encoder is compiled again (int8, on
+    generated samples), it runs in the simulator within the measured tolerance of onnxruntime, and other
+    calibration data or going back to fp16 recompile it alone."""
+    from synflux_ros.bench.validate import cosine, seeded_feeds
+
+    gdir = str(tmp_path / "vla")
+    shutil.copytree(rknn_sets["vla_demo_orin"], gdir)
+    tdir = Path(gdir, "rknn", TARGET)
+    fp16 = json.loads((tdir / "rknn.json").read_text())
+    manifest = graphset.read_manifest(gdir)
+    mtimes = {f.name: f.stat().st_mtime_ns for f in tdir.glob("*.rknn")}
+    lines = []
+    side = rknn_build.compile_graph_set(gdir, manifest, TARGET, "int8", progress=lines.append)
+    assert "1 of 9 graphs to compile" in lines[0] and "int8:vision_encoder" in lines[0], lines
+    assert any("4 generated samples (bring-up only" in line for line in lines), lines
+    assert side["dtype"] == "int8" and side["quantize"] == "int8:vision_encoder"
+    entry = side["graphs"]["vision_encoder"]
+    assert entry["dtype"] == "int8" and entry["key"] != fp16["graphs"]["vision_encoder"]["key"]
+    q = entry["quantization"]
+    assert (q["dtype"], q["algorithm"], q["samples"], q["calib_source"]) == ("w8a8", "normal", 4, "generated")
+    assert (tdir / q["dataset"]).read_text().splitlines()[0] == "s000_0_pixel_values.npy"
+    for name, e in side["graphs"].items():  # the fp16 graphs are those of the fp16 build, untouched
+        if name != "vision_encoder":
+            assert e == fp16["graphs"][name] and (tdir / e["file"]).stat().st_mtime_ns == mtimes[e["file"]]
+
+    cfg = load_config(os.path.join(gdir, "config.yaml"))
+    meta = metas(gdir, "vision_encoder")
+    ex = build_executor("rknn", meta, gdir, {}).load()
+    ref = build_executor("onnxruntime", meta, gdir, {}).load()
+    try:
+        for seed in range(2):
+            feeds = seeded_feeds(meta[0], cfg, np.random.default_rng([0, seed]), None)
+            got = ex.run("vision_encoder", feeds)["vision_embeds"]
+            want = ref.run("vision_encoder", feeds)["vision_embeds"]
+            # measured: 0.9993 (fp16 build: 0.99999); int8 on 4 generated samples
+            assert cosine(got, want) > 0.998, cosine(got, want)
+            assert cosine(got, want) < 0.99995  # it ran quantized, not in fp16
+    finally:
+        ex.close()
+        ref.close()
+
+    # a set whose calibration samples are gone is refused in the simulator, with the command
+    shutil.move(str(tdir / "calib"), str(tmp_path / "calib_moved"))
+    with pytest.raises(GraphSetNotFoundError, match=r"graph 'vision_encoder' is int8 .*dataset\.txt is missing; "
+                                                    r"synflux-build .*--target rk3588 --quantize int8:vision_encoder"):
+        build_executor("rknn", meta, gdir, {}).load()
+    shutil.move(str(tmp_path / "calib_moved"), str(tdir / "calib"))
+
+    # other calibration data: the vision encoder alone is compiled again, under another key
+    calib = tmp_path / "frames"
+    for i in range(2):
+        _npz(calib / "vision_encoder" / f"f{i}.npz",
+             pixel_values=np.random.default_rng(i).uniform(-1, 1, (4, 3, 224, 224)).astype(np.float32))
+    lines.clear()
+    side2 = rknn_build.compile_graph_set(gdir, manifest, TARGET, "int8", calib=str(calib), progress=lines.append)
+    assert "1 of 9 graphs to compile" in lines[0], lines
+    q2 = side2["graphs"]["vision_encoder"]["quantization"]
+    assert q2["samples"] == 2 and q2["calib_source"] == str(calib) and q2["calib_sha256"] != q["calib_sha256"]
+    assert side2["graphs"]["vision_encoder"]["key"] != entry["key"]
+    # back to fp16: the vision encoder is compiled again and its calibration samples are removed
+    lines.clear()
+    side3 = rknn_build.compile_graph_set(gdir, manifest, TARGET, "fp16", progress=lines.append)
+    assert "1 of 9 graphs to compile" in lines[0] and side3["dtype"] == "fp16", lines
+    assert side3["graphs"]["vision_encoder"]["key"] == fp16["graphs"]["vision_encoder"]["key"]
+    assert not (tdir / "calib").exists()
 
 
 # ------------------------------------------------------------------------------------------ board path

@@ -198,19 +198,20 @@ CONVERSATION = [
 def test_cache_reuse_equals_recompute(sampling):
     extra = dict(temperature=1.0, top_p=0.95) if sampling else {}
     reuse, recompute = vlm(), vlm(session={"reuse_kv_cache": False})
-    history = 0
+    previous = 0
     for i, turn in enumerate(CONVERSATION):
         a = reuse.chat(ChatRequest("s1", **turn, **extra))
         b = recompute.chat(ChatRequest("s1", **turn, **extra))
         assert a.token_ids == b.token_ids, f"turn {i}"
         assert a.reply == b.reply
-        assert (a.prompt_tokens, a.generated_tokens, a.stopped_by_eos) == \
-               (b.prompt_tokens, b.generated_tokens, b.stopped_by_eos)
-        assert a.cached_tokens == history
-        assert b.cached_tokens == 0
-        history += a.prompt_tokens + a.generated_tokens - 1
-    assert reuse.sessions.peek("s1").cached == history
-    assert reuse.sessions.peek("s1").history_tokens == history
+        assert (a.generated_tokens, a.stopped_by_eos) == (b.generated_tokens, b.stopped_by_eos)
+        # the same conversation, prefilled from the reused prefix or from the start
+        assert a.cached_tokens + a.prompt_tokens == b.prompt_tokens and b.cached_tokens == 0
+        # at least everything before the previous reply is reused
+        assert a.cached_tokens >= previous and (i == 0 or a.cached_tokens > 0)
+        previous = b.prompt_tokens
+    session = reuse.sessions.peek("s1")
+    assert session.cached == len(session.tokens) == previous + a.generated_tokens - 1
 
 
 def test_cached_tokens_on_second_turn():
@@ -218,8 +219,9 @@ def test_cached_tokens_on_second_turn():
     r1 = rt.chat(greedy("a", "first"))
     r2 = rt.chat(greedy("a", "second"))
     assert r1.cached_tokens == 0
-    assert r2.cached_tokens == r1.prompt_tokens + r1.generated_tokens - 1 > 0
-    # The new turn starts with the previous reply's last token and the closing template.
+    # the first turn's prompt is reused; the reply is rendered as text again and reused as far as it
+    # tokenizes the same
+    assert r1.prompt_tokens <= r2.cached_tokens <= r1.prompt_tokens + r1.generated_tokens - 1
     assert r2.prompt_tokens > len("second")
 
 

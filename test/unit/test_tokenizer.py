@@ -175,5 +175,5 @@ def test_vlm_runtime_with_a_tokenizer_json(tmp_path, bpe_path):
     assert r1.prompt_tokens == len(prefix) + len(tk.encode("hello robot")) + len(suffix)
 
     d["tokenizer"] = {"path": str(build_wordlevel(tmp_path / "nochat.json", ["<|im_start|>", "<|im_end|>"]))}
-    with pytest.raises(ConfigError, match="special token"):
+    with pytest.raises(ConfigError, match="tokenizer.image_token: .<|image_pad|>. is not a token"):
         VLMRuntime(from_dict(d))

@@ -69,7 +69,7 @@ def config_from_hf(hf_dir: str, base: ModelConfig) -> ModelConfig:
     ... kept from ``base``). Raises ConfigError for an unsupported checkpoint."""
     _, fields, _ = hf_llm_fields(hf_dir)
     cfg = base.with_overrides(llm=fields)
-    if cfg.vision.architecture == "qwen3_vl":
+    if cfg.vision is not None and cfg.vision.architecture == "qwen3_vl":
         cfg = vision_config_from_hf(hf_dir, cfg)
     return cfg
 
