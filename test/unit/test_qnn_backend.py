@@ -61,12 +61,6 @@ def graph_sets(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------ numerics
-def _rope_limited(row, cfg) -> bool:
-    """The new keys of a decode step at the last positions of a long cache: the HTP computes the rotary
-    angle position * frequency in fp16, whose spacing at position 1023 is 0.5 (see the qnn module)."""
-    return row.check.startswith("decode_") and row.check.endswith("/new_kv") and cfg.llm.max_seq_len > 512
-
-
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_graph_and_the_model_match_onnxruntime(graph_sets, name):
     gdir = graph_sets[name]
@@ -74,11 +68,9 @@ def test_every_graph_and_the_model_match_onnxruntime(graph_sets, name):
     rows = validate(gdir, "qnn", options=QNN, precision="reduced")
     graph_rows = [r for r in rows if "/" in r.check]
     assert len(graph_rows) == sum(len(m.outputs) for m in metas(gdir))
-    failed = [r for r in rows if not r.passed and not _rope_limited(r, cfg)]
+    # every output within the reduced-precision bar (the rotary table keeps long-context keys exact)
+    failed = [r for r in rows if not r.passed]
     assert not failed, failed
-    for r in rows:
-        if not r.passed:  # what the fp16 rotary angle costs at position 1023 (measured: cosine 0.987)
-            assert r.cosine >= 0.98, r
     # the whole model: greedy tokens or action chunks as onnxruntime's
     model_rows = [r for r in rows if "/" not in r.check]
     assert model_rows and all(r.passed for r in model_rows)

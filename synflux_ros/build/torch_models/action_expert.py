@@ -7,8 +7,9 @@ to the prefix keys/values that backbone layer ``l`` left in the KV cache:
 * input: ``action_in_proj(noisy_actions)`` concatenated with a sinusoidal embedding of the timestep, mixed
   by a two-layer MLP with SiLU (pi0's ``action_time_mlp_in`` / ``action_time_mlp_out``);
 * layer ``l``: queries, keys and values of the action tokens from the expert's own projections (RoPE at
-  positions ``prefix_len + i``); keys = [cache positions j < prefix_len of layer l | action tokens];
-  action tokens see each other bidirectionally;
+  positions ``prefix_len + i``, looked up in a build-time table of positions 0 .. max_seq_len + h - 1 as
+  in the decoder, see ``decoder.rope_table``); keys = [cache positions j < prefix_len of layer l | action
+  tokens]; action tokens see each other bidirectionally;
 * output: final norm and ``action_out_proj`` to the action dimension -> velocity [1, h, a].
 
 The blocks follow the backbone architecture (norm style, MLP activation, q/k norms).
@@ -22,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ...core.config import ModelConfig
-from .decoder import DecoderLayer, RMSNorm, layer_kv, rope_cos_sin, rope_inv_freq
+from .decoder import DecoderLayer, RMSNorm, _param, layer_kv, rope_inv_freq, rope_lookup, rope_table
 
 MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0
 
@@ -48,10 +49,17 @@ class ActionExpert(nn.Module):
         self.norm = RMSNorm(width, llm.rms_norm_eps, llm.architecture == "gemma")
         self.action_out_proj = nn.Linear(width, act.action_dim)
         self.register_buffer("inv_freq", torch.empty(llm.head_dim // 2), persistent=False)
+        # Rotary cos/sin [max_seq_len + h, Dh] of every position an action token can take (prefix_len <=
+        # max_seq_len, plus row i < h), see decoder.rope_table: parameters, so each is one initializer that
+        # every action_expert graph shares; set by fill_buffers.
+        self.rope_rows = llm.max_seq_len + act.action_horizon
+        self.rope_cos: nn.Parameter | None = None
+        self.rope_sin: nn.Parameter | None = None
         self.register_buffer("time_freq", torch.empty(self.time_dim // 2), persistent=False)
 
     def fill_buffers(self) -> None:
         self.inv_freq = rope_inv_freq(self.llm.head_dim, self.llm.rope_theta, self.rope)
+        self.rope_cos, self.rope_sin = (_param(t) for t in rope_table(self.rope_rows, self.inv_freq))
         fraction = torch.linspace(0.0, 1.0, self.time_dim // 2, dtype=torch.float64)
         period = MIN_PERIOD * (MAX_PERIOD / MIN_PERIOD) ** fraction
         self.time_freq = (2.0 * math.pi / period).to(torch.float32)
@@ -67,7 +75,7 @@ class ActionExpert(nn.Module):
         t_emb = self.time_embedding(timestep).expand(h, self.time_dim)
         x = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat((x, t_emb), dim=-1))))
         rows = torch.arange(h, dtype=torch.int64)
-        cos, sin = rope_cos_sin(prefix_len + rows, self.inv_freq)
+        cos, sin = rope_lookup(self.rope_cos, self.rope_sin, prefix_len + rows)
         prefix_ok = (torch.arange(span, dtype=torch.int64)[None, :] < prefix_len).expand(h, span)
         allowed = torch.cat((prefix_ok, torch.ones(h, h, dtype=torch.bool)), dim=1)
         for i, layer in enumerate(self.layers):

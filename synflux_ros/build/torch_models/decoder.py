@@ -6,7 +6,14 @@ Everything here works on one sequence (batch 1) and on static shapes, so that ``
 * attention is written out (MatMul, masked Softmax, MatMul), grouped-query heads by broadcasting;
 * which cache positions a query may see is a boolean mask built by comparing constant position ranges
   against the ``cache_position`` / ``num_tokens`` *input values*, never by Python control flow;
-* RoPE (rotate-half convention) is computed in the graph from the positions, ``cos/sin(pos * inv_freq)``.
+* RoPE (rotate-half convention) is looked up, not computed, in the graph: ``cos/sin(pos * inv_freq)`` of
+  every position is a table computed at build time in float32 (:func:`rope_table`; parameters ``rope_cos``
+  / ``rope_sin`` [N, Dh] of :class:`CausalLM`, N = max_seq_len, and of the action expert, N = max_seq_len
+  + action_horizon: one initializer each, shared by every graph that uses it), which the graphs ``Gather``
+  by the clamped position (:func:`rope_lookup`). Devices that run the graphs in fp16 (an NPU, TensorRT
+  fp16) then only round the table's values (absolute error <= 2^-12) instead of computing
+  ``pos * inv_freq`` in fp16, whose spacing is 2 at position 4095 (angles off by up to a radian). In
+  float32 the values are those :func:`rope_cos_sin` gives the positions, so results are unchanged.
 
 Parameter names follow the Hugging Face layout (``model.embed_tokens.weight``,
 ``model.layers.N.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight``), so a
@@ -73,6 +80,20 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
+
+
+def rope_table(rows: int, inv_freq: torch.Tensor):
+    """cos, sin [rows, Dh] of positions 0 .. rows - 1: ``rope_cos_sin(arange(rows), inv_freq)``, the float32
+    values the positions give (computed here, at build time, so the graphs only look them up)."""
+    return rope_cos_sin(torch.arange(rows, dtype=torch.int64), inv_freq)
+
+
+def rope_lookup(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor):
+    """positions [T] int64 -> cos, sin [T, Dh]: the rows of :func:`rope_table`'s tables (one ``Gather``
+    each). Positions are clamped to the table (``Clip``): a position beyond it (a padded prefill row at
+    the end of the cache, whose keys and logits are discarded) reads the last row instead of failing."""
+    idx = positions.clamp(0, cos_table.shape[0] - 1)
+    return cos_table[idx], sin_table[idx]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -316,6 +337,9 @@ class CausalLM(nn.Module):
         self.tie()
         self.register_buffer("inv_freq", torch.empty(llm.head_dim // 2), persistent=False)
         self.head_t: nn.Parameter | None = None
+        # rotary cos/sin [max_seq_len, Dh] of every cache position (rope_table), set by finalize_weights
+        self.rope_cos: nn.Parameter | None = None
+        self.rope_sin: nn.Parameter | None = None
 
     def tie(self) -> None:
         if self.llm.tie_word_embeddings:
@@ -336,11 +360,15 @@ class CausalLM(nn.Module):
     def run(self, x: torch.Tensor, positions: torch.Tensor, past, allowed: torch.Tensor,
             kv_dtype: torch.dtype = torch.float32, span: int | None = None):
         """x [T, H] at ``positions`` [T]; past: the cache (see :func:`layer_kv`); only its first ``span``
-        positions are read (default all); allowed [T, span + T].
+        positions are read (default all); allowed [T, span + T]. The rotary cos/sin are the rows
+        ``positions`` of the tables (:func:`rope_lookup`); a position >= max_seq_len (only padded prefill
+        rows get one) reads the last row.
 
         Returns the last hidden states [T, H] (before the final norm) and new_kv [L, 2, KV, T, Dh].
         """
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        if self.rope_cos is None:
+            raise RuntimeError("CausalLM.finalize_weights() must run after the weights are set")
+        cos, sin = rope_lookup(self.rope_cos, self.rope_sin, positions)
         new = []
         for i, layer in enumerate(self.model.layers):
             pk, pv = layer_kv(past, i, span)
@@ -360,10 +388,13 @@ class CausalLM(nn.Module):
 
     def finalize_weights(self) -> None:
         """Derive the export-time tables from the final weights (call after init or checkpoint load):
-        the head as one [H, V] matrix and the fused projections of :func:`fuse_projections`. Parameters,
-        so the exporter emits one named initializer per table that every graph shares."""
+        the head as one [H, V] matrix, the fused projections of :func:`fuse_projections` and the rotary
+        cos/sin of every cache position (:func:`rope_table`). Parameters, so the exporter emits one named
+        initializer per table that every graph shares (a buffer would be folded into each graph as a
+        Constant node); made here, after loading, so a checkpoint is not expected to hold them."""
         head = self.model.embed_tokens.weight if self.llm.tie_word_embeddings else self.lm_head.weight
         self.head_t = _param(head.t())
+        self.rope_cos, self.rope_sin = (_param(t) for t in rope_table(self.llm.max_seq_len, self.inv_freq))
         fuse_projections(self)
 
 
@@ -382,7 +413,9 @@ class EmbedGraph(nn.Module):
 
 class PrefillGraph(nn.Module):
     """prefill_<p>: rows i < num_tokens at positions cache_position + i attend to the cache below
-    cache_position and to new rows i' <= i; logits of row num_tokens - 1."""
+    cache_position and to new rows i' <= i; logits of row num_tokens - 1. Padded rows (i >= num_tokens)
+    are seen by no valid row, give no logits and their new_kv rows are zero; their positions may pass the
+    end of the cache (clamped in the rotary lookup)."""
 
     def __init__(self, lm: CausalLM, bucket: int, max_seq_len: int, kv_dtype: str):
         super().__init__()
