@@ -77,6 +77,7 @@ class MockExecutor(HostMemoryHooks, Executor):
     """Runs any graph set without an accelerator: outputs of the contract's shapes, a deterministic function of
     the whole token prefix carried through the KV cache, with optional simulated device latency."""
     name = "mock"
+    weight_dtypes = ("float32", "int8", "int4")  # runs no weights: any graph set's contract will do
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
         super().__init__(graphs, graph_dir, options)

@@ -66,10 +66,26 @@ Options (``executor.options`` in the model config)
                              files; loaded with ORT's optimiser off; writing it needs ``onnx``; not with
                              TensorRT (use its engine cache: ``trt_engine_cache_enable``)
 ``share_weights``            default true, see above
-``prepack``                  true | false | list of graph names, kinds or groups; default: not share_weights
-                             (with ``optimized_model_dir``: saved and shared, see above)
+``prepack``                  true | false | list of graph names, kinds or groups; default: not share_weights,
+                             and true for a quantized graph set (with ``optimized_model_dir``: saved and
+                             shared, see above)
 ``mmap_weights``             map weights.bin instead of reading it (pages are loaded on first use and may
                              be evicted under memory pressure); default false
+``matmulnbits_accuracy_level`` quantized graph sets (``synflux-build --weights int8|int4``): the
+                             ``accuracy_level`` of the ``MatMulNBits`` kernels ORT fuses them into
+                             (``session.qdq_matmulnbits_accuracy_level``): 0 or 1 = fp32 activations (the
+                             result of the dequantized weights up to float rounding), 4 = activations
+                             quantized to int8 per block (ORT's default; faster, less exact)
+
+Quantized graph sets
+--------------------
+A set built with ``--weights int8|int4`` has ``DequantizeLinear(Wq, scale, axis=0, block_size=B)`` +
+``MatMul`` for the decoder's weights; at level ``extended`` or ``all`` ORT's optimiser fuses each pair into
+``com.microsoft.MatMulNBits`` (its own transposed, packed copy of the weight; ORT's MatMul+Add -> Gemm
+fusion is turned off for these sets, as it would otherwise claim the projections followed by a residual
+add first). MatMulNBits is fast only with prepacked weights, so ``prepack`` defaults to true here: each
+session then holds its own packed copy of the (small) quantized weights; with ``optimized_model_dir`` the
+fused graphs and their prepacked weights are saved once and mapped by every session.
 """
 from __future__ import annotations
 
@@ -104,10 +120,22 @@ _ONNX_STORAGE = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int
                  17: np.uint8, 18: np.uint8, 19: np.uint8, 20: np.uint8}
 
 _OPTIONS = ("providers", "intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
-            "optimized_model_dir", "share_weights", "prepack", "mmap_weights", "allow_spinning")
+            "optimized_model_dir", "share_weights", "prepack", "mmap_weights", "allow_spinning",
+            "matmulnbits_accuracy_level")
 _IGNORED_OPTIONS = ("latency_ms",)  # the mock's simulated latency; the factory passes it to every backend
 
 _CACHE_KEY = "ort_optimized"
+_QUANTIZED_DISABLED_OPTIMIZERS = ["MatMulAddFusion"]
+"""ORT optimisers turned off for quantized graph sets (see ``_create_session``)."""
+
+
+def _quantized_set(graph_dir: str) -> bool:
+    """Whether ``graph_dir`` holds a quantized graph set (``synflux-build --weights``); False when it cannot
+    be read (load() reports that)."""
+    try:
+        return graphset.weight_format(graphset.find_manifest(graph_dir))["dtype"] != "float32"
+    except (GraphSetError, OSError):
+        return False
 
 
 class _Graph:
@@ -150,6 +178,9 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
     and output bound to the static buffers (see the module docstring)."""
     name = "onnxruntime"
     runtime_label = "ORT"
+    weight_dtypes: tuple[str, ...] = ("float32", "int8", "int4")
+    """Quantized sets (``synflux-build --weights``): DequantizeLinear + MatMul, fused by ORT's optimiser
+    (level ``extended``/``all``) into ``com.microsoft.MatMulNBits``."""
     option_names: tuple[str, ...] = _OPTIONS
     """The options this executor takes (a subclass running ORT with another execution provider narrows or
     extends them; an option it does not list keeps its default)."""
@@ -178,7 +209,13 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         # keep the cores busy while the next graph (a decode) needs them: measured 2x slower decode steps
         # after a prefill on a 2-core machine. Off by default; turn on where cores are plentiful.
         self.allow_spinning = self._bool_option("allow_spinning", False)
-        prepack = opts.get("prepack", not self.share_weights)
+        level_nbits = opts.get("matmulnbits_accuracy_level")
+        if level_nbits is not None and (isinstance(level_nbits, bool) or level_nbits not in (0, 1, 2, 3, 4)):
+            raise ValueError(f"onnxruntime executor: matmulnbits_accuracy_level must be 0..4, got {level_nbits!r}")
+        self.matmulnbits_accuracy_level = level_nbits
+        # MatMulNBits (quantized sets) runs only from its prepacked weights at speed: 80-90 ms against 2-3 ms
+        # a decode step on a hidden-512 8-layer model without them; so quantized sets prepack by default.
+        prepack = opts.get("prepack", not self.share_weights or _quantized_set(graph_dir))
         if isinstance(prepack, bool):
             self._prepack: bool | frozenset = prepack
         elif isinstance(prepack, (list, tuple)) and all(isinstance(p, str) for p in prepack):
@@ -312,6 +349,9 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
             so.add_session_config_entry("session.disable_prepacking", "1")
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.allow_spinning else "0")
         so.add_session_config_entry("session.inter_op.allow_spinning", "1" if self.allow_spinning else "0")
+        if self.matmulnbits_accuracy_level is not None:
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
+                                        str(self.matmulnbits_accuracy_level))
         shared = 0
         if self.share_weights:
             for t in graphset.external_initializers(path):
@@ -324,9 +364,15 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         return so, shared
 
     def _create_session(self, meta: GraphMeta, path: str, so):
+        # Quantized sets: ORT's MatMul+Add -> Gemm fusion (level basic) runs before its DequantizeLinear +
+        # MatMul -> MatMulNBits fusion (level extended) and would leave every projection followed by a
+        # residual add (o, down) as DequantizeLinear + Gemm, dequantizing the weight on every run.
+        quantized = graphset.weight_format(self._manifest)["dtype"] != "float32"
+        disabled = _QUANTIZED_DISABLED_OPTIMIZERS if quantized else None
         try:
             return self._ort.InferenceSession(path, so, providers=[n for n, _ in self.providers],
-                                              provider_options=[o for _, o in self.providers])
+                                              provider_options=[o for _, o in self.providers],
+                                              disabled_optimizers=disabled)
         except Exception as exc:  # ORT raises its own exception types; name the graph and file
             raise RuntimeError(f"onnxruntime executor: cannot load graph {meta.name!r} from {path}: {exc}") from exc
 
@@ -430,6 +476,7 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         return {"onnxruntime": self._ort.__version__, "machine": platform.machine(),
                 "providers": [n for n, _ in self.providers],
                 "graph_optimization_level": self.graph_optimization_level,
+                "matmulnbits_accuracy_level": self.matmulnbits_accuracy_level,
                 "prepacked": sorted(m.name for m in self.graphs.values() if self._prepack_for(m)),
                 "source": os.path.abspath(self.graph_dir), "config_hash": manifest.get("config_hash", ""),
                 "files": files}

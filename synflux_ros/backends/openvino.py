@@ -221,6 +221,7 @@ class OpenVINOExecutor(HostBufferHooks, Executor):
             return self
         try:
             manifest = graphset.read_manifest(self.graph_dir)
+            graphset.check_weight_format(self.graph_dir, self.name, self.weight_dtypes, manifest)
             self._cache_path = self._cache_subdir(manifest) if self.cache_dir else ""
             super().load()
         except BaseException:

@@ -108,6 +108,7 @@ class QNNExecutor(OnnxRuntimeExecutor):
     """Runs a synflux-build graph set (int32 token ids) on a Qualcomm NPU with ONNX Runtime's QNN execution
     provider; buffers, binding and weights as :class:`OnnxRuntimeExecutor` (see the module docstring)."""
     name = "qnn"
+    weight_dtypes: tuple[str, ...] = ("float32",)  # quantized sets (--weights) are ORT-CPU only for now
     option_names = _ORT_OPTIONS + _QNN_OPTIONS
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
@@ -185,6 +186,7 @@ class QNNExecutor(OnnxRuntimeExecutor):
     def load(self) -> "QNNExecutor":
         if self._loaded:
             return self
+        self.check_weight_format()
         self._check_token_ids()
         return super().load()
 

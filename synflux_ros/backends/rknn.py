@@ -374,6 +374,7 @@ class RKNNExecutor(HostMemoryHooks, Executor):
         if self._loaded:
             return self
         try:
+            self.check_weight_format()
             self._open_graph_set()
             if self.runtime == "simulator":
                 self._worker = SimulatorWorker(self.simulator_python)

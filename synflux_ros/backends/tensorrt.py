@@ -153,6 +153,7 @@ class TensorRTExecutor(Executor):
     def load(self) -> "TensorRTExecutor":
         if self._loaded:
             return self
+        self.check_weight_format()
         self._cuda(self.cudart.cudaSetDevice(self.device), f"cudaSetDevice({self.device})")
         try:
             self._open_engines()

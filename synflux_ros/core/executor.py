@@ -205,6 +205,17 @@ class Executor(abc.ABC):
         """Release a loaded graph (optional)."""
 
     # ------------------------------------------------------------------ lifecycle
+    weight_dtypes: tuple[str, ...] = ("float32",)
+    """Weight formats of graph sets this backend runs (``synflux-build --weights``; see
+    :func:`~synflux_ros.core.graphset.check_weight_format`)."""
+
+    def check_weight_format(self) -> None:
+        """Refuse a graph set whose weight format (manifest ``weights.dtype``) this backend cannot run."""
+        from . import graphset
+        if {"float32", "int8", "int4"} <= set(self.weight_dtypes):
+            return  # runs every format (the mock): nothing to read
+        graphset.check_weight_format(self.graph_dir, self.name, self.weight_dtypes)
+
     def graph_path(self, meta: GraphMeta) -> str:
         if not meta.file:
             return ""
@@ -214,6 +225,7 @@ class Executor(abc.ABC):
         """Load every graph and allocate every staging buffer. Idempotent."""
         if self._loaded:
             return self
+        self.check_weight_format()
         self.pool = StaticMemoryPool(self._alloc_device, self._free_device)
         sizes: dict[tuple[str, str], int] = {}
         for meta in self.graphs.values():

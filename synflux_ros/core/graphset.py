@@ -148,6 +148,30 @@ def read_manifest(graph_dir: str) -> dict:
     return data
 
 
+def weight_format(manifest: dict | None) -> dict:
+    """The weight format recorded in a manifest's ``weights`` entry: ``{"dtype": "float32"}`` or, for a
+    set built with ``synflux-build --weights int8|int4``, ``{"dtype": "int4", "block": 32, ...}``."""
+    w = (manifest or {}).get("weights") or {}
+    fmt = {"dtype": str(w.get("dtype") or "float32")}
+    if fmt["dtype"] != "float32":
+        fmt["block"] = w.get("block")
+    return fmt
+
+
+def check_weight_format(graph_dir: str, backend: str, supported=("float32",), manifest: dict | None = None) -> None:
+    """Refuse a graph set whose weights are quantized (``--weights int8|int4``) unless ``backend`` runs
+    that format (``supported``: weight dtypes). No manifest (e.g. the mock backend) passes."""
+    if manifest is None:
+        manifest = find_manifest(graph_dir)
+    fmt = weight_format(manifest)
+    if fmt["dtype"] not in supported:
+        raise GraphSetError(
+            f"{backend} backend: the graph set in {graph_dir} has {fmt['dtype']} weights (block {fmt.get('block')}, "
+            f"built with synflux-build --weights {fmt['dtype']}); this backend runs {', '.join(supported)} graph "
+            f"sets only. Use executor onnxruntime for it, or rebuild without --weights "
+            f"({BUILD_HINT.format(dir=graph_dir)})")
+
+
 def find_manifest(graph_dir: str) -> dict | None:
     """The checked manifest of ``graph_dir`` (see :func:`read_manifest`), or None when no directory is
     given or it holds no manifest: backends such as the mock run a config's graph set without files."""
