@@ -2,6 +2,7 @@
 
     synflux-build --config config/vlm_demo.yaml --out engines/vlm_demo
     synflux-build --config config/vlm_qwen3.yaml --out engines/qwen3 --from-hf /models/Qwen3-VL-8B-Instruct
+    synflux-build --config config/vlm_demo.yaml --out engines/smollm2 --from-gguf SmolLM2-135M-Instruct.Q4_1.gguf
 
 Writes, for every graph of ``graph_set(config)`` (vision encoder, embed/prefill buckets, decode buckets,
 action expert), ``<name>.onnx`` with its weights in one shared ``weights.bin``, plus ``manifest.json``
@@ -70,7 +71,8 @@ def _exporter_fingerprint() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     models = os.path.join(here, "torch_models")
     core = os.path.join(os.path.dirname(here), "core")
-    paths = [os.path.abspath(__file__), os.path.join(core, "graphset.py"), os.path.join(core, "graphset_writer.py")]
+    paths = [os.path.abspath(__file__), os.path.join(core, "graphset.py"), os.path.join(core, "graphset_writer.py"),
+             os.path.join(here, "quantize.py")]
     paths += [os.path.join(models, n) for n in sorted(os.listdir(models)) if n.endswith(".py")]
     h = hashlib.sha256()
     for path in paths:
@@ -238,12 +240,23 @@ def resolve_config(cfg: ModelConfig, hf_dir: str | None) -> ModelConfig:
 
 def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str | None = None, seed: int = 0,
           force: bool = False, threads: int | None = None, target: str | None = None, quantize: str = "fp16",
-          toolkit_python: str | None = None, tensorrt=None, calib: str | None = None) -> dict:
+          toolkit_python: str | None = None, tensorrt=None, calib: str | None = None,
+          weights: str = "float32", block: int = 32) -> dict:
     """Build (or bring up to date) the graph set of ``cfg`` in ``out``; returns the manifest. A backend
     with a compiler of its own (``rknn``: ``target``, ``quantize``, ``calib``; ``tensorrt``: a
-    :class:`~synflux_ros.build.tensorrt.TensorRTOptions`) then compiles the graphs beside it."""
+    :class:`~synflux_ros.build.tensorrt.TensorRTOptions`) then compiles the graphs beside it. ``weights``
+    ``int8``/``int4`` quantizes the decoder's MatMul weights block-wise (``block`` rows per scale; see
+    :mod:`synflux_ros.build.quantize`), for the onnxruntime backend only."""
     if backend not in BUILDERS:
         raise BuildError(f"no graph builder for backend {backend!r} (choices: {', '.join(sorted(BUILDERS))})")
+    from .quantize import QuantizeError, check_weights
+    try:
+        check_weights(weights, block)
+    except QuantizeError as exc:
+        raise BuildError(str(exc)) from exc
+    if weights != "float32" and backend != "onnxruntime":
+        raise BuildError(f"--weights {weights}: quantized graph sets are for --backend onnxruntime only, "
+                         f"not {backend!r}")
     if backend == "rknn":
         from .rknn import TARGETS, check_quantize
         if not target:
@@ -257,7 +270,7 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
         from .tensorrt import TensorRTOptions, load_tensorrt
         tensorrt = tensorrt or TensorRTOptions()
         load_tensorrt(tensorrt.module)  # before exporting anything
-    manifest = _build_onnx(cfg, out, backend, hf_dir, seed, force, threads)
+    manifest = _build_onnx(cfg, out, backend, hf_dir, seed, force, threads, weights, block)
     if backend == "tensorrt":
         from .tensorrt import build_for_tensorrt
         build_for_tensorrt(resolve_config(cfg, hf_dir), out, manifest, hf_dir, seed, force, tensorrt,
@@ -270,7 +283,7 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
 
 
 def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, seed: int, force: bool,
-                threads: int | None) -> dict:
+                threads: int | None, weight_dtype: str = "float32", block: int = 32) -> dict:
     """The portable ONNX graph set of ``cfg`` in ``out`` (graphs whose key is unchanged are kept)."""
     t_start = time.perf_counter()
     import torch
@@ -287,7 +300,14 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
             old = {g["name"]: g for g in graphset.read_manifest(out).get("graphs", [])}
         except (ValueError, OSError):
             old = {}
-    keys = {m.name: graph_key(cfg, m, weights, versions) for m in metas}
+    from . import quantize
+    quantized = weight_dtype != "float32"
+
+    def weights_of(meta):  # the quantized graphs depend on the weight format too
+        if quantized and meta.kind in quantize.QUANTIZED_KINDS:
+            return f"{weights};{weight_dtype}/{block}"
+        return weights
+    keys = {m.name: graph_key(cfg, m, weights_of(m), versions) for m in metas}
     stale = [m for m in metas if old.get(m.name, {}).get("key") != keys[m.name]
              or not os.path.isfile(os.path.join(out, old[m.name].get("file", "")))]
     _progress(f"synflux-build: {cfg.name} ({len(metas)} graphs, weights {weights}) -> {out}")
@@ -307,6 +327,7 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
         raise BuildError(f"no exporter for graphs {missing} of {cfg.name!r}")
     stale_names = {m.name for m in stale}
     exported = {}
+    qcache: dict = {}  # the same weight in every bucket's graph is quantized once
     with tempfile.TemporaryDirectory(prefix="synflux_export_") as tmp:
         for i, meta in enumerate(metas):
             tag = f"  [{i + 1}/{len(metas)}] {meta.name}"
@@ -316,10 +337,17 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
             t0 = time.perf_counter()
             _progress(f"{tag}: exporting ...")
             exported[meta.name] = export_graph(modules[meta.name], meta, tmp)
+            if quantized and meta.kind in quantize.QUANTIZED_KINDS:
+                import onnx
+                q = quantize.quantize_model(exported[meta.name], weight_dtype, block, qcache)
+                onnx.checker.check_model(exported[meta.name])
+                _progress(f"{tag}: {q['tensors']} weights in {weight_dtype} (block {block}): "
+                          f"{q['fp32_bytes'] / 2**20:.1f} -> {q['quantized_bytes'] / 2**20:.1f} MiB")
             _progress(f"{tag}: done in {time.perf_counter() - t0:.1f} s")
         # Unchanged graphs keep their files; tensors already in weights.bin are reused, new ones appended.
         kept = len(exported) < len(metas)
         info = graphset_writer.write_weights_and_models(exported, out, append=kept)
+        info.update(quantize.weights_info(weight_dtype, block))
     tok_file = ""
     if tokenizer:
         shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.json"))
@@ -387,11 +415,20 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True, help="model YAML (e.g. config/vlm_demo.yaml)")
     ap.add_argument("--out", required=True, help="output directory of the graph set")
     ap.add_argument("--backend", default="onnxruntime", help=f"target backend ({', '.join(sorted(BUILDERS))})")
-    ap.add_argument("--from-hf", dest="hf_dir", default=None,
-                    help="local Hugging Face checkpoint directory (Qwen3, Qwen3-VL, Llama); default: random weights")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--from-hf", dest="hf_dir", default=None,
+                        help="local Hugging Face checkpoint directory (Qwen3, Qwen3-VL, Llama); "
+                             "default: random weights")
+    source.add_argument("--from-gguf", dest="gguf_file", default=None, metavar="FILE",
+                        help="llama.cpp GGUF file (llama, qwen3), dequantized to float32, with its tokenizer and "
+                             "chat template; read as a temporary --from-hf checkpoint (see build/gguf_import.py)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     ap.add_argument("--force", action="store_true", help="rebuild every graph")
     ap.add_argument("--threads", type=int, default=None, help="torch threads while exporting")
+    ap.add_argument("--weights", default="float32", choices=("float32", "int8", "int4"),
+                    help="weight-only quantization of the decoder's MatMul weights (symmetric, per block of "
+                         "--block input rows; DequantizeLinear, opset 21; onnxruntime fuses it into MatMulNBits)")
+    ap.add_argument("--block", type=int, default=32, help="--weights int8|int4: rows per scale (16 .. 256)")
     ap.add_argument("--target", default=None,
                     help="--backend rknn: the Rockchip platform to compile for (rk3588, rk3576, ...)")
     ap.add_argument("--quantize", default="fp16",
@@ -423,9 +460,17 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config)
         trt_opts = _tensorrt_options(args)
-        build(cfg, args.out, args.backend, args.hf_dir, args.seed, args.force, args.threads, target=args.target,
-              quantize=args.quantize, toolkit_python=args.toolkit_python, tensorrt=trt_opts,
-              calib=args.calib if args.backend == "rknn" else None)
+        with contextlib.ExitStack() as stack:
+            hf_dir = args.hf_dir
+            if args.gguf_file:  # converted into a temporary checkpoint inside --out, then the --from-hf path
+                from .gguf_import import gguf_checkpoint, record_source, text_only
+                cfg = text_only(cfg, args.gguf_file, _progress)
+                hf_dir = stack.enter_context(gguf_checkpoint(args.gguf_file, args.out, progress=_progress))
+            build(cfg, args.out, args.backend, hf_dir, args.seed, args.force, args.threads, target=args.target,
+                  quantize=args.quantize, toolkit_python=args.toolkit_python, tensorrt=trt_opts,
+                  calib=args.calib if args.backend == "rknn" else None, weights=args.weights, block=args.block)
+            if args.gguf_file:
+                record_source(args.out, args.gguf_file, hf_dir)
     except (ConfigError, BuildError) as exc:
         print(f"synflux-build: error: {exc}", file=sys.stderr)
         return 2
