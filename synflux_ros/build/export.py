@@ -457,6 +457,10 @@ def main(argv=None) -> int:
                          "per graph whether it compiles and which operators it does not support; exit 1 if any")
     ap.add_argument("--check-options", default="{}", help="with --check: executor options of that backend, JSON")
     args = ap.parse_args(argv)
+    for flag, value in (("--from-hf", args.hf_dir), ("--from-gguf", args.gguf_file)):
+        if value is not None and not value.strip():  # e.g. a shell lookup that found nothing
+            print(f"synflux-build: error: {flag} is empty: give the checkpoint's path", file=sys.stderr)
+            return 2
     try:
         cfg = load_config(args.config)
         trt_opts = _tensorrt_options(args)

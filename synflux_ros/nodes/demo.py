@@ -1,7 +1,9 @@
-"""`make demo`: both nodes on the mock executor, a synthetic camera, action chunks and a chat.
+"""`make demo`: both nodes, a synthetic camera, action chunks and a chat.
 
-With ``--vla-config``/``--vlm-config`` pointing at the ``config.yaml`` of graph sets built by
-synflux-build, the same demo runs on real graphs with onnxruntime (``make demo-onnx``).
+``make demo`` runs the VLA on the mock executor (random actions) and chats with a trained model,
+SmolLM2-135M-Instruct built by synflux-build from the registry's GGUF (``--vlm-config`` = its graph
+set's ``config.yaml``). Without arguments both nodes run their demo configs on the mock executor;
+``make demo-onnx`` runs both on random-weight graphs with onnxruntime.
 
 Starts ``vla_node`` and ``vlm_node`` as processes (as ``ros2 launch synflux_ros synflux.launch.py``
 would), publishes a moving test pattern at 10 Hz with an instruction, prints the action chunks that
@@ -14,15 +16,19 @@ import argparse
 import sys
 import time
 
+import os
+
 import numpy as np
 import rclpy
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image
 from std_msgs.msg import String
 
+from ..core import graphset
+from ..core.config import load_config
 from ..msg import ActionChunk
 from ..srv import Chat, EndSession
-from .testing import NodeProcess, call_service, rgb_image, ros_env, spin_until, use_env
+from .testing import NodeProcess, call_service, config_path, rgb_image, ros_env, spin_until, use_env
 
 
 def main(argv=None) -> int:
@@ -51,7 +57,8 @@ def main(argv=None) -> int:
                 return 1
             print(f"  {p.name}: " + next(line for line in p.output().splitlines() if "configured" in line)
                   .split("]: ", 1)[-1])
-        ok = run_vla(node, args.frames) and run_chat(node)
+        ok = run_vla(node, args.frames, describe(args.vla_config, args.executor)) and \
+            run_chat(node, args.vlm_config, describe(args.vlm_config, args.executor))
     finally:
         node.destroy_node()
         rclpy.try_shutdown()
@@ -60,7 +67,21 @@ def main(argv=None) -> int:
     return 0 if ok and all(c == 0 for c in codes.values()) else 1
 
 
-def run_vla(node, frames: int) -> bool:
+def describe(config: str, executor: str) -> str:
+    """What a node runs, said plainly: the model, the backend and whether its weights are trained."""
+    path = config if os.path.isfile(config) else config_path(config)
+    cfg = load_config(path)
+    backend = executor or cfg.executor.backend
+    if backend == "mock":
+        return f"{cfg.name} on the mock executor: outputs are not meaningful"
+    source = (graphset.find_manifest(os.path.dirname(path)) or {}).get("source") or {}
+    origin = (source.get("gguf") or {}).get("path") or source.get("hf_dir") or ""
+    trained = f"trained weights from {os.path.basename(origin)}" if str(source.get("weights", "")).startswith("hf:") \
+        else "random weights: outputs are not meaningful"
+    return f"{cfg.name} on {backend}, {trained}"
+
+
+def run_vla(node, frames: int, what: str) -> bool:
     chunks = []
     latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
     image_pub = node.create_publisher(Image, "image", qos_profile_sensor_data)
@@ -68,7 +89,7 @@ def run_vla(node, frames: int) -> bool:
     node.create_subscription(ActionChunk, "action_chunk", chunks.append, 50)
     spin_until(node, lambda: image_pub.get_subscription_count() > 0, 20)
     instr_pub.publish(String(data="put the red block in the bowl"))
-    print("\n== VLA: camera 448x448 rgb8 at 10 Hz, instruction 'put the red block in the bowl' ==")
+    print(f"\n== VLA ({what}): camera 448x448 rgb8 at 10 Hz, instruction 'put the red block in the bowl' ==")
     print(f"{'frame':>5} {'stamp':>16} {'chunk':>7}  first step (7 values)                       "
           f"{'vis':>5} {'llm':>5} {'head':>5} {'total ms':>8}")
     shown = 0
@@ -92,12 +113,17 @@ def run_vla(node, frames: int) -> bool:
     return True
 
 
-def run_chat(node) -> bool:
+def run_chat(node, config: str, what: str) -> bool:
     chat = node.create_client(Chat, "chat")
     end = node.create_client(EndSession, "end_session")
-    print("\n== VLM: three turns in session 'demo' (mock executor: the reply text is not meaningful) ==")
-    turns = [("What do you see?", [rgb_image(224, 224, 1)]), ("Where is the red block?", []),
-             ("Summarise in one sentence.", [])]
+    print(f"\n== VLM ({what}): three turns in session 'demo' ==")
+    vision = load_config(config if os.path.isfile(config) else config_path(config)).vision is not None
+    if vision:
+        turns = [("What do you see?", [rgb_image(224, 224, 1)]), ("Where is the red block?", []),
+                 ("Summarise in one sentence.", [])]
+    else:
+        turns = [("What is the capital of France? Answer in one sentence.", []),
+                 ("And the capital of Germany?", []), ("Which of the two cities is larger?", [])]
     for prompt, images in turns:
         r = call_service(node, chat, Chat.Request(session_id="demo", prompt=prompt, images=images,
                                                   temperature=-1.0), 60)

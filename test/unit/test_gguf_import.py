@@ -289,6 +289,8 @@ def test_errors_name_the_file_and_what_is_unsupported(tmp_path, capsys):
     assert code == 2 and f"{cut}: cannot read this GGUF file" in err
     code, err = run(tmp_path / "missing.gguf")
     assert code == 2 and "missing.gguf: GGUF file not found" in err
+    code, err = run("")  # e.g. a shell lookup that found nothing: never silently random weights
+    assert code == 2 and "--from-gguf is empty" in err
     qwen2 = write_gguf(tmp_path / "qwen2.gguf", "qwen2", types={})
     code, err = run(qwen2)
     assert code == 2 and qwen2 in err and "architecture 'qwen2' is not supported" in err and "biases" in err
