@@ -31,14 +31,12 @@ import os
 import tempfile
 import warnings
 
+from ..backends.tensorrt_plan import PROFILED_KINDS, SPAN_DTYPE, SPAN_INPUT
 from ..core import graphset, graphset_writer
 from ..core.config import ModelConfig
 from ..core.graphs import graph_set
 from .export import OPSET, BuildError, example_tensors
 
-PROFILED_KINDS = ("embed", "llm", "action_expert")
-SPAN_INPUT = "attention_span"
-SPAN_DTYPE = "float32"
 DYNAMIC_DIMS = ("T", "D")
 STANDARD_DOMAINS = ("", "ai.onnx")
 
