@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from ..core.executor import Executor, GraphMeta, HostMemoryHooks
+from ..core.graphs import time_from_embedding
 
 _SUMMARY = 16  # readout features that drive logits / actions
 
@@ -236,7 +237,7 @@ def _run_action_expert(ex: MockExecutor, meta, ins, outs):
         raise ValueError(f"{meta.name}: prefix_len must be >= 1, got {p}")
     _check_span(meta, p, past.shape[3])
     x = ins["noisy_actions"]
-    t = float(ins["timestep"][0])
+    t = time_from_embedding(ins["time_embedding"])
     u = ex._prefix_readout(past, p, None)
     target = np.tanh(0.5 * ex._wave(x.size, u)).reshape(x.shape)
     # Exact velocity of the straight path from noise (t=1) to the prefix's target (t=0).

@@ -34,7 +34,7 @@ import yaml
 
 from ..core.executor import GraphMeta
 from ..core.config import ConfigError, ModelConfig, load_config
-from ..core.graphs import graph_set
+from ..core.graphs import graph_set, time_embedding
 from ..core import graphset, graphset_writer
 
 OPSET = 17
@@ -144,8 +144,8 @@ def example_tensors(inputs):
         arr = np.zeros(shape, dtype)
         if name in ("num_tokens", "prefix_len"):
             arr[...] = 1
-        elif name == "timestep":
-            arr[...] = 1.0
+        elif name == "time_embedding":
+            arr[...] = time_embedding(1.0, shape[-1])
         out.append(torch.from_numpy(arr))
     return tuple(out)
 

@@ -10,7 +10,7 @@ and ``D`` (cache positions attended, the length of the shape-only input ``attent
                    past_kv.<l>.<j> [KV,S,Dh] kv (2 L views), attention_span [D] f32
                                                                             -> logits [1,V] f32,
                                                                                new_kv [L,2,KV,T,Dh] kv
-    action_expert  noisy_actions [1,h,a] f32, timestep [1] f32, prefix_len [1] i64,
+    action_expert  noisy_actions [1,h,a] f32, time_embedding [1,E] f32, prefix_len [1] i64,
                    past_kv.<l>.<j> [KV,S,Dh] kv, attention_span [D] f32     -> velocity [1,h,a] f32
 
 ``llm`` at (T = p, D = S) is ``prefill_<p>``; ``embed`` at T = 1 followed by ``llm`` at (T = 1, D = d,
@@ -34,7 +34,7 @@ import warnings
 from ..backends.tensorrt_plan import PROFILED_KINDS, SPAN_DTYPE, SPAN_INPUT
 from ..core import graphset, graphset_writer
 from ..core.config import ModelConfig
-from ..core.graphs import graph_set
+from ..core.graphs import graph_set, time_embedding_dim
 from .export import OPSET, BuildError, example_tensors
 
 DYNAMIC_DIMS = ("T", "D")
@@ -71,7 +71,7 @@ def profiled_io(cfg: ModelConfig, kind: str) -> tuple[list[tuple[str, tuple, str
         return ins, [("logits", (1, V), "float32"), ("new_kv", (L, 2, KV, "T", Dh), llm.kv_dtype)]
     if kind == "action_expert":
         ha = (1, act.action_horizon, act.action_dim)
-        ins = [("noisy_actions", ha, "float32"), ("timestep", (1,), "float32"), ("prefix_len", (1,), "int64"),
+        ins = [("noisy_actions", ha, "float32"), ("time_embedding", (1, time_embedding_dim(cfg)), "float32"), ("prefix_len", (1,), "int64"),
                *_kv_views(cfg), span]
         return ins, [("velocity", ha, "float32")]
     raise ValueError(f"unknown profiled graph kind {kind!r} (kinds: {', '.join(PROFILED_KINDS)})")

@@ -9,8 +9,12 @@ L/KV/Dh = layers / kv heads / head dim, T = vision tiles)::
                                                                       -> logits [1,V], new_kv [L,2,KV,p,Dh]
     decode_<d>          input_ids [1,1] ids, cache_position [1], past_kv
                                                                       -> logits [1,V], new_kv [L,2,KV,1,Dh]
-    action_expert_<d>   noisy_actions [1,h,a], timestep [1], prefix_len [1], past_kv
+    action_expert_<d>   noisy_actions [1,h,a], time_embedding [1,E], prefix_len [1], past_kv
                                                                       -> velocity [1,h,a]   (flow matching)
+
+``time_embedding`` is the sinusoidal embedding of the flow time t (:func:`time_embedding`, E = the action
+expert's width), computed on the host in float64: its highest frequency turns t by ~1571 rad per unit, so
+a device that computed it from an fp16 t would be radians off (the QNN HTP was: velocity cosine 0.95).
 
 ``ids`` is ``llm.token_id_dtype``: int64 by default, int32 for devices that index in int32 (the qnn
 backend); counts and positions stay int64.
@@ -27,6 +31,35 @@ from .executor import GraphMeta, TensorSpec
 from .config import ModelConfig
 
 F32, I64 = "float32", "int64"
+
+TIME_MIN_PERIOD, TIME_MAX_PERIOD = 4e-3, 4.0
+"""Periods of the flow-time embedding (pi0's): the sinusoids span 2*pi/4e-3 .. 2*pi/4 rad per unit of t."""
+
+
+def time_embedding_dim(cfg: ModelConfig) -> int:
+    """E of ``time_embedding``: the action expert's width (even)."""
+    width = cfg.action.expert_hidden_dim or cfg.llm.hidden_dim
+    return 2 * max(width // 2, 1)
+
+
+def _time_frequencies(dim: int) -> np.ndarray:
+    fraction = np.linspace(0.0, 1.0, dim // 2, dtype=np.float64)
+    period = TIME_MIN_PERIOD * (TIME_MAX_PERIOD / TIME_MIN_PERIOD) ** fraction
+    return 2.0 * np.pi / period
+
+
+def time_embedding(t: float, dim: int) -> np.ndarray:
+    """[1, dim] float32: sin | cos of t times frequencies from 2*pi/4e-3 down to 2*pi/4, computed in float64
+    from t as given (pi0's ``create_sinusoidal_pos_embedding``)."""
+    arg = _time_frequencies(dim) * float(t)
+    return np.concatenate((np.sin(arg), np.cos(arg)))[None, :].astype(np.float32)
+
+
+def time_from_embedding(emb: np.ndarray) -> float:
+    """t in [0, 1] back from :func:`time_embedding` (its lowest frequency turns less than pi over [0, 1])."""
+    emb = np.asarray(emb, np.float64).reshape(-1)
+    half = emb.size // 2
+    return float(np.arctan2(emb[half - 1], emb[-1]) / _time_frequencies(emb.size)[-1])
 
 
 def select_bucket(buckets, needed: int) -> int:
@@ -76,7 +109,8 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
             graphs.append(GraphMeta(
                 f"action_expert_{d}", "action_expert",
                 (TensorSpec("noisy_actions", (1, act.action_horizon, act.action_dim), F32),
-                 TensorSpec("timestep", (1,), F32), TensorSpec("prefix_len", (1,), I64), kv),
+                 TensorSpec("time_embedding", (1, time_embedding_dim(cfg)), F32),
+                 TensorSpec("prefix_len", (1,), I64), kv),
                 (TensorSpec("velocity", (1, act.action_horizon, act.action_dim), F32),),
                 group="action_expert", file=f"action_expert_{d}.onnx", attrs={"bucket": d}))
     return graphs
@@ -101,8 +135,8 @@ def seeded_feeds(meta: GraphMeta, cfg: ModelConfig, rng: np.random.Generator, kv
             feeds[name] = np.array([pos], spec.dtype)
         elif name == "prefix_len":
             feeds[name] = np.array([max(1, bucket // 2)], spec.dtype)
-        elif name == "timestep":
-            feeds[name] = rng.uniform(0.0, 1.0, spec.shape).astype(spec.dtype)
+        elif name == "time_embedding":
+            feeds[name] = time_embedding(rng.uniform(0.0, 1.0), spec.shape[-1])
         else:  # pixel values, embeddings, noisy actions: Gaussian at the scale the graph sees
             scale = 0.05 if name == "inputs_embeds" else 1.0
             feeds[name] = (rng.standard_normal(spec.shape) * scale).astype(spec.dtype)

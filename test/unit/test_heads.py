@@ -7,6 +7,7 @@ import pytest
 from synflux_ros.core.kv_cache import KVCachePool
 from synflux_ros.pieces.heads.action_tokens import ActionTokenizer, unnormalize
 from synflux_ros.core.config import ActionConfig, load_config
+from synflux_ros.core.graphs import time_embedding, time_from_embedding
 from synflux_ros.pieces.heads.flow_matching import FlowMatchingHead
 from synflux_ros.pieces.backbone import LLMBackbone
 from synflux_ros.pieces.heads.text_sampling import Generation, SamplingParams, generate, sample_token
@@ -148,7 +149,7 @@ def test_flow_matching_reaches_the_target_for_any_noise(flow):
     assert outs[0].shape == (16, 7)
     # The mock's velocity at t = 1 for x = 0 is -target.
     v = flow.ex.run("action_expert_160", {
-        "noisy_actions": np.zeros((1, 16, 7), np.float32), "timestep": np.ones(1, np.float32),
+        "noisy_actions": np.zeros((1, 16, 7), np.float32), "time_embedding": time_embedding(1.0, flow.head.time_embeddings[0].shape[1]),
         "prefix_len": np.array([100], np.int64), "past_kv": slot})["velocity"][0]
     target = -v
     assert np.all(np.abs(target) < 1.0)
@@ -186,6 +187,35 @@ def test_flow_matching_runs_num_denoise_steps_in_the_right_bucket():
     out10 = ten.head.denoise(ten.prefix(0, seed=3, n=200), 200, ten.head.initial_noise(5))
     assert ten.ex.stats["action_expert_256"].calls == 10
     np.testing.assert_allclose(out, out10, atol=1e-4)  # the straight path is exact for any step count
+
+
+def test_time_embedding_is_pi0s_sinusoid_in_float64():
+    """sin | cos of t at frequencies 2*pi / (4e-3 * 1000 ** f), f = linspace(0, 1, E/2), computed in float64
+    (pi0's create_sinusoidal_pos_embedding) and handed over as float32; t comes back from it."""
+    for t, dim in ((1.0, 8), (0.7, 64), (0.1, 1024), (np.float32(0.3), 32)):
+        emb = time_embedding(t, dim)
+        f = np.linspace(0.0, 1.0, dim // 2)
+        arg = 2 * np.pi / (4e-3 * (4.0 / 4e-3) ** f) * float(t)
+        assert emb.shape == (1, dim) and emb.dtype == np.float32
+        np.testing.assert_array_equal(emb[0], np.r_[np.sin(arg), np.cos(arg)].astype(np.float32))
+        assert abs(time_from_embedding(emb) - float(t)) < 1e-6
+    # the highest frequency turns ~1571 rad per unit of t: t rounded to fp16 (as a device would) moves it by
+    # about a radian, which is why the host computes the embedding
+    t16 = float(np.float16(0.7))
+    assert abs(2 * np.pi / 4e-3 * (t16 - 0.7)) > 0.1
+
+
+def test_flow_time_steps_in_float32_as_pi0_samples():
+    """t = 1, 1 + dt, ... accumulated in float32 (pi0's sample_actions: time += dt); one embedding per step."""
+    fs = FlowSetup(num_denoise_steps=10)
+    t, dt, want = np.float32(1.0), np.float32(-0.1), []
+    for _ in range(10):
+        want.append(t)
+        t = np.float32(t + dt)
+    assert fs.head.dt == dt and len(fs.head.time_embeddings) == 10
+    dim = fs.head.time_embeddings[0].shape[1]
+    for emb, t in zip(fs.head.time_embeddings, want):
+        np.testing.assert_array_equal(emb, time_embedding(t, dim))
 
 
 # ------------------------------------------------------------------ text sampling

@@ -10,7 +10,7 @@ from synflux_ros.backends.mock import MockExecutor
 from synflux_ros.core.executor import GraphMeta, TensorSpec
 from synflux_ros.core.kv_cache import KVCachePool
 from synflux_ros.core.config import load_config
-from synflux_ros.core.graphs import graph_set
+from synflux_ros.core.graphs import graph_set, time_embedding, time_embedding_dim
 from synflux_ros.pieces.backbone import ContextOverflowError, LLMBackbone
 from synflux_ros.runtimes.stack import create_executor
 
@@ -247,7 +247,7 @@ def test_action_expert_checks_prefix_len():
     cfg = load_config(str(CONFIG_DIR / "vla_demo_orin.yaml"))
     ex = create_executor(cfg)
     kv = ex.alloc_tensor("kv", cfg.llm.kv_shape, cfg.llm.kv_dtype)
-    feeds = {"noisy_actions": np.zeros((1, 16, 7), np.float32), "timestep": np.ones(1, np.float32),
+    feeds = {"noisy_actions": np.zeros((1, 16, 7), np.float32), "time_embedding": time_embedding(1.0, time_embedding_dim(cfg)),
              "prefix_len": np.array([0], np.int64), "past_kv": kv}
     with pytest.raises(ValueError, match="prefix_len must be >= 1"):
         ex.run("action_expert_160", feeds)

@@ -24,7 +24,7 @@ from synflux_ros.build.torch_models import decoder  # noqa: E402
 from synflux_ros.build.torch_models.decoder import rope_cos_sin, rope_inv_freq  # noqa: E402
 from synflux_ros.core import graphset  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
-from synflux_ros.core.graphs import graph_set  # noqa: E402
+from synflux_ros.core.graphs import graph_set, time_embedding  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -81,7 +81,9 @@ def feeds_of(meta, values: dict) -> dict:
 def random_inputs(meta, rng, **scalars) -> dict:
     out = {}
     for spec in meta.inputs:
-        if spec.name in scalars:
+        if spec.name == "time_embedding":
+            a = time_embedding(scalars.get("t", 0.5), spec.shape[-1])
+        elif spec.name in scalars:
             a = np.array([scalars[spec.name]], spec.dtype)
         elif spec.dtype.startswith("int"):
             a = rng.integers(0, 256, spec.shape).astype(spec.dtype)
@@ -150,9 +152,9 @@ def test_exported_graphs_gather_rotary_tables_and_compute_no_angles(pi0, tmp_pat
                  if n.op_type == "Constant"}
         bounds = [int(const[name] if name in const else numpy_helper.to_array(inits[name])) for name in clip.input[1:]]
         assert bounds == [0, rows - 1], (meta.name, bounds)
-        # no rotary math is left in the graph: Cos / Sin only in the expert's timestep embedding
+        # no rotary math is left in the graph, and the flow-time embedding is an input: no Cos / Sin at all
         cos_sin = [n for n in model.graph.node if n.op_type in ("Cos", "Sin")]
-        assert len(cos_sin) == (2 if meta.kind == "action_expert" else 0), meta.name
+        assert not cos_sin, meta.name
 
 
 def test_tables_equal_the_positions_values_and_are_stored_once(pi0, tmp_path):
@@ -223,7 +225,7 @@ def test_action_expert_at_the_largest_prefix_unchanged(pi0, monkeypatch, tmp_pat
     rng = np.random.default_rng(2)
     runs = []
     for prefix in (d, d - 1, 7):
-        values = random_inputs(meta, rng, prefix_len=prefix, timestep=0.6)
+        values = random_inputs(meta, rng, prefix_len=prefix, t=0.6)
         runs.append((values, eager(module, meta, values), sess.run(None, feeds_of(meta, values))))
     computed_in_graph(monkeypatch, module.expert)
     for values, table_eager, table_onnx in runs:

@@ -21,7 +21,7 @@ from synflux_ros.build import tensorrt_onnx as tro  # noqa: E402
 from synflux_ros.build.torch_models import build_graph_modules  # noqa: E402
 from synflux_ros.core import graphset  # noqa: E402
 from synflux_ros.core.config import from_dict  # noqa: E402
-from synflux_ros.core.graphs import graph_set  # noqa: E402
+from synflux_ros.core.graphs import graph_set, time_embedding, time_embedding_dim  # noqa: E402
 
 from checkpoints import demo_size  # noqa: E402
 
@@ -183,7 +183,7 @@ def test_action_expert_equals_static(built):
     for d in built.llm.decode_buckets:
         for prefix in (7, d):
             feeds = {"noisy_actions": built.rng.standard_normal((1, act.action_horizon, act.action_dim)).astype(np.float32),
-                     "timestep": np.array([0.7], np.float32), "prefix_len": i64(prefix), **built.views()}
+                     "time_embedding": time_embedding(0.7, time_embedding_dim(built.cfg)), "prefix_len": i64(prefix), **built.views()}
             want = built.static[f"action_expert_{d}"].run(None, feeds)[0]
             got = built.prof["action_expert"].run(None, {**feeds, "attention_span": built.span(d)})[0]
             close(got, want, atol=1e-5, what=f"action_expert_{d} at prefix {prefix}")
@@ -215,10 +215,11 @@ def test_other_sizes_match_eager_torch(built):
         for d, prefix in ((3, 2), (s - 5, s - 9)):
             noisy = built.rng.standard_normal((1, act.action_horizon, act.action_dim)).astype(np.float32)
             with torch.no_grad():
-                want = expert(torch.from_numpy(noisy), torch.tensor([0.3]), torch.tensor([prefix]), past,
+                emb = time_embedding(0.3, time_embedding_dim(built.cfg))
+                want = expert(torch.from_numpy(noisy), torch.from_numpy(emb), torch.tensor([prefix]), past,
                               torch.zeros(d))[0]
             got = built.prof["action_expert"].run(None, {
-                "noisy_actions": noisy, "timestep": np.array([0.3], np.float32), "prefix_len": i64(prefix),
+                "noisy_actions": noisy, "time_embedding": emb, "prefix_len": i64(prefix),
                 **built.views(), "attention_span": built.span(d)})[0]
             close(got, want.numpy(), atol=1e-4, what=f"action_expert D={d}")
 

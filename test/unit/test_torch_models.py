@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from synflux_ros.backends.mock import MockExecutor  # noqa: E402
 from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402
 from synflux_ros.core.config import ConfigError, load_config  # noqa: E402
-from synflux_ros.core.graphs import graph_set, select_bucket  # noqa: E402
+from synflux_ros.core.graphs import graph_set, select_bucket, time_embedding  # noqa: E402
 from synflux_ros.pieces.backbone import LLMBackbone  # noqa: E402
 from synflux_ros.build import export as build_tool  # noqa: E402
 from synflux_ros.core import graphset  # noqa: E402
@@ -78,8 +78,8 @@ def example_inputs(meta, rng, cache_position=3, num_tokens=5, prefix_len=7, time
             a = np.array([cache_position], np.int64)
         elif spec.name == "prefix_len":
             a = np.array([prefix_len], np.int64)
-        elif spec.name == "timestep":
-            a = np.array([timestep], np.float32)
+        elif spec.name == "time_embedding":
+            a = time_embedding(timestep, spec.shape[-1])
         elif spec.dtype == "int64":
             a = rng.integers(0, 256, spec.shape).astype(np.int64)
         else:

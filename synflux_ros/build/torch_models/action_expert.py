@@ -4,8 +4,9 @@ The expert is a transformer of its own width (``action.expert_hidden_dim``, 0 = 
 backbone's number of layers, attention heads, KV heads and head dim, so that its layer ``l`` can attend
 to the prefix keys/values that backbone layer ``l`` left in the KV cache:
 
-* input: ``action_in_proj(noisy_actions)`` concatenated with a sinusoidal embedding of the timestep, mixed
-  by a two-layer MLP with SiLU (pi0's ``action_time_mlp_in`` / ``action_time_mlp_out``);
+* input: ``action_in_proj(noisy_actions)`` concatenated with the sinusoidal embedding of the flow time (an
+  input, computed on the host: ``core.graphs.time_embedding``), mixed by a two-layer MLP with SiLU (pi0's
+  ``action_time_mlp_in`` / ``action_time_mlp_out``);
 * layer ``l``: queries, keys and values of the action tokens from the expert's own projections (RoPE at
   positions ``prefix_len + i``, looked up in a build-time table of positions 0 .. max_seq_len + h - 1 as
   in the decoder, see ``decoder.rope_table``); keys = [cache positions j < prefix_len of layer l | action
@@ -16,17 +17,13 @@ The blocks follow the backbone architecture (norm style, MLP activation, q/k nor
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ...core.config import ModelConfig
+from ...core.graphs import time_embedding_dim
 from .decoder import DecoderLayer, RMSNorm, _param, layer_kv, rope_inv_freq, rope_lookup, rope_table
-
-MIN_PERIOD, MAX_PERIOD = 4e-3, 4.0
-
 
 class ActionExpert(nn.Module):
     """The expert's weights; one instance is shared by every ``ActionExpertGraph`` bucket."""
@@ -39,7 +36,7 @@ class ActionExpert(nn.Module):
         self.llm = llm
         self.rope = dict(rope or {})
         self.horizon, self.action_dim, self.width = act.action_horizon, act.action_dim, width
-        self.time_dim = 2 * max(width // 2, 1)
+        self.time_dim = time_embedding_dim(cfg)
         self.action_in_proj = nn.Linear(act.action_dim, width)
         self.action_time_mlp_in = nn.Linear(width + self.time_dim, width)
         self.action_time_mlp_out = nn.Linear(width, width)
@@ -55,24 +52,15 @@ class ActionExpert(nn.Module):
         self.rope_rows = llm.max_seq_len + act.action_horizon
         self.rope_cos: nn.Parameter | None = None
         self.rope_sin: nn.Parameter | None = None
-        self.register_buffer("time_freq", torch.empty(self.time_dim // 2), persistent=False)
 
     def fill_buffers(self) -> None:
         self.inv_freq = rope_inv_freq(self.llm.head_dim, self.llm.rope_theta, self.rope)
         self.rope_cos, self.rope_sin = (_param(t) for t in rope_table(self.rope_rows, self.inv_freq))
-        fraction = torch.linspace(0.0, 1.0, self.time_dim // 2, dtype=torch.float64)
-        period = MIN_PERIOD * (MAX_PERIOD / MIN_PERIOD) ** fraction
-        self.time_freq = (2.0 * math.pi / period).to(torch.float32)
 
-    def time_embedding(self, timestep: torch.Tensor) -> torch.Tensor:
-        """timestep [1] -> [1, time_dim] (sin | cos)."""
-        arg = timestep[:, None] * self.time_freq[None, :]
-        return torch.cat((arg.sin(), arg.cos()), dim=-1)
-
-    def velocity(self, noisy_actions, timestep, prefix_len, past_kv, span: int):
+    def velocity(self, noisy_actions, time_embedding, prefix_len, past_kv, span: int):
         h = self.horizon
         x = self.action_in_proj(noisy_actions[0])  # [h, W]
-        t_emb = self.time_embedding(timestep).expand(h, self.time_dim)
+        t_emb = time_embedding.expand(h, self.time_dim)
         x = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat((x, t_emb), dim=-1))))
         rows = torch.arange(h, dtype=torch.int64)
         cos, sin = rope_lookup(self.rope_cos, self.rope_sin, prefix_len + rows)
@@ -84,11 +72,11 @@ class ActionExpert(nn.Module):
 
 
 class ActionExpertGraph(nn.Module):
-    """action_expert_<d>: noisy_actions [1,h,a], timestep [1], prefix_len [1], past_kv -> velocity [1,h,a]."""
+    """action_expert_<d>: noisy_actions [1,h,a], time_embedding [1,E], prefix_len [1], past_kv -> velocity [1,h,a]."""
 
     def __init__(self, expert: ActionExpert, bucket: int):
         super().__init__()
         self.expert, self.bucket = expert, bucket
 
-    def forward(self, noisy_actions, timestep, prefix_len, past_kv):
-        return (self.expert.velocity(noisy_actions, timestep, prefix_len, past_kv, self.bucket),)
+    def forward(self, noisy_actions, time_embedding, prefix_len, past_kv):
+        return (self.expert.velocity(noisy_actions, time_embedding, prefix_len, past_kv, self.bucket),)

@@ -14,7 +14,7 @@ sizes taken from the input shapes instead of Python ints, so a trace exports the
     ProfiledEmbed(lm)(input_ids [1,T])                               == embed_<T>
     ProfiledLLM(lm, kv_dtype)(embeds [1,T,H], num_tokens, cache_position, past_kv, span [S])  == prefill_<T>
     ProfiledLLM(lm, kv_dtype)(embed(ids) [1,1,H], 1, cache_position, past_kv, span [d])       == decode_<d>
-    ProfiledActionExpert(expert)(noisy_actions, timestep, prefix_len, past_kv, span [d])      == action_expert_<d>
+    ProfiledActionExpert(expert)(noisy_actions, time_embedding, prefix_len, past_kv, span [d])      == action_expert_<d>
 
 ``past_kv`` is taken the way the static modules take it (the contract tensor or its per-layer views).
 """
@@ -71,15 +71,15 @@ class ProfiledLLM(nn.Module):
 
 
 class ProfiledActionExpert(nn.Module):
-    """action_expert: noisy_actions [1, h, a], timestep [1], prefix_len [1], past_kv, attention_span [D]
+    """action_expert: noisy_actions [1, h, a], time_embedding [1], prefix_len [1], past_kv, attention_span [D]
     -> velocity [1, h, a] (``ActionExpertGraph`` with bucket D)."""
 
     def __init__(self, expert: ActionExpert):
         super().__init__()
         self.expert = expert
 
-    def forward(self, noisy_actions, timestep, prefix_len, past_kv, attention_span):
-        return (self.expert.velocity(noisy_actions, timestep, prefix_len, past_kv, attention_span.shape[0]),)
+    def forward(self, noisy_actions, time_embedding, prefix_len, past_kv, attention_span):
+        return (self.expert.velocity(noisy_actions, time_embedding, prefix_len, past_kv, attention_span.shape[0]),)
 
 
 class FlatViews(nn.Module):

@@ -135,8 +135,13 @@ class _Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         t, n, d = x.shape
-        qkv = self.qkv(x).reshape(t, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]                       # [T, heads, N, head_dim]
+        # Three projections from the rows of the fused weight, the values of qkv(x) split in three:
+        # rknn-toolkit2 2.5.0 fails to compile one MatMul followed by a split into q, k, v (its fusion rule
+        # _p_seperate_exmatmul_rs_split raises).
+        w, b = self.qkv.weight, self.qkv.bias
+        q, k, v = (F.linear(x, w[i * d:(i + 1) * d], b[i * d:(i + 1) * d])
+                   .reshape(t, n, self.heads, self.head_dim).transpose(1, 2)  # [T, heads, N, head_dim]
+                   for i in range(3))
         q = apply_rope(q, cos, sin) * (self.head_dim ** -0.5)
         k = apply_rope(k, cos, sin)
         attn = torch.softmax(q @ k.transpose(-1, -2), dim=-1)

@@ -1,8 +1,10 @@
 """Flow-matching action head (pi0 style).
 
 Start from Gaussian noise at t = 1 and integrate the action expert's velocity field to t = 0 with
-``num_denoise_steps`` Euler steps, ``x <- x + dt * v(x, t)`` with ``dt = -1 / N``. The expert attends to
-the prefix (vision + instruction) through the KV cache; the noise is seeded per frame.
+``num_denoise_steps`` Euler steps, ``x <- x + dt * v(x, t)`` with ``dt = -1 / N``, t stepped in float32
+(``t <- t + dt``) as pi0's ``sample_actions`` does. The expert attends to the prefix (vision + instruction)
+through the KV cache; the noise is seeded per frame. The expert takes the sinusoidal embedding of t, which
+is computed here in float64 for all steps once (``core.graphs.time_embedding``).
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import numpy as np
 
 from ...core.config import ModelConfig
 from ...core.executor import DeviceTensor, Executor
-from ...core.graphs import select_bucket
+from ...core.graphs import select_bucket, time_embedding, time_embedding_dim
 from .base import ActionHead
 
 
@@ -23,6 +25,14 @@ class FlowMatchingHead(ActionHead):
         self.act = cfg.action
         self.buckets = cfg.llm.decode_buckets
         self.shape = (1, self.act.action_horizon, self.act.action_dim)
+        n = self.act.num_denoise_steps
+        self.dt = np.float32(-1.0 / n)
+        times, t = [], np.float32(1.0)
+        for _ in range(n):
+            times.append(t)
+            t = np.float32(t + self.dt)
+        dim = time_embedding_dim(cfg)
+        self.time_embeddings = [time_embedding(t, dim) for t in times]
 
     def initial_noise(self, seed: int) -> np.ndarray:
         return np.random.default_rng(seed).standard_normal(self.shape).astype(np.float32)
@@ -33,12 +43,9 @@ class FlowMatchingHead(ActionHead):
     def denoise(self, kv: DeviceTensor, prefix_len: int, noise: np.ndarray) -> np.ndarray:
         """Denoise ``noise`` [1, horizon, action_dim] conditioned on the prefix -> [horizon, action_dim]."""
         graph = f"action_expert_{select_bucket(self.buckets, prefix_len)}"
-        n = self.act.num_denoise_steps
-        dt = -1.0 / n
         x = noise.astype(np.float32, copy=True)
         plen = np.array([prefix_len], np.int64)
-        for i in range(n):
-            t = np.array([1.0 + i * dt], np.float32)
-            v = self.ex.run(graph, {"noisy_actions": x, "timestep": t, "prefix_len": plen, "past_kv": kv})
-            x += np.float32(dt) * v["velocity"]
+        for emb in self.time_embeddings:
+            v = self.ex.run(graph, {"noisy_actions": x, "time_embedding": emb, "prefix_len": plen, "past_kv": kv})
+            x += self.dt * v["velocity"]
         return x[0]
