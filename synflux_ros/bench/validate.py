@@ -8,9 +8,13 @@
 1. Every graph of the set runs on both executors with the same seeded inputs (token ids inside the
    vocabulary, cache positions inside each bucket's span, a random KV cache); each output is compared
    by max |diff| and cosine similarity.
-2. The whole model: for an LLM/VLM set, greedy tokens of a few chat turns (n of N agreeing, position by
-   position up to the first difference); for a VLA set, the action chunk of a few camera frames
-   (cosine, max |diff|).
+2. The whole model: for an LLM/VLM set, greedy tokens of a two-turn conversation (n of N agreeing,
+   position by position up to the first difference), and the second turn with cache reuse against the same
+   turn recomputed from the whole history on the backend under test; for a VLA set, the action chunk of a
+   few camera frames (cosine, max |diff|).
+
+Each backend is loaded once (its runtime: the graph checks run on its executor, with the random KV cache in
+one of its cache slots), which matters where a load compiles every graph (simulators, TensorRT).
 
 Thresholds: with ``--precision fp32`` (default) an output passes when max |diff| <= ``--atol``
 (1e-4; for an output stored in float16, such as the new KV entries of an fp16 cache, at least two fp16
@@ -30,10 +34,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..core.config import ConfigError, ModelConfig, load_config
-from ..core.executor import DeviceTensor, GraphMeta
 from ..core.graphs import seeded_feeds
 from ..core.graphset import MANIFEST_FILE, GraphSetError
-from ..runtimes.stack import create_executor
 
 PROMPTS = ("Describe what the robot sees on the table.", "Which object is closest to the gripper?")
 GREEDY_TOKENS = 24
@@ -66,18 +68,27 @@ def _on(cfg: ModelConfig, backend: str, graph_dir: str, options: dict) -> ModelC
                                         "latency_ms": {}, "placement": {}})
 
 
-def compare_graphs(cfg: ModelConfig, graph_dir: str, backend: str, options: dict, reference: str,
-                   ref_options: dict, passes, seed: int = 0) -> list[Comparison]:
-    """Every graph on both executors with the same seeded inputs; one row per output."""
-    ex = create_executor(_on(cfg, backend, graph_dir, options))
-    ref = create_executor(_on(cfg, reference, graph_dir, ref_options))
+def runtime_on(cfg: ModelConfig, backend: str, graph_dir: str, options: dict):
+    """The config's runtime (VLM or VLA) on ``backend``: the one executor load that both the graph checks and
+    the whole-model checks use (a load compiles every graph on some backends)."""
+    if cfg.mode == "vlm":
+        from ..runtimes.vlm import VLMRuntime
+        return VLMRuntime(_on(cfg, backend, graph_dir, options))
+    from ..runtimes.vla import VLARuntime
+    return VLARuntime(_on(cfg, backend, graph_dir, options))
+
+
+def compare_graphs(cfg: ModelConfig, rt, rt_ref, passes, seed: int = 0) -> list[Comparison]:
+    """Every graph on both runtimes' executors with the same seeded inputs; one row per output. The random
+    KV cache is written into a slot of each runtime's pool (a slot's contents are its user's to track)."""
+    ex, ref = rt.executor, rt_ref.executor
+    slot, slot_ref = rt.kv_pool.acquire(), rt_ref.kv_pool.acquire()
     rows = []
     try:
         kv_shape, kv_dtype = cfg.llm.kv_shape, cfg.llm.kv_dtype
         rng = np.random.default_rng(seed)
         kv_value = (rng.standard_normal(kv_shape) * 0.5).astype(kv_dtype)
-        kv = ex.alloc_tensor("validate/past_kv", kv_shape, kv_dtype, zero=False)
-        kv_ref = ref.alloc_tensor("validate/past_kv", kv_shape, kv_dtype, zero=False)
+        kv, kv_ref = rt.kv_pool.tensor(slot), rt_ref.kv_pool.tensor(slot_ref)
         ex.write(kv, (), kv_value)
         ref.write(kv_ref, (), kv_value)
         for i, meta in enumerate(ex.graphs.values()):
@@ -92,50 +103,47 @@ def compare_graphs(cfg: ModelConfig, graph_dir: str, backend: str, options: dict
                 scale = float(np.max(np.abs(b))) if b.size and spec.dtype == "float16" else 0.0
                 rows.append(Comparison(f"{meta.name}/{spec.name}", diff, cos, passes(diff, cos, scale)))
     finally:
-        ex.close()
-        ref.close()
+        rt.kv_pool.release(slot)
+        rt_ref.kv_pool.release(slot_ref)
     return rows
 
 
-def compare_model(cfg: ModelConfig, graph_dir: str, backend: str, options: dict, reference: str,
-                  ref_options: dict, passes, min_agreement: float) -> list[Comparison]:
-    """The whole model on both backends: greedy chat tokens (VLM/LLM sets) or action chunks (VLA sets)."""
+def _agreement(check: str, a, b, min_agreement: float) -> Comparison:
+    """Greedy token sequences ``a`` and ``b`` agreeing position by position up to the first difference."""
+    agree = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        agree += 1
+    n = max(len(a), len(b))
+    share = agree / n if n else 1.0
+    return Comparison(check, math.nan, share, share >= min_agreement, f"{agree}/{n} agree")
+
+
+def compare_model(cfg: ModelConfig, rt, rt_ref, passes, min_agreement: float) -> list[Comparison]:
+    """The whole model on both runtimes: greedy chat tokens (VLM/LLM sets: a conversation of two turns, the
+    second reusing the first's cache, and on the backend under test the same turns recomputed without
+    reuse), or action chunks (VLA sets)."""
     if cfg.mode == "vlm":
-        from ..runtimes.vlm import ChatRequest, VLMRuntime
-        results = []
-        for b, opts in ((backend, options), (reference, ref_options)):
-            rt = VLMRuntime(_on(cfg, b, graph_dir, opts))
-            try:
-                results.append([rt.chat(ChatRequest("validate", p, max_new_tokens=GREEDY_TOKENS,
-                                                    temperature=0.0)).token_ids for p in PROMPTS])
-            finally:
-                rt.close()
-        rows = []
-        for turn, (a, b) in enumerate(zip(*results)):
-            agree = 0
-            for x, y in zip(a, b):
-                if x != y:
-                    break
-                agree += 1
-            n = max(len(a), len(b))
-            share = agree / n if n else 1.0
-            rows.append(Comparison(f"greedy tokens, turn {turn + 1}", math.nan, share, share >= min_agreement,
-                                   f"{agree}/{n} agree"))
+        from ..runtimes.vlm import ChatRequest
+
+        def conversation(runtime, session, reuse=None):
+            return [runtime.chat(ChatRequest(session, p, max_new_tokens=GREEDY_TOKENS, temperature=0.0,
+                                             reuse_kv_cache=reuse)).token_ids for p in PROMPTS]
+        got, want = conversation(rt, "validate"), conversation(rt_ref, "validate")
+        recomputed = conversation(rt, "validate-recompute", reuse=False)
+        rows = [_agreement(f"greedy tokens, turn {t + 1}", a, b, min_agreement)
+                for t, (a, b) in enumerate(zip(got, want))]
+        rows += [_agreement(f"turn {t + 1}: cache reuse against recompute", a, b, min_agreement)
+                 for t, (a, b) in enumerate(zip(got, recomputed)) if t > 0]
         return rows
-    from ..runtimes.vla import VLARuntime
     frames = [np.random.default_rng([7, i]).integers(0, 256, (240, 320, 3), np.uint8) for i in range(FRAMES)]
-    chunks = []
-    for b, opts in ((backend, options), (reference, ref_options)):
-        rt = VLARuntime(_on(cfg, b, graph_dir, opts))
-        try:
-            chunks.append([rt.infer(f, seq=i).actions for i, f in enumerate(frames)])
-        finally:
-            rt.close()
     rows = []
-    for i, (a, b) in enumerate(zip(*chunks)):
+    for i, frame in enumerate(frames):
+        a = rt.infer(frame, seq=i).actions
+        b = rt_ref.infer(frame, seq=i).actions
         diff = float(np.max(np.abs(a.astype(np.float64) - b)))
-        cos = cosine(a, b)
-        rows.append(Comparison(f"action chunk, frame {i}", diff, cos, passes(diff, cos)))
+        rows.append(Comparison(f"action chunk, frame {i}", diff, cosine(a, b), passes(diff, cosine(a, b))))
     return rows
 
 
@@ -154,9 +162,15 @@ def validate(graph_dir: str, backend: str, reference: str = "onnxruntime", optio
         def passes(diff, cos, fp16_scale=0.0):
             return cos >= min_cosine
         agreement = min_token_agreement
-    rows = compare_graphs(cfg, graph_dir, backend, options or {}, reference, ref_options or {}, passes)
-    rows += compare_model(cfg, graph_dir, backend, options or {}, reference, ref_options or {}, passes, agreement)
-    return rows
+    rt = runtime_on(cfg, backend, graph_dir, options or {})
+    try:
+        rt_ref = runtime_on(cfg, reference, graph_dir, ref_options or {})
+        try:
+            return compare_graphs(cfg, rt, rt_ref, passes) + compare_model(cfg, rt, rt_ref, passes, agreement)
+        finally:
+            rt_ref.close()
+    finally:
+        rt.close()
 
 
 def _json_arg(text: str, flag: str) -> dict:

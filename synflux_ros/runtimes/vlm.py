@@ -45,6 +45,7 @@ class ChatRequest:
     temperature: float | None = None  # None = the config's sampling; 0 = greedy
     top_p: float | None = None  # None = the config's text.top_p
     system: str | None = None  # the system prompt of a new or reset session; None / "" = the template's default
+    reuse_kv_cache: bool | None = None  # None = the config's session.reuse_kv_cache; False: prefill the history
 
 
 @dataclass
@@ -275,7 +276,8 @@ class VLMRuntime(ModelRuntime):
         all_images = {**(existing.images if existing else {}), **images}
         tokens = self._render(system, earlier + [message], all_images)
         reused = 0
-        if existing is not None and self.cfg.session.reuse_kv_cache:
+        reuse = self.cfg.session.reuse_kv_cache if req.reuse_kv_cache is None else req.reuse_kv_cache
+        if existing is not None and reuse:
             held = existing.tokens[:existing.cached]
             limit = min(len(held), len(tokens) - 1)  # at least one token is prefilled: its logits start the reply
             while reused < limit and held[reused] == tokens[reused]:

@@ -33,6 +33,21 @@ def test_the_same_computation_passes(graph_sets, name):
     assert all(r.max_abs_diff <= 1e-4 for r in rows if "/" in r.check)
     model_rows = [r for r in rows if "/" not in r.check]
     assert model_rows and all(r.cosine > 0.999 for r in model_rows)
+    if name.startswith("vlm"):  # turn 2 reused turn 1's cache, and equals the same turn recomputed
+        assert [r.check for r in model_rows] == ["greedy tokens, turn 1", "greedy tokens, turn 2",
+                                                 "turn 2: cache reuse against recompute"]
+
+
+def test_a_wrong_cache_append_fails_the_reuse_check(graph_sets, monkeypatch):
+    """A backend whose KV append is off by one position computes turn 1 right but not a reused turn 2."""
+    from synflux_ros.pieces.backbone import LLMBackbone
+    prefill = LLMBackbone.prefill
+
+    def shifted(self, slot, start, embeds):
+        return prefill(self, slot, start + 1 if start else 0, embeds)
+    monkeypatch.setattr(LLMBackbone, "prefill", shifted)
+    rows = {r.check: r for r in validate(graph_sets["vlm_demo"], "onnxruntime", "onnxruntime", {}, {})}
+    assert not rows["turn 2: cache reuse against recompute"].passed
 
 
 def test_a_backend_that_computes_something_else_fails(graph_sets, tmp_path):
