@@ -1,6 +1,8 @@
 """Every shipped config builds with synflux-build (real-size ones shrunk to demo size: same architecture,
 heads layout, buckets, KV dtype and heads, small widths) and runs through its node on every backend whose
-toolchain runs here; a backend other than the reference passes synflux-validate against onnxruntime."""
+toolchain runs here (the NPU simulators at "simulator size", see SIMULATORS); a backend other than the
+reference first passes synflux-validate against onnxruntime: every graph, greedy chat tokens or action
+chunks, and a chat turn reusing the cache against the same turn recomputed on that backend."""
 from __future__ import annotations
 
 import glob
@@ -23,38 +25,58 @@ from test_vla_node import Harness  # noqa: E402
 from test_vlm_node import ChatClient, ok  # noqa: E402
 from checkpoints import demo_size  # noqa: E402
 
+from synflux_ros.backends.rknn import default_simulator_pythons  # noqa: E402
+
 BACKENDS = ["onnxruntime"] + [b for b, module in (("openvino", "openvino"), ("qnn", "onnxruntime_qnn"))
                                if importlib.util.find_spec(module)]
+if any(os.path.isfile(p) for p in default_simulator_pythons()):  # the RKNN venv (make rknn-venv)
+    BACKENDS.append("rknn")
 CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(share_dir() or "", "config", "*.yaml")))
 
-# qnn: Qualcomm's HTP simulator (x86-64 here) takes int32 token ids and needs the target SoC (SM8550). It
-# computes in fp16 and is slow (a 96-token prefill of the demo VLA takes ~1 s), so make test runs the configs
-# it gets through in seconds. Measured on the others (demo-sized): vla_pi0 validates in ~60 s with
-# action_expert_512/velocity at cosine 0.954 (fp16 timestep embedding; the action chunks at 0.99999);
-# vlm_qwen3 in ~430 s, all checks passing since the rotary table.
+# The NPU simulators emulate the device instruction by instruction: Qualcomm's HTP simulator (qnn, x86-64
+# here, int32 token ids, target SoC SM8550, fp16 arithmetic) and Rockchip's (rknn, rk3588, fp16; it compiles
+# every graph again on each load). They run every config at "simulator size": demo widths, and of the
+# config's buckets its smallest prefill bucket and its smallest decode span, which becomes max_seq_len.
+# Each bucket is the same graph at another length, and every bucket of every config runs on onnxruntime
+# and openvino above. Measured at full demo size, vlm_qwen3 (prefill up to 2048, decode spans up to 4096)
+# took ~430 s to validate on the HTP simulator; at simulator size 14 s.
+SIMULATORS = ("qnn", "rknn")
 QNN_OPTIONS = {"soc_model": 43}
-QNN_CONFIGS = ("vla_demo_orin.yaml", "vla_openvla.yaml", "vlm_demo.yaml")
-TOKEN_ID_DTYPE = {"qnn": "int32"}
-VALIDATE = {"qnn": {"options": QNN_OPTIONS, "precision": "reduced"}}
+VALIDATE = {"qnn": {"options": QNN_OPTIONS, "precision": "reduced"}, "rknn": {"precision": "reduced"}}
+
+
+def simulator_size(raw: dict) -> dict:
+    llm = raw["llm"]
+    llm["prefill_buckets"] = llm["prefill_buckets"][:1]
+    llm["decode_buckets"] = llm["decode_buckets"][:1]
+    llm["max_seq_len"] = llm["decode_buckets"][0]
+    return raw
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """Each config exported once (demo-sized) per token-id dtype, shared by the backends; the int32 builds
-    (for qnn) carry the qnn options in their config, which the node reads."""
+    """Each config exported once (demo-sized) per backend flavour, shared by the backends: int64 ids for
+    onnxruntime and openvino; simulator size with int32 ids and the qnn options (which the node reads) for
+    qnn; simulator size compiled for rk3588 for rknn."""
     cache = {}
 
-    def _get(name: str, token_id_dtype: str = "int64"):
-        key = (name, token_id_dtype)
+    def _get(name: str, backend: str):
+        flavour = backend if backend in SIMULATORS else "cpu"
+        key = (name, flavour)
         if key not in cache:
             with open(config_path(name), encoding="utf-8") as fh:
                 raw = demo_size(yaml.safe_load(fh))
-            raw["llm"]["token_id_dtype"] = token_id_dtype
-            if token_id_dtype == "int32":
+            kw = {}
+            if flavour in SIMULATORS:
+                simulator_size(raw)
+            if flavour == "qnn":
+                raw["llm"]["token_id_dtype"] = "int32"
                 raw.setdefault("executor", {})["options"] = dict(QNN_OPTIONS)
-            d = tmp_path_factory.mktemp(f"{name.replace('.yaml', '')}_{token_id_dtype}")
+            elif flavour == "rknn":
+                kw = {"backend": "rknn", "target": "rk3588"}
+            d = tmp_path_factory.mktemp(f"{name.replace('.yaml', '')}_{flavour}")
             (d / name).write_text(yaml.safe_dump(raw))
-            build(load_config(str(d / name)), str(d / "graphs"))
+            build(load_config(str(d / name)), str(d / "graphs"), **kw)
             cache[key] = d / "graphs"
         return cache[key]
     return _get
@@ -63,11 +85,9 @@ def built(tmp_path_factory):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_builds_and_runs_on_its_node(name, backend, built, start_node, client):
-    if backend == "qnn" and name not in QNN_CONFIGS:
-        pytest.skip("on the HTP simulator this config takes minutes and is checked by hand (see QNN_CONFIGS)")
-    out = built(name, TOKEN_ID_DTYPE.get(backend, "int64"))
+    out = built(name, backend)
     cfg = load_config(str(out / "config.yaml"))
-    assert cfg.executor.backend == "onnxruntime"
+    assert cfg.executor.backend == ("rknn" if backend == "rknn" else "onnxruntime")  # what synflux-build wrote
     if backend != "onnxruntime":
         failed = [r for r in validate(str(out), backend, **VALIDATE.get(backend, {})) if not r.passed]
         assert not failed, failed
@@ -79,13 +99,15 @@ def test_config_builds_and_runs_on_its_node(name, backend, built, start_node, cl
         h.publish_until_chunks(1, lambda s, t: rgb_image(480, 640, s, t), timeout=60, period=0.5)
         c = h.chunks[-1]
         assert (c.horizon, c.action_dim) == (cfg.action.action_horizon, cfg.action.action_dim)
+        assert c.vision_device.startswith(backend) and c.backbone_device.startswith(backend) \
+            and c.head_device.startswith(backend)
         actions = np.array(c.actions)
         assert actions.size == c.horizon * c.action_dim and np.all(np.isfinite(actions))
         if cfg.action.head_type == "autoregressive" and cfg.action.norm_q01:
             lo, hi = np.array(cfg.action.norm_q01), np.array(cfg.action.norm_q99)
             a = actions.reshape(c.horizon, c.action_dim)[:, :6]
             assert np.all(a >= lo[:6] - 1e-6) and np.all(a <= hi[:6] + 1e-6)
-        if backend == "qnn":
+        if backend in SIMULATORS:
             # A frame takes seconds on the simulator: let the frames in flight finish before the node is
             # stopped (the pipeline waits 5 s for its stages on shutdown).
             h.diag_where(lambda d: int(d["frames_published"]) >= len(h.chunks) and d["frames_in_flight"] == "0",
@@ -97,3 +119,4 @@ def test_config_builds_and_runs_on_its_node(name, backend, built, start_node, cl
         r1 = ok(c.chat("s", "What is in front of the robot?", images=images, max_new_tokens=4, temperature=0.0))
         r2 = ok(c.chat("s", "And behind it?", max_new_tokens=4, temperature=0.0))
         assert r1.generated_tokens >= 1 and r2.cached_tokens > 0
+        # validate (above) checked the reused turn against the turn recomputed on this backend
