@@ -86,6 +86,13 @@ fusion is turned off for these sets, as it would otherwise claim the projections
 add first). MatMulNBits is fast only with prepacked weights, so ``prepack`` defaults to true here: each
 session then holds its own packed copy of the (small) quantized weights; with ``optimized_model_dir`` the
 fused graphs and their prepacked weights are saved once and mapped by every session.
+
+Weights carried over from a llama.cpp ``Q4_1`` tensor (``synflux-build --from-gguf F --weights int4``) are
+affine (``d * q + m`` per block), which ``DequantizeLinear`` cannot express alone: the graphs add the
+block minima after it, a chain ORT's optimiser does not fuse. This executor rewrites each such chain and
+its ``MatMul`` when it loads the graph into ``MatMulNBits`` plus a small correction product for the minima
+(:mod:`synflux_ros.backends.ort_quant`; the file stays as it is, the new tensors are made once and shared
+by all graphs; ``matmulnbits_accuracy_level`` applies to them as to the fused ones).
 """
 from __future__ import annotations
 
@@ -235,6 +242,7 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         self._weights: np.ndarray | None = None
         self._weights_file = ""
         self._weight_values: dict[tuple, object] = {}
+        self._affine = None  # ort_quant.AffineWeights of a set with carried Q4_1 weights (made at load)
 
     # ------------------------------------------------------------------ options
     def _bool_option(self, key: str, default: bool) -> bool:
@@ -363,6 +371,40 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
                     shared += 1
         return so, shared
 
+    def _affine_weights(self):
+        """The shared MatMulNBits tensors of a set whose weights include carried Q4_1 blocks, else None."""
+        if "Q4_1" not in (graphset.weight_format(self._manifest).get("ggml_carried") or {}):
+            return None
+        if self._affine is None:
+            from .ort_quant import AffineWeights
+            whole = self._weights if self._weights is not None else np.memmap(
+                os.path.join(self._load_dir, self._weights_file), np.uint8, mode="r")
+
+            def read(t):
+                return np.asarray(whole[t.offset:t.offset + t.length])
+            self._affine = AffineWeights(read, self._ort.OrtValue.ortvalue_from_numpy, self._weights_file)
+        return self._affine
+
+    def _model_source(self, path: str, so):
+        """What to create the session from: ``path``, or the bytes of the model with its affine 4-bit weights
+        rewritten to MatMulNBits (their tensors added to ``so``; see the module docstring)."""
+        affine = self._affine_weights()
+        if affine is None:
+            return path
+        import onnx
+        model = onnx.load(path, load_external_data=False)
+        externals = {t.name: t for t in graphset.external_initializers(path)}
+        level = 4 if self.matmulnbits_accuracy_level is None else self.matmulnbits_accuracy_level
+        added = affine.rewrite(model, externals, level)
+        if not added:
+            return path
+        for name, value in added.items():
+            so.add_initializer(name, value)
+        # tensors not handed over are read from the weights file beside the graph, as for a model file
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                    os.path.dirname(os.path.abspath(path)))
+        return model.SerializeToString()
+
     def _create_session(self, meta: GraphMeta, path: str, so):
         # Quantized sets: ORT's MatMul+Add -> Gemm fusion (level basic) runs before its DequantizeLinear +
         # MatMul -> MatMulNBits fusion (level extended) and would leave every projection followed by a
@@ -370,7 +412,8 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         quantized = graphset.weight_format(self._manifest)["dtype"] != "float32"
         disabled = _QUANTIZED_DISABLED_OPTIMIZERS if quantized else None
         try:
-            return self._ort.InferenceSession(path, so, providers=[n for n, _ in self.providers],
+            source = self._model_source(path, so)
+            return self._ort.InferenceSession(source, so, providers=[n for n, _ in self.providers],
                                               provider_options=[o for _, o in self.providers],
                                               disabled_optimizers=disabled)
         except Exception as exc:  # ORT raises its own exception types; name the graph and file
@@ -426,6 +469,7 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
 
     def _release_sessions(self) -> None:
         self._handles.clear()
+        self._affine = None
         self._manifest = None
         self._weight_values.clear()
         self._weights = None

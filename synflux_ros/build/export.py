@@ -302,10 +302,11 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
             old = {}
     from . import quantize
     quantized = weight_dtype != "float32"
+    carry = quantize.load_ggml_blocks(hf_dir) if quantized else None
 
     def weights_of(meta):  # the quantized graphs depend on the weight format too
         if quantized and meta.kind in quantize.QUANTIZED_KINDS:
-            return f"{weights};{weight_dtype}/{block}"
+            return f"{weights};{weight_dtype}/{block}" + (";ggml-carried/1" if carry else "")
         return weights
     keys = {m.name: graph_key(cfg, m, weights_of(m), versions) for m in metas}
     stale = [m for m in metas if old.get(m.name, {}).get("key") != keys[m.name]
@@ -328,6 +329,7 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
     stale_names = {m.name for m in stale}
     exported = {}
     qcache: dict = {}  # the same weight in every bucket's graph is quantized once
+    carried: dict = {}
     with tempfile.TemporaryDirectory(prefix="synflux_export_") as tmp:
         for i, meta in enumerate(metas):
             tag = f"  [{i + 1}/{len(metas)}] {meta.name}"
@@ -339,15 +341,19 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
             exported[meta.name] = export_graph(modules[meta.name], meta, tmp)
             if quantized and meta.kind in quantize.QUANTIZED_KINDS:
                 import onnx
-                q = quantize.quantize_model(exported[meta.name], weight_dtype, block, qcache)
+                q = quantize.quantize_model(exported[meta.name], weight_dtype, block, qcache, carry)
                 onnx.checker.check_model(exported[meta.name])
-                _progress(f"{tag}: {q['tensors']} weights in {weight_dtype} (block {block}): "
+                carried = q["carried"] or carried  # the same weights in every bucket's graph
+                kept = "".join(f", {n} carried over from GGUF {t}" for t, n in sorted(q["carried"].items()))
+                _progress(f"{tag}: {q['tensors']} weights in {weight_dtype} (block {block}{kept}): "
                           f"{q['fp32_bytes'] / 2**20:.1f} -> {q['quantized_bytes'] / 2**20:.1f} MiB")
             _progress(f"{tag}: done in {time.perf_counter() - t0:.1f} s")
         # Unchanged graphs keep their files; tensors already in weights.bin are reused, new ones appended.
         kept = len(exported) < len(metas)
         info = graphset_writer.write_weights_and_models(exported, out, append=kept)
-        info.update(quantize.weights_info(weight_dtype, block))
+        if quantized and not any(m.kind in quantize.QUANTIZED_KINDS for m in stale):  # kept from the last build
+            carried = (graphset.read_manifest(out).get("weights") or {}).get("ggml_carried", {})
+        info.update(quantize.weights_info(weight_dtype, block, carried))
     tok_file = ""
     if tokenizer:
         shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.json"))

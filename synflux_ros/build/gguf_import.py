@@ -17,6 +17,11 @@ shapes and types, before anything heavy is done) and writes a temporary checkpoi
   embeddings when the file has no ``output.weight``, rope scaling (``linear``; Llama 3's ``rope_freqs``
   tensor as ``llama3`` parameters) and the file's SHA-256, which makes the build's weights fingerprint
   (skip-unchanged key) follow the file's content;
+* ``ggml_blocks.safetensors`` (:data:`BLOCKS_FILE`): the tensors stored as ``Q4_0``, ``Q4_1`` or ``Q8_0``
+  once more as their raw blocks (per row of 32 values: the integers, the fp16 scale ``d`` and for ``Q4_1``
+  the fp16 minimum ``m``, both widened to float32), rows in the order of the float32 tensor. ``synflux-build
+  --weights int4|int8`` carries these blocks into the graphs exactly instead of quantizing the dequantized
+  values again (:mod:`synflux_ros.build.quantize`);
 * ``tokenizer.json`` from transformers' GGUF tokenizer conversion (``AutoTokenizer.from_pretrained(...,
   gguf_file=...)``: byte-level BPE and sentencepiece vocabularies) and ``tokenizer_config.json`` with the
   file's ``tokenizer.chat_template`` and its ``bos_token`` / ``eos_token`` / ``unk_token`` / ``pad_token``,
@@ -49,6 +54,12 @@ from ..core.config import ConfigError
 MAGIC = b"GGUF"
 SHARD_BYTES = 2 << 30
 """float32 bytes per safetensors shard of the temporary checkpoint."""
+BLOCKS_FILE = "ggml_blocks.safetensors"
+"""The raw blocks of the tensors stored in a :data:`CARRIED_TYPES` type, beside the float32 weights."""
+CARRIED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+"""GGML types whose blocks (32 values: integers, an fp16 scale, for Q4_1 an fp16 minimum) ``--weights``
+can hold exactly: ``x = d * (q - 8)`` (Q4_0), ``x = d * q + m`` (Q4_1), ``x = d * q`` (Q8_0)."""
+GGML_BLOCK = 32
 
 ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3"}
 """GGUF ``general.architecture`` -> Hugging Face ``model_type`` of the checkpoint written."""
@@ -362,8 +373,30 @@ def _unpermute(w, n_head: int):
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _float32_tensors(model: GGUFModel) -> Iterator[tuple[str, "object"]]:
-    """(HF name, float32 numpy array) for every weight, one tensor at a time."""
+def ggml_blocks(raw, type_name: str, rows: int, cols: int) -> dict:
+    """The blocks of a ``Q4_0`` / ``Q4_1`` / ``Q8_0`` tensor of ``rows`` x ``cols`` values (``raw``: its
+    bytes) as arrays: ``q`` [rows, cols] (uint8 0..15 for Q4_x, int8 for Q8_0), ``d`` and (Q4_1) ``m``
+    [rows, cols / 32] float32. Dequantized as in :data:`CARRIED_TYPES`, in float32, they are bitwise what
+    llama.cpp's reference dequantization gives."""
+    import numpy as np
+    n = rows * cols // GGML_BLOCK
+    if type_name == "Q8_0":
+        b = np.asarray(raw, np.uint8).reshape(n, 2 + GGML_BLOCK)
+        return {"q": b[:, 2:].view(np.int8).reshape(rows, cols).copy(),
+                "d": b[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)}
+    head = 4 if type_name == "Q4_1" else 2
+    b = np.asarray(raw, np.uint8).reshape(n, head + GGML_BLOCK // 2)
+    packed = b[:, head:]
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=1)  # values 0..15 low nibbles first, then high
+    out = {"q": q.reshape(rows, cols), "d": b[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)}
+    if type_name == "Q4_1":
+        out["m"] = b[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+    return out
+
+
+def _float32_tensors(model: GGUFModel) -> Iterator[tuple[str, "object", "dict | None"]]:
+    """(HF name, float32 numpy array, its :func:`ggml_blocks` or None) for every weight, one tensor at a
+    time; a tensor's blocks only when its type is one of :data:`CARRIED_TYPES`."""
     import numpy as np
     gguf = _need_gguf()
     reader = _reader(model.path)
@@ -374,15 +407,22 @@ def _float32_tensors(model: GGUFModel) -> Iterator[tuple[str, "object"]]:
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         w = np.ascontiguousarray(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
-        if model.architecture == "llama" and t.name.endswith(".attn_q.weight"):
-            w = _unpermute(w, heads)
-        elif model.architecture == "llama" and t.name.endswith(".attn_k.weight"):
-            w = _unpermute(w, kv)
-        yield name, np.ascontiguousarray(w)
+        blocks = None
+        if t.tensor_type.name in CARRIED_TYPES and w.ndim == 2 and w.shape[1] % GGML_BLOCK == 0:
+            blocks = ggml_blocks(t.data, t.tensor_type.name, *w.shape)
+        n_head = heads if t.name.endswith(".attn_q.weight") else kv if t.name.endswith(".attn_k.weight") else 0
+        if model.architecture == "llama" and n_head:
+            w = _unpermute(w, n_head)
+            blocks = {k: _unpermute(v, n_head) for k, v in blocks.items()} if blocks else None
+        if blocks:
+            blocks["type"] = t.tensor_type.name
+        yield name, np.ascontiguousarray(w), blocks
 
 
 def _write_weights(model: GGUFModel, out_dir: str) -> int:
-    """The float32 tensors as safetensors (one file, or shards of :data:`SHARD_BYTES` with an index)."""
+    """The float32 tensors as safetensors (one file, or shards of :data:`SHARD_BYTES` with an index), and
+    the blocks of those stored in a :data:`CARRIED_TYPES` type in :data:`BLOCKS_FILE`."""
+    import numpy as np
     from safetensors.numpy import save_file
     shards: list[dict] = [{}]
     size = 0
@@ -395,7 +435,12 @@ def _write_weights(model: GGUFModel, out_dir: str) -> int:
         paths.append((name, list(shards[-1])))
         shards.append({})
 
-    for name, w in _float32_tensors(model):
+    carried: dict = {}
+    types: dict = {}
+    for name, w, blocks in _float32_tensors(model):
+        if blocks:
+            types[name] = blocks.pop("type")
+            carried.update({f"{name}.ggml_{k}": np.ascontiguousarray(v) for k, v in blocks.items()})
         if shards[-1] and size + w.nbytes > SHARD_BYTES:
             flush()
             size = 0
@@ -403,6 +448,8 @@ def _write_weights(model: GGUFModel, out_dir: str) -> int:
         size += w.nbytes
         total += w.nbytes
     flush()
+    if carried:
+        save_file(carried, os.path.join(out_dir, BLOCKS_FILE), metadata={"types": json.dumps(types)})
     if len(paths) == 1:
         os.replace(os.path.join(out_dir, paths[0][0]), os.path.join(out_dir, "model.safetensors"))
     else:

@@ -22,6 +22,32 @@ per byte, low nibble first); no zero points. The error of one weight is at most 
 
 Not quantized: norms, biases, the embedding table (read by ``Gather``), weights whose K is not a multiple
 of ``B``, weights smaller than :data:`MIN_ELEMENTS` and initializers that any non-MatMul node also reads.
+
+GGUF blocks carried over
+------------------------
+A checkpoint imported from a llama.cpp GGUF file (``--from-gguf``) is float32, dequantized from the file's
+blocks, and also ships those blocks (``gguf_import.BLOCKS_FILE``). With ``--block 32`` (GGML's block
+size), a weight all of whose output columns are rows of ``Q4_0``, ``Q4_1`` or ``Q8_0`` tensors (found by
+the exact bytes of their dequantized values, so Q/K/V fused into one matrix and permuted rows are found
+too) is stored with those blocks instead of being quantized again; the graph computes bitwise the values
+the file holds:
+
+=======  ==================  =====================================================================
+GGML     ``--weights int4``  ``--weights int8``
+=======  ==================  =====================================================================
+Q4_0     INT4 ``q - 8``, d   INT8 ``q - 8``, d
+Q8_0     INT8 ``q``, d       INT8 ``q``, d
+Q4_1     UINT4 ``q``, d, +m  quantized again (int8 cannot hold ``d * q + m`` exactly)
+=======  ==================  =====================================================================
+
+Q4_1 is affine (``x = d * q + m``, ``m`` a float per block), which ``DequantizeLinear`` cannot express
+with its integer zero point, so it is written in standard ONNX as
+
+    MatMul(x, Reshape(Add(Reshape(DequantizeLinear(Wq_u4, d, axis=0, block_size=32), [K/32, 32, N]),
+                          m [K/32, 1, N]), [K, N]))
+
+which onnxruntime's optimiser does not fuse; the onnxruntime executor rewrites it at load into one
+``MatMulNBits`` with float zero points ``-m / d`` (``backends/ort_quant.py``).
 """
 from __future__ import annotations
 
@@ -51,10 +77,74 @@ def check_weights(dtype: str, block: int) -> None:
         raise QuantizeError(f"--block {block} is not supported (choices: {', '.join(map(str, BLOCK_SIZES))})")
 
 
-def weights_info(dtype: str, block: int) -> dict:
-    """The manifest's record of the weight format (merged into its ``weights`` entry)."""
-    return {"dtype": dtype} if dtype == "float32" else {"dtype": dtype, "block": int(block),
-                                                        "scheme": "symmetric"}
+def weights_info(dtype: str, block: int, carried: dict | None = None) -> dict:
+    """The manifest's record of the weight format (merged into its ``weights`` entry); ``carried``: how
+    many weights of each GGML type were carried over (see the module doc)."""
+    if dtype == "float32":
+        return {"dtype": dtype}
+    info = {"dtype": dtype, "block": int(block), "scheme": "symmetric"}
+    if carried:
+        info.update(scheme="symmetric+ggml", ggml_carried=dict(sorted(carried.items())))
+    return info
+
+
+class GGMLBlocks:
+    """The blocks of a GGUF import (``gguf_import.BLOCKS_FILE``), looked up by the bytes of dequantized rows."""
+
+    def __init__(self, path: str):
+        import json
+
+        from safetensors import safe_open
+        self.path = path
+        with safe_open(path, framework="numpy") as fh:
+            self.types = json.loads((fh.metadata() or {}).get("types", "{}"))
+            self.tensors = {name: {k: fh.get_tensor(f"{name}.ggml_{k}") for k in ("q", "d", "m")
+                                   if f"{name}.ggml_{k}" in fh.keys()} for name in self.types}
+        self._index: dict[bytes, tuple[str, int]] | None = None
+
+    @staticmethod
+    def dequantize(t: dict, type_name: str) -> np.ndarray:
+        """[rows, cols] float32, bitwise llama.cpp's reference dequantization."""
+        q, d = t["q"], t["d"]
+        rows, cols = q.shape
+        qf = q.astype(np.float32)
+        if type_name == "Q4_0":
+            qf = (q.astype(np.int8) - np.int8(8)).astype(np.float32)
+        x = d.reshape(rows, -1, 1) * qf.reshape(rows, -1, 32)
+        if type_name == "Q4_1":
+            x = x + t["m"].reshape(rows, -1, 1)
+        return x.reshape(rows, cols)
+
+    def _rows(self) -> dict[bytes, tuple[str, int]]:
+        if self._index is None:
+            index = {}
+            for name, t in self.tensors.items():
+                for r, row in enumerate(self.dequantize(t, self.types[name])):
+                    index.setdefault(hashlib.blake2b(row.tobytes(), digest_size=16).digest(), (name, r))
+            self._index = index
+        return self._index
+
+    def lookup(self, w: np.ndarray):
+        """``w [K, N]`` -> (GGML type, q [K, N], d [K/32, N], m [K/32, N] or None) when every column of ``w``
+        is a row of a carried tensor of one type; else None."""
+        index = self._rows()
+        cols = np.ascontiguousarray(w.T)
+        hits = [index.get(hashlib.blake2b(c.tobytes(), digest_size=16).digest()) for c in cols]
+        if any(h is None for h in hits) or len({self.types[h[0]] for h in hits}) != 1:
+            return None
+        type_name = self.types[hits[0][0]]
+        parts = {k: np.stack([self.tensors[name][k][r] for name, r in hits], axis=1)
+                 for k in self.tensors[hits[0][0]]}  # [K, N] and [K/32, N]
+        return type_name, parts["q"], parts["d"], parts.get("m")
+
+
+def load_ggml_blocks(hf_dir: str | None) -> GGMLBlocks | None:
+    """The blocks shipped with a GGUF import in ``hf_dir``, or None."""
+    import os
+
+    from .gguf_import import BLOCKS_FILE
+    path = os.path.join(hf_dir, BLOCKS_FILE) if hf_dir else ""
+    return GGMLBlocks(path) if path and os.path.isfile(path) else None
 
 
 # ------------------------------------------------------------------------------------------- numpy
@@ -96,27 +186,48 @@ def unpack_int4(raw: bytes, count: int) -> np.ndarray:
 
 
 # -------------------------------------------------------------------------------------------- ONNX
-def _quantized_tensors(name: str, w: np.ndarray, dtype: str, block: int):
+def _quantized_tensors(name: str, w: np.ndarray, dtype: str, block: int, carry: GGMLBlocks | None = None):
+    """(quantized weight, scale, minimum or None, GGML type carried or "") for ``w``: the GGUF blocks where
+    :class:`GGMLBlocks` holds them and ``dtype`` can express them (module doc), else quantized here."""
     from onnx import TensorProto, helper, numpy_helper
 
+    found = carry.lookup(w) if carry is not None and block == 32 else None
+    if found is not None:
+        type_name, q, d, m = found
+        if type_name == "Q8_0" or (type_name == "Q4_0" and dtype == "int8"):
+            q = q.astype(np.int8) - (np.int8(8) if type_name == "Q4_0" else np.int8(0))
+            return numpy_helper.from_array(q.astype(np.int8), name + "_q"), numpy_helper.from_array(d, name + "_scale"), \
+                None, type_name
+        if type_name == "Q4_0":
+            q4 = q.astype(np.int8) - np.int8(8)
+            return helper.make_tensor(name + "_q", TensorProto.INT4, list(q.shape), pack_int4(q4), raw=True), \
+                numpy_helper.from_array(d, name + "_scale"), None, type_name
+        if type_name == "Q4_1" and dtype == "int4":
+            k, n = q.shape
+            return helper.make_tensor(name + "_q", TensorProto.UINT4, list(q.shape), pack_int4(q), raw=True), \
+                numpy_helper.from_array(d, name + "_scale"), \
+                numpy_helper.from_array(np.ascontiguousarray(m.reshape(k // 32, 1, n)), name + "_min"), type_name
     q, scale = quantize_blocks(w, dtype, block)
     if dtype == "int8":
         qt = numpy_helper.from_array(q, name + "_q")
     else:
         qt = helper.make_tensor(name + "_q", TensorProto.INT4, list(q.shape), pack_int4(q), raw=True)
-    return qt, numpy_helper.from_array(scale, name + "_scale")
+    return qt, numpy_helper.from_array(scale, name + "_scale"), None, ""
 
 
-def quantize_model(model, dtype: str, block: int, cache: dict | None = None) -> dict:
+def quantize_model(model, dtype: str, block: int, cache: dict | None = None,
+                   carry: GGMLBlocks | None = None) -> dict:
     """Rewrite ``model`` (an ``onnx.ModelProto`` with its weights in memory) in place: each eligible
-    constant MatMul weight becomes ``DequantizeLinear(Wq, scale, axis=0, block_size=block)``; the model is
-    converted to opset 21. ``cache`` (content hash -> quantized tensors) saves quantizing the same weight
-    again for the next graph. Returns ``{"tensors": n, "fp32_bytes": ..., "quantized_bytes": ...}``."""
+    constant MatMul weight becomes ``DequantizeLinear(Wq, scale, axis=0, block_size=block)`` (or the
+    affine form of a carried Q4_1 weight, see the module doc); the model is converted to opset 21.
+    ``cache`` (content hash -> quantized tensors) saves quantizing the same weight again for the next graph;
+    ``carry``: GGUF blocks to carry over. Returns ``{"tensors": n, "fp32_bytes": ..., "quantized_bytes":
+    ..., "carried": {GGML type: n}}``."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     check_weights(dtype, block)
-    stats = {"tensors": 0, "fp32_bytes": 0, "quantized_bytes": 0}
+    stats = {"tensors": 0, "fp32_bytes": 0, "quantized_bytes": 0, "carried": {}}
     if dtype == "float32":
         return stats
     cache = {} if cache is None else cache
@@ -129,7 +240,7 @@ def quantize_model(model, dtype: str, block: int, cache: dict | None = None) -> 
             if name in inits:
                 consumers.setdefault(name, []).append((node, i))
     outputs = {o.name for o in g.output}
-    new_nodes: dict[str, object] = {}  # weight name -> its DequantizeLinear node
+    new_nodes: dict[str, list] = {}  # weight name -> the nodes computing it (DequantizeLinear, ...)
     for name, uses in consumers.items():
         t = inits[name]
         if t.data_type != TensorProto.FLOAT or len(t.dims) != 2 or name in outputs:
@@ -141,18 +252,35 @@ def quantize_model(model, dtype: str, block: int, cache: dict | None = None) -> 
         key = (hashlib.sha256(w.tobytes()).digest(), w.shape)
         hit = cache.get(key)
         if hit is None:
-            hit = cache[key] = _quantized_tensors("w", w, dtype, block)
-        qt, st = onnx.TensorProto(), onnx.TensorProto()
-        qt.CopyFrom(hit[0])
-        st.CopyFrom(hit[1])
-        qt.name, st.name = name + "_q", name + "_scale"
+            hit = cache[key] = _quantized_tensors("w", w, dtype, block, carry)
+        tensors = []
+        for proto, suffix in zip(hit[:3], ("_q", "_scale", "_min")):
+            if proto is not None:
+                tensors.append(onnx.TensorProto())
+                tensors[-1].CopyFrom(proto)
+                tensors[-1].name = name + suffix
         g.initializer.remove(t)
-        g.initializer.extend([qt, st])
-        new_nodes[name] = helper.make_node("DequantizeLinear", [qt.name, st.name], [name],
-                                           name=name + "_dequantize", axis=0, block_size=block)
+        g.initializer.extend(tensors)
+        qt, st = tensors[:2]
+        if len(tensors) == 2:
+            new_nodes[name] = [helper.make_node("DequantizeLinear", [qt.name, st.name], [name],
+                                                name=name + "_dequantize", axis=0, block_size=block)]
+        else:  # affine (carried Q4_1): DequantizeLinear, then the minimum of each block added
+            g.initializer.extend([numpy_helper.from_array(np.array([k // block, block, n], np.int64), name + "_blocks"),
+                                  numpy_helper.from_array(np.array([k, n], np.int64), name + "_shape")])
+            new_nodes[name] = [
+                helper.make_node("DequantizeLinear", [qt.name, st.name], [name + "_dq"], name=name + "_dequantize",
+                                 axis=0, block_size=block),
+                helper.make_node("Reshape", [name + "_dq", name + "_blocks"], [name + "_dq_blocks"],
+                                 name=name + "_to_blocks"),
+                helper.make_node("Add", [name + "_dq_blocks", tensors[2].name], [name + "_affine"],
+                                 name=name + "_add_min"),
+                helper.make_node("Reshape", [name + "_affine", name + "_shape"], [name], name=name + "_from_blocks")]
+        if hit[3]:
+            stats["carried"][hit[3]] = stats["carried"].get(hit[3], 0) + 1
         stats["tensors"] += 1
         stats["fp32_bytes"] += w.nbytes
-        stats["quantized_bytes"] += len(qt.raw_data) + len(st.raw_data)
+        stats["quantized_bytes"] += sum(len(x.raw_data) for x in tensors)
     if new_nodes:
         # each DequantizeLinear right before its first consumer (the node list stays topologically sorted)
         nodes = list(g.node)
@@ -161,7 +289,7 @@ def quantize_model(model, dtype: str, block: int, cache: dict | None = None) -> 
         for node in nodes:
             for inp in node.input:
                 if inp in new_nodes and inp not in placed:
-                    out.append(new_nodes[inp])
+                    out.extend(new_nodes[inp])
                     placed.add(inp)
             out.append(node)
         del g.node[:]
@@ -218,6 +346,8 @@ def dequantize_model(model) -> int:
         k, n = int(qt.dims[0]), int(qt.dims[1])
         if qt.data_type == TensorProto.INT4:
             q = unpack_int4(qt.raw_data, k * n).reshape(k, n)
+        elif qt.data_type == TensorProto.UINT4:
+            q = unpack_int4(qt.raw_data, k * n).reshape(k, n).view(np.uint8) & np.uint8(0x0F)
         else:
             q = numpy_helper.to_array(qt)
         w = dequantize_blocks(q, numpy_helper.to_array(st), block)

@@ -150,11 +150,14 @@ def read_manifest(graph_dir: str) -> dict:
 
 def weight_format(manifest: dict | None) -> dict:
     """The weight format recorded in a manifest's ``weights`` entry: ``{"dtype": "float32"}`` or, for a
-    set built with ``synflux-build --weights int8|int4``, ``{"dtype": "int4", "block": 32, ...}``."""
+    set built with ``synflux-build --weights int8|int4``, ``{"dtype": "int4", "block": 32, ...}``, with
+    ``ggml_carried`` ({GGML type: weights}) where blocks of a GGUF file were carried over."""
     w = (manifest or {}).get("weights") or {}
     fmt = {"dtype": str(w.get("dtype") or "float32")}
     if fmt["dtype"] != "float32":
         fmt["block"] = w.get("block")
+        if w.get("ggml_carried"):
+            fmt["ggml_carried"] = dict(w["ggml_carried"])
     return fmt
 
 
