@@ -71,6 +71,15 @@ Options (``executor.options`` in the model config)
                              shared, see above)
 ``mmap_weights``             map weights.bin instead of reading it (pages are loaded on first use and may
                              be evicted under memory pressure); default false
+``fusions``                  false (default) | true | list of ``rms_norm``, ``skip_rms_norm``, ``rotary``,
+                             ``attention``: rewrite the decoder graphs at load into ORT's fused kernels
+                             (SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization,
+                             com.microsoft RotaryEmbedding, GroupQueryAttention) with onnxscript's rewriter
+                             (:mod:`synflux_ros.backends.ort_fusions`; needs ``onnxscript``); ``true`` = rms_norm,
+                             rotary, attention. The rewritten set is written once to ``optimized_model_dir`` (or
+                             ``ort_fused/`` in the graph set's directory), keyed by the onnxscript version and the
+                             source files, and loaded with ORT's optimiser on (with ``optimized_model_dir``, the
+                             ORT-optimised set is made from it); meant for the CPU provider
 ``matmulnbits_accuracy_level`` quantized graph sets (``synflux-build --weights int8|int4``): the
                              ``accuracy_level`` of the ``MatMulNBits`` kernels ORT fuses them into
                              (``session.qdq_matmulnbits_accuracy_level``): 0 or 1 = fp32 activations (the
@@ -110,6 +119,7 @@ from ..core.config import choices_hint
 from ..core.binding import HostBufferHooks, Port, binding_plan
 from ..core.executor import Executor, GraphMeta
 from ..core.graphset import GraphSetError, GraphSetNotFoundError
+from . import ort_fusions
 
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
            "all": "ORT_ENABLE_ALL"}
@@ -128,7 +138,7 @@ _ONNX_STORAGE = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int
 
 _OPTIONS = ("providers", "intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
             "optimized_model_dir", "share_weights", "prepack", "mmap_weights", "allow_spinning",
-            "matmulnbits_accuracy_level")
+            "matmulnbits_accuracy_level", "fusions")
 _IGNORED_OPTIONS = ("latency_ms",)  # the mock's simulated latency; the factory passes it to every backend
 
 _CACHE_KEY = "ort_optimized"
@@ -235,9 +245,11 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
             raise ValueError("onnxruntime executor: optimized_model_dir cannot be used with the TensorRT execution "
                              "provider (ORT cannot save compiled TensorRT nodes); use its engine cache instead "
                              "(provider options trt_engine_cache_enable / trt_engine_cache_path)")
+        self.fusions = ort_fusions.parse(opts.get("fusions", False))
         self._cpu_only = all(n == "CPUExecutionProvider" for n, _ in self.providers)
         self._load_dir = graph_dir
         self._from_cache = False
+        self._cache_level = "disable"  # ORT's optimiser level for the graphs of a cached set
         self._manifest: dict | None = None
         self._weights: np.ndarray | None = None
         self._weights_file = ""
@@ -295,9 +307,31 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
 
     def _cached_graph_set(self) -> str:
         """Directory of a compiled copy of the graph set to load instead of ``graph_dir`` ('' = none); its
-        graphs are ``<name>.onnx`` and load with ORT's optimiser off. Here: the ``optimized_model_dir``
-        cache; an execution provider with a compiled form of its own overrides this."""
-        return self._optimized_graph_set() if self.optimized_model_dir else ""
+        graphs are ``<name>.onnx`` and load with ORT's optimiser off (``_cache_level``). Here: the
+        ``optimized_model_dir`` cache, made from the fused set with ``fusions``, or the fused set alone
+        (loaded with the optimiser on); an execution provider with a compiled form of its own overrides
+        this."""
+        fused = self._fused_graph_set() if self.fusions else ""
+        if self.optimized_model_dir:
+            return self._optimized_graph_set(fused)
+        self._cache_level = self.graph_optimization_level
+        return fused
+
+    def _fused_graph_set(self) -> str:
+        """Directory of the graph set rewritten into ORT's fused kernels (``fusions``,
+        :mod:`synflux_ros.backends.ort_fusions`), in ``optimized_model_dir`` or else ``ort_fused/`` in the
+        graph set's directory; written on the first load, reused while the sources and versions match."""
+        paths = {meta.name: self._source_path(meta) for meta in self.graphs.values()}
+        cache = self.optimized_model_dir or os.path.join(self.graph_dir, "ort_fused")
+        return ort_fusions.fused_graph_set(self.graph_dir, list(self.graphs.values()), paths, cache, self.fusions)
+
+    def _source_path(self, meta: GraphMeta, source: str = "") -> str:
+        """The file of ``meta`` in the graph set (``source``: a cached copy) to build a cache from."""
+        path = os.path.join(source, f"{meta.name}.onnx") if source else super().graph_path(meta)
+        if not os.path.isfile(path):
+            raise GraphSetNotFoundError(f"onnxruntime executor: graph {meta.name!r}: {path} not found; "
+                                        f"{graphset.BUILD_HINT.format(dir=self.graph_dir)}")
+        return path
 
     def graph_path(self, meta: GraphMeta) -> str:
         if self._from_cache:
@@ -429,7 +463,7 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         if not os.path.isfile(path):
             raise GraphSetNotFoundError(f"onnxruntime executor: graph {meta.name!r}: {path} not found; "
                                         f"{graphset.BUILD_HINT.format(dir=self._load_dir)}")
-        level = "disable" if self._from_cache else self.graph_optimization_level
+        level = self._cache_level if self._from_cache else self.graph_optimization_level
         so, shared = self._session_options(meta, path, level, self._prepack_for(meta))
         session = self._create_session(meta, path, so)
         views = self._check_io(session, meta, path)
@@ -504,25 +538,21 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         return self._handles[graph].shared_initializers
 
     # ------------------------------------------------------------------ optimised-model cache
-    def _cache_fingerprint(self, manifest: dict) -> dict:
+    def _cache_fingerprint(self, manifest: dict, source: str = "") -> dict:
         files = {}
         for meta in self.graphs.values():
-            path = super().graph_path(meta)
-            if not os.path.isfile(path):
-                raise GraphSetNotFoundError(f"onnxruntime executor: graph {meta.name!r}: {path} not found; "
-                                            f"{graphset.BUILD_HINT.format(dir=self.graph_dir)}")
-            st = os.stat(path)
+            st = os.stat(self._source_path(meta, source))
             files[meta.name] = [st.st_size, st.st_mtime_ns]
         wfile = (manifest.get("weights") or {}).get("file", "")
         if wfile:
-            st = os.stat(os.path.join(self.graph_dir, wfile))
+            st = os.stat(os.path.join(source or self.graph_dir, wfile))
             files[wfile] = [st.st_size, st.st_mtime_ns]
         return {"onnxruntime": self._ort.__version__, "machine": platform.machine(),
                 "providers": [n for n, _ in self.providers],
                 "graph_optimization_level": self.graph_optimization_level,
                 "matmulnbits_accuracy_level": self.matmulnbits_accuracy_level,
                 "prepacked": sorted(m.name for m in self.graphs.values() if self._prepack_for(m)),
-                "source": os.path.abspath(self.graph_dir), "config_hash": manifest.get("config_hash", ""),
+                "source": os.path.abspath(source or self.graph_dir), "config_hash": manifest.get("config_hash", ""),
                 "files": files}
 
     def _cache_valid(self, directory: str, fingerprint: dict, key: str = _CACHE_KEY) -> bool:
@@ -534,10 +564,11 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         return data.get(key) == fingerprint and all(
             os.path.isfile(os.path.join(directory, f"{name}.onnx")) for name in self.graphs)
 
-    def _optimized_graph_set(self) -> str:
-        """Directory of the ORT-optimised graph set for this configuration, built when missing."""
-        manifest = graphset.read_manifest(self.graph_dir)
-        fingerprint = self._cache_fingerprint(manifest)
+    def _optimized_graph_set(self, source: str = "") -> str:
+        """Directory of the ORT-optimised graph set for this configuration, built when missing from the graph
+        set (or from its cached copy ``source``, the fused set)."""
+        manifest = graphset.read_manifest(source or self.graph_dir)
+        fingerprint = self._cache_fingerprint(manifest, source)
         digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
         label = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(manifest.get("model") or "graphs"))
         target = os.path.join(self.optimized_model_dir, f"{label}-{digest}")
@@ -553,10 +584,10 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         raw_dir = os.path.join(work, "ort")
         os.makedirs(raw_dir, exist_ok=True)
         try:
-            self._open_graph_set(self.graph_dir)
+            self._open_graph_set(source or self.graph_dir)
             paths = {}
             for meta in self.graphs.values():
-                src = super().graph_path(meta)
+                src = self._source_path(meta, source)
                 prepack = self._prepack_for(meta)
                 so, _ = self._session_options(meta, src, self.graph_optimization_level, prepack)
                 so.log_severity_level = 3  # the "hardware specific optimisations" warning is expected here

@@ -201,3 +201,25 @@ def test_the_executor_runs_affine_weights_as_matmulnbits(sets, tmp_path):
     assert sum(n.name.endswith("/affine_nbits") for n in m.graph.node) == 3
     assert os.stat(os.path.join(sets["int4"], "decode_64.onnx")).st_mtime_ns == before
     assert json.load(open(os.path.join(sets["int4"], "manifest.json")))["weights"]["dtype"] == "int4"
+
+
+def test_fused_kernels_keep_the_carried_weights(sets):
+    """The fusions option (ort_fusions) rewrites the carried int4 graphs too: the fused set keeps the
+    weight format (so the affine Q4_1 weights are still rewritten to MatMulNBits at load) and computes what
+    the float32 set computes."""
+    pytest.importorskip("onnxscript")
+    ids = np.random.default_rng(2).integers(0, 300, 10)
+    fp = _logits(sets["exact_float32"], ids, 5)
+    cfg = load_config(os.path.join(sets["exact_int4"], "config.yaml"))
+    ex = create_executor(cfg.with_overrides(executor={"options": {"fusions": True, **EXACT}}))
+    try:
+        assert ex._from_cache and "ort_fused" in ex._load_dir
+        assert graphset.weight_format(ex._manifest)["ggml_carried"] == {"Q4_0": 3, "Q4_1": 4, "Q8_0": 2}
+        assert len([k for k in ex._affine._made if k[0] != "block_sums"]) == 4
+        fused = onnx.load(os.path.join(ex._load_dir, "decode_64.onnx"), load_external_data=False)
+        assert any(n.op_type == "GroupQueryAttention" for n in fused.graph.node)
+    finally:
+        ex.close()
+    got = _logits(sets["exact_int4"], ids, 5, {"fusions": True, **EXACT})
+    scale = float(np.abs(fp).max())
+    assert float(np.abs(got - fp).max()) <= 1e-4 * max(scale, 1.0)

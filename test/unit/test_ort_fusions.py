@@ -1,0 +1,318 @@
+"""The onnxruntime executor's ``fusions`` option (synflux_ros/backends/ort_fusions.py): decoder graphs built by
+synflux-build, rewritten at load into ORT's fused kernels, compute what the portable graphs compute."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+import onnx  # noqa: E402
+
+from synflux_ros.backends import build_executor, ort_fusions  # noqa: E402
+from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.core import graphset  # noqa: E402
+from synflux_ros.core.config import from_dict, load_config  # noqa: E402
+from synflux_ros.core.graphs import graph_set  # noqa: E402
+from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402
+from synflux_ros.pieces.backbone import LLMBackbone  # noqa: E402
+from synflux_ros.runtimes.stack import create_executor  # noqa: E402
+
+HAVE_ONNXSCRIPT = True
+try:
+    import onnxscript  # noqa: F401
+except ImportError:
+    HAVE_ONNXSCRIPT = False
+needs_onnxscript = pytest.mark.skipif(not HAVE_ONNXSCRIPT, reason="needs onnxscript (pip install onnxscript)")
+
+LAYERS = 2
+DECODER = ("prefill_8", "prefill_32", "decode_64", "decode_128")
+
+
+def config(architecture="qwen3", kv_dtype="float32", vocab=512):
+    return from_dict({
+        "name": f"fusions-{architecture}", "mode": "vlm",
+        "vision": {"resolution": [64, 64], "tile_size": [64, 64], "tokens_per_tile": 4},
+        "llm": {"num_layers": LAYERS, "hidden_dim": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                "intermediate_size": 128, "vocab_size": vocab, "architecture": architecture, "kv_dtype": kv_dtype,
+                # decode_64 reads the first 64 of 128 cache positions (a Slice of each view), decode_128 all
+                "prefill_buckets": [8, 32], "decode_buckets": [64, 128], "max_seq_len": 128},
+        "text": {"max_new_tokens": 8},
+        "executor": {"backend": "onnxruntime"},
+    })
+
+
+def build_set(out, **kw) -> str:
+    build_tool.build(config(**kw), str(out), seed=3)
+    return str(out)
+
+
+@pytest.fixture(scope="module", params=[("qwen3", "float32"), ("llama", "float32"), ("qwen3", "float16")],
+                ids=lambda p: "-".join(p))
+def gset(request, tmp_path_factory):
+    arch, kv_dtype = request.param
+    return build_set(tmp_path_factory.mktemp(f"g_{arch}_{kv_dtype}"), architecture=arch, kv_dtype=kv_dtype)
+
+
+def executor(graph_dir, **options):
+    cfg = load_config(os.path.join(graph_dir, "config.yaml"))
+    ex = build_executor("onnxruntime", graph_set(cfg), graph_dir, {"intra_op_num_threads": 1, **options})
+    return cfg, ex.load()
+
+
+def kv_slot(ex, cfg, values):
+    """The executor's KV slot (allocated on first use) holding ``values``."""
+    slot = getattr(ex, "_test_slot", None)
+    if slot is None:
+        slot = ex._test_slot = ex.alloc_tensor("kv", cfg.llm.kv_shape, cfg.llm.kv_dtype)
+    ex.write(slot, (Ellipsis,), values)
+    return slot
+
+
+def fused_dir(ex) -> Path:
+    assert ex._from_cache
+    return Path(ex._load_dir)
+
+
+def ops(path) -> dict:
+    return ort_fusions.count_ops(onnx.load(str(path), load_external_data=False))
+
+
+# ------------------------------------------------------------------------------------------ what is fused
+@needs_onnxscript
+def test_decoder_graphs_get_the_fused_kernels(gset):
+    cfg, ex = executor(gset, fusions=True)
+    sub = fused_dir(ex)
+    assert sub.parent == Path(gset) / "ort_fused"
+    counts = graphset.read_manifest(str(sub))["fusion_counts"]
+    norms = LAYERS * (4 if cfg.llm.architecture == "qwen3" else 2) + 1  # + q/k norms; + the final norm
+    for name in DECODER:
+        assert counts[name] == {"rms_norm": norms, "rotary": 2 * LAYERS, "attention": LAYERS}, name
+        found = ops(sub / f"{name}.onnx")
+        assert found.get("SimplifiedLayerNormalization") == norms
+        assert found.get("com.microsoft.RotaryEmbedding") == 2 * LAYERS
+        assert found.get("com.microsoft.GroupQueryAttention") == LAYERS
+        for gone in ("Softmax", "Neg", "Pow", "Sqrt", "Where"):
+            assert gone not in found, (name, gone, found)
+        # the graph set's own files stay standard ONNX at opset 17
+        source = onnx.load(os.path.join(gset, f"{name}.onnx"), load_external_data=False)
+        assert {n.domain for n in source.graph.node} == {""}
+        assert [(o.domain, o.version) for o in source.opset_import] == [("", 17)]
+    # the vision encoder and the embedding graphs have nothing to fuse
+    assert not any(counts["vision_encoder"].values()) and not any(counts["embed_8"].values())
+    ex.close()
+
+
+@needs_onnxscript
+def test_a_list_selects_the_fusions(gset, tmp_path):
+    cfg, ex = executor(gset, fusions=["rotary", "skip_rms_norm"], optimized_model_dir=str(tmp_path / "c"))
+    (fused,) = [d for d in (tmp_path / "c").iterdir() if "-fused-" in d.name]
+    found = ops(fused / "decode_128.onnx")
+    assert found.get("com.microsoft.RotaryEmbedding") == 2 * LAYERS
+    # residual adds fused into the norm after them: per layer after attention and after the MLP but the last
+    assert found.get("com.microsoft.SkipSimplifiedLayerNormalization") == 2 * LAYERS
+    assert "com.microsoft.GroupQueryAttention" not in found and "Softmax" in found
+    ex.close()
+
+
+# ------------------------------------------------------------------------------------------ numerics
+def _feeds(cfg, name, cache_position, num_tokens, rng):
+    llm = cfg.llm
+    kv = rng.standard_normal(llm.kv_shape).astype(llm.kv_dtype)
+    if name.startswith("prefill"):
+        p = int(name.split("_")[1])
+        return {"inputs_embeds": rng.standard_normal((1, p, llm.hidden_dim)).astype(np.float32),
+                "num_tokens": np.array([num_tokens], np.int64),
+                "cache_position": np.array([cache_position], np.int64), "past_kv": kv}
+    return {"input_ids": np.array([[int(rng.integers(llm.vocab_size))]], np.int64),
+            "cache_position": np.array([cache_position], np.int64), "past_kv": kv}
+
+
+CASES = [("prefill_8", 0, 8), ("prefill_8", 5, 3), ("prefill_8", 117, 8), ("prefill_32", 0, 32),
+         ("prefill_32", 40, 17), ("prefill_32", 100, 28),  # the 4 padded rows pass the cache's end
+         ("decode_64", 0, 1), ("decode_64", 1, 1), ("decode_64", 37, 1), ("decode_64", 63, 1),
+         ("decode_128", 64, 1), ("decode_128", 127, 1)]
+
+
+@needs_onnxscript
+def test_logits_and_new_kv_equal_the_portable_graphs(gset):
+    cfg, plain = executor(gset)
+    _, fused = executor(gset, fusions=True)
+    rng = np.random.default_rng(0)
+    for name, cache_position, n in CASES:
+        f = _feeds(cfg, name, cache_position, n, rng)
+        want = plain.run(name, {**f, "past_kv": kv_slot(plain, cfg, f["past_kv"])})
+        got = fused.run(name, {**f, "past_kv": kv_slot(fused, cfg, f["past_kv"])})
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-4, err_msg=f"{name}@{cache_position} {key}")
+        assert np.abs(want["logits"]).max() > 1e-3  # not trivially equal
+    plain.close()
+    fused.close()
+
+
+def _greedy(graph_dir, prompt, steps, **options):
+    cfg = load_config(os.path.join(graph_dir, "config.yaml"))
+    cfg = cfg.with_overrides(executor={"backend": "onnxruntime", "graph_dir": graph_dir,
+                                       "options": {"intra_op_num_threads": 1, **options}})
+    ex = create_executor(cfg)
+    pool = KVCachePool(ex, 1, cfg.llm.kv_shape, cfg.llm.kv_dtype, "kv")
+    ex.freeze()
+    llm, slot = LLMBackbone(cfg, ex), pool.tensor(0)
+    logits = llm.prefill(slot, 0, llm.embed(prompt))
+    tokens, pos = [], len(prompt)
+    for _ in range(steps):
+        tokens.append(int(np.argmax(logits)))
+        logits = llm.decode(slot, pos, tokens[-1])
+        pos += 1
+    follow = np.array(tokens[:5], np.int64)  # a second turn prefilled on top of the cache
+    last = llm.prefill(slot, pos, llm.embed(follow))
+    ex.close()
+    return tokens, last
+
+
+@needs_onnxscript
+def test_greedy_tokens_are_identical(gset):
+    prompt = np.random.default_rng(1).integers(0, 512, 21).astype(np.int64)
+    want, want_last = _greedy(gset, prompt, 50)
+    got, got_last = _greedy(gset, prompt, 50, fusions=True)
+    assert got == want
+    np.testing.assert_allclose(got_last, want_last, rtol=0, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ cache
+@needs_onnxscript
+def test_the_fused_set_is_written_once_and_reused(tmp_path, monkeypatch):
+    gdir = build_set(tmp_path / "g")
+    _, ex = executor(gdir, fusions=True)
+    sub = fused_dir(ex)
+    manifest = graphset.read_manifest(str(sub))
+    assert manifest[ort_fusions.CACHE_KEY]["onnxscript"] == onnxscript.__version__
+    assert manifest[ort_fusions.CACHE_KEY]["fusions"] == list(ort_fusions.DEFAULT_FUSIONS)
+    stamps = {p.name: p.stat().st_mtime_ns for p in sub.iterdir()}
+    ex.close()
+
+    def no_rewrite(*args, **kwargs):
+        raise AssertionError("the fused set was rewritten although nothing changed")
+    monkeypatch.setattr(ort_fusions, "fuse_model", no_rewrite)
+    _, ex2 = executor(gdir, fusions=True)
+    assert fused_dir(ex2) == sub
+    assert {p.name: p.stat().st_mtime_ns for p in sub.iterdir()} == stamps
+    ex2.close()
+    monkeypatch.undo()
+
+    # a changed source file (or another fusion list) gives a new fused set
+    os.utime(os.path.join(gdir, "decode_64.onnx"))
+    _, ex3 = executor(gdir, fusions=True)
+    assert fused_dir(ex3) != sub and fused_dir(ex3).parent == sub.parent
+    ex3.close()
+
+
+@needs_onnxscript
+def test_fusions_with_optimized_model_dir_chain_both_caches(tmp_path):
+    gdir = build_set(tmp_path / "g")
+    cache = tmp_path / "cache"
+    cfg, ex = executor(gdir, fusions=True, optimized_model_dir=str(cache))
+    fused = [d for d in cache.iterdir() if d.is_dir() and "-fused-" in d.name]
+    optimized = [d for d in cache.iterdir() if d.is_dir() and "-fused-" not in d.name]
+    assert len(fused) == 1 and len(optimized) == 1 and Path(ex._load_dir) == optimized[0]
+    key = graphset.read_manifest(str(optimized[0]))["ort_optimized"]
+    assert key["source"] == str(fused[0])
+    _, plain = executor(gdir)
+    f = _feeds(cfg, "decode_128", 90, 1, np.random.default_rng(5))
+    want = plain.run("decode_128", {**f, "past_kv": kv_slot(plain, cfg, f["past_kv"])})
+    got = ex.run("decode_128", {**f, "past_kv": kv_slot(ex, cfg, f["past_kv"])})
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=0, atol=1e-4)
+    ex.close()
+    plain.close()
+
+
+# ------------------------------------------------------------------------------------------ weights once
+@needs_onnxscript
+def test_the_fused_set_holds_the_weights_once_and_shares_them(gset):
+    cfg, ex = executor(gset, fusions=True)
+    sub = fused_dir(ex)
+    source = os.path.getsize(os.path.join(gset, "weights.bin"))
+    half_tables = 2 * cfg.llm.max_seq_len * cfg.llm.head_dim // 2 * 4
+    assert os.path.getsize(sub / "weights.bin") <= source + half_tables + 4 * 64
+    for name in DECODER:
+        ext = graphset.external_initializers(str(sub / f"{name}.onnx"))
+        assert {t.location for t in ext} == {"weights.bin"}
+        assert ex.shared_initializers(name) == len(ext)  # every one a view of the one weights buffer
+    ex.close()
+
+
+_MEMORY_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from synflux_ros.backends import build_executor
+    from synflux_ros.core.config import load_config
+    from synflux_ros.core.graphs import graph_set
+
+    def status(key, path="/proc/self/status"):
+        for line in open(path):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    graph_dir, options = sys.argv[1], json.loads(sys.argv[2])
+    cfg = load_config(graph_dir + "/config.yaml")
+    ex = build_executor("onnxruntime", graph_set(cfg), graph_dir, {"intra_op_num_threads": 1, **options})
+    import onnx, onnxscript  # imported by either load (writing or checking a cache); not what is measured
+    base = status("VmRSS")
+    ex.load()
+    print(json.dumps({"growth": status("VmHWM") - base, "staging": ex.device_bytes,
+                      "graphs": len(ex.graphs)}))
+""")
+
+
+def _load_growth(graph_dir, options, tmp_path):
+    script = tmp_path / "measure.py"
+    script.write_text(_MEMORY_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), graph_dir, json.dumps(options)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return r["growth"] - r["staging"]
+
+
+@needs_onnxscript
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc (Linux) to read RSS")
+def test_bucket_graphs_of_the_fused_set_hold_one_copy_of_the_weights(tmp_path):
+    """Loading every graph of the fused set grows peak RSS by about one copy of the weights, as for the
+    portable set (a 131072-token vocabulary: the embedding and head tables are most of the 66 MiB)."""
+    gdir = build_set(tmp_path / "big", vocab=131072)
+    weights = os.path.getsize(os.path.join(gdir, "weights.bin"))
+    _load_growth(gdir, {"fusions": True}, tmp_path)  # writes the fused set
+    fused = _load_growth(gdir, {"fusions": True}, tmp_path)
+    plain = _load_growth(gdir, {}, tmp_path)
+    print(f"peak RSS growth: fused {fused / 2**20:.0f} MiB, portable {plain / 2**20:.0f} MiB, "
+          f"weights {weights / 2**20:.0f} MiB")
+    assert fused < 1.5 * weights, f"peak RSS growth {fused / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"
+    assert fused < plain + 0.25 * weights, (fused, plain)
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_missing_onnxscript_is_named_with_the_install_command(tmp_path, monkeypatch):
+    gdir = build_set(tmp_path / "g")
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # as if it were not installed
+    with pytest.raises(RuntimeError, match=r"fusions option needs the 'onnxscript' package \(pip install onnxscript\)"):
+        executor(gdir, fusions=True)
+    assert not (Path(gdir) / "ort_fused").exists() or not any((Path(gdir) / "ort_fused").iterdir())
+    executor(gdir, fusions=False)[1].close()  # without the option nothing needs it
+
+
+@pytest.mark.parametrize("value, error", [
+    (["rotary", "flash"], r"fusions: unknown fusion 'flash' \(choices: rms_norm, skip_rms_norm, rotary, attention\)"),
+    ("yes", r"fusions must be true, false or a list"),
+])
+def test_bad_fusions_values_are_named(value, error):
+    metas = graph_set(config())
+    with pytest.raises(ValueError, match=error):
+        build_executor("onnxruntime", metas, "", {"fusions": value})
