@@ -1,10 +1,12 @@
 """Load-time rewrite of affine 4-bit weights into onnxruntime's ``com.microsoft.MatMulNBits``.
 
-A weight carried over from a llama.cpp ``Q4_1`` tensor (``synflux-build --from-gguf F --weights int4``,
-see :mod:`synflux_ros.build.quantize`) is stored in standard ONNX as
+A weight carried over from a llama.cpp ``Q4_1`` tensor (``synflux-build --from-gguf F --weights int4``
+or ``int8``, see :mod:`synflux_ros.build.quantize`) is stored in standard ONNX as
 
     W = Reshape(Add(Reshape(DequantizeLinear(Wq [K, N] uint4, d [K/B, N], axis=0, block_size=B),
                             [K/B, B, N]), m [K/B, 1, N]), [K, N])        (W = d * q + m per block)
+
+(``Wq`` uint8 holding 0..15 with ``--weights int8``; a uint8 chain with larger values is left as it is)
 
 and read by ``MatMul(x, W)``. ONNX Runtime's optimiser fuses ``DequantizeLinear`` + ``MatMul`` only, so
 this chain would dequantize the whole weight on every call. :func:`AffineWeights.rewrite` computes the
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-UINT4, FLOAT = 21, 1  # onnx.TensorProto data types
+UINT8, UINT4, FLOAT = 2, 21, 1  # onnx.TensorProto data types
 
 
 @dataclass
@@ -40,6 +42,7 @@ class _Chain:
     block: int
     k: int
     n: int
+    bytes: bool = False  # the 4-bit values in UINT8 storage
 
 
 def _find_chains(graph) -> list[_Chain]:
@@ -61,11 +64,11 @@ def _find_chains(graph) -> list[_Chain]:
             continue
         q = inits[dq.input[0]]
         attrs = {a.name: a.i for a in dq.attribute}
-        if q.data_type != UINT4 or len(q.dims) != 2 or attrs.get("axis", 1) != 0 or not attrs.get("block_size"):
+        if q.data_type not in (UINT4, UINT8) or len(q.dims) != 2 or attrs.get("axis", 1) != 0 or not attrs.get("block_size"):
             continue
         k, n = int(q.dims[0]), int(q.dims[1])
         chains.append(_Chain(r2.output[0], [dq, r1, add, r2], dq.input[0], dq.input[1], add.input[1],
-                             int(attrs["block_size"]), k, n))
+                             int(attrs["block_size"]), k, n, q.data_type == UINT8))
     return chains
 
 
@@ -148,7 +151,9 @@ class AffineWeights:
             key = tuple(k for k, _ in raw)
             made = self._made.get(key)
             if made is None:
-                q = unpack_uint4(raw[0][1], c.k * c.n).reshape(c.k, c.n)
+                q = (raw[0][1][:c.k * c.n] if c.bytes else unpack_uint4(raw[0][1], c.k * c.n)).reshape(c.k, c.n)
+                if c.bytes and int(q.max(initial=0)) > 15:
+                    continue  # 8-bit values: not this affine 4-bit form, left for ORT as it is
                 d, m = raw[1][1].view(np.float32), raw[2][1].view(np.float32)
                 arrays = matmulnbits_tensors(q, d, m, c.block)
                 made = self._made[key] = (arrays, [self._make_value(a) for a in arrays])

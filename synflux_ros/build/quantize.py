@@ -37,7 +37,7 @@ GGML     ``--weights int4``  ``--weights int8``
 =======  ==================  =====================================================================
 Q4_0     INT4 ``q - 8``, d   INT8 ``q - 8``, d
 Q8_0     INT8 ``q``, d       INT8 ``q``, d
-Q4_1     UINT4 ``q``, d, +m  quantized again (int8 cannot hold ``d * q + m`` exactly)
+Q4_1     UINT4 ``q``, d, +m  UINT8 ``q`` (0..15), d, +m
 =======  ==================  =====================================================================
 
 Q4_1 is affine (``x = d * q + m``, ``m`` a float per block), which ``DequantizeLinear`` cannot express
@@ -46,8 +46,9 @@ with its integer zero point, so it is written in standard ONNX as
     MatMul(x, Reshape(Add(Reshape(DequantizeLinear(Wq_u4, d, axis=0, block_size=32), [K/32, 32, N]),
                           m [K/32, 1, N]), [K, N]))
 
-which onnxruntime's optimiser does not fuse; the onnxruntime executor rewrites it at load into one
-``MatMulNBits`` with float zero points ``-m / d`` (``backends/ort_quant.py``).
+(``Wq_u8`` with ``--weights int8``: the same 4-bit values in 8-bit storage, so a Q4_1 file's weights are
+exact at either size), which onnxruntime's optimiser does not fuse; the onnxruntime executor rewrites it at
+load into a 4-bit ``MatMulNBits`` plus a block-minimum correction (``backends/ort_quant.py``).
 """
 from __future__ import annotations
 
@@ -202,10 +203,11 @@ def _quantized_tensors(name: str, w: np.ndarray, dtype: str, block: int, carry: 
             q4 = q.astype(np.int8) - np.int8(8)
             return helper.make_tensor(name + "_q", TensorProto.INT4, list(q.shape), pack_int4(q4), raw=True), \
                 numpy_helper.from_array(d, name + "_scale"), None, type_name
-        if type_name == "Q4_1" and dtype == "int4":
+        if type_name == "Q4_1":  # affine: 4-bit values in UINT4 (int4) or UINT8 (int8) storage, + the minima
             k, n = q.shape
-            return helper.make_tensor(name + "_q", TensorProto.UINT4, list(q.shape), pack_int4(q), raw=True), \
-                numpy_helper.from_array(d, name + "_scale"), \
+            qt = helper.make_tensor(name + "_q", TensorProto.UINT4, list(q.shape), pack_int4(q), raw=True) \
+                if dtype == "int4" else numpy_helper.from_array(q.astype(np.uint8), name + "_q")
+            return qt, numpy_helper.from_array(d, name + "_scale"), \
                 numpy_helper.from_array(np.ascontiguousarray(m.reshape(k // 32, 1, n)), name + "_min"), type_name
     q, scale = quantize_blocks(w, dtype, block)
     if dtype == "int8":

@@ -54,7 +54,7 @@ def sets(tmp_path_factory):
             args += ["--weights", weights, "--block", "32"]
         assert build_tool.main(args) == 0
     exact = write_gguf(d / "exact.gguf", "llama", seed=6, types=ALL_CARRIED, tied=True)
-    for weights in ("float32", "int4"):
+    for weights in ("float32", "int4", "int8"):
         out[f"exact_{weights}"] = str(d / f"exact_{weights}")
         args = ["--config", base_yaml(d), "--out", out[f"exact_{weights}"], "--from-gguf", exact]
         assert build_tool.main(args + (["--weights", weights] if weights != "float32" else [])) == 0
@@ -100,14 +100,18 @@ def test_the_files_blocks_are_carried_over(sets):
     # int4: layer 0 qkv/gate-up (Q4_1), o (Q4_0), down (Q8_0 as int8); layer 1 o (Q4_1), down (Q4_0); the
     # head (Q8_0); layer 1's mixed QKV and Q5_0 gate-up are quantized again
     assert int4["scheme"] == "symmetric+ggml" and int4["ggml_carried"] == {"Q4_0": 2, "Q4_1": 3, "Q8_0": 2}
-    # int8 holds Q4_0 and Q8_0 exactly, not Q4_1 (d * q + m)
-    assert int8["ggml_carried"] == {"Q4_0": 2, "Q8_0": 2}
+    # int8 holds them all too: Q4_1's 4-bit values in 8-bit storage, with the minima added
+    assert int8["ggml_carried"] == {"Q4_0": 2, "Q4_1": 3, "Q8_0": 2}
     m = onnx.load(os.path.join(sets["int4"], "decode_64.onnx"), load_external_data=False)
     inits = {t.name: t.data_type for t in m.graph.initializer}
     kinds = sorted(inits[n.input[0]] for n in m.graph.node if n.op_type == "DequantizeLinear")
     P = onnx.TensorProto
     assert kinds.count(P.UINT4) == 3 and kinds.count(P.INT8) == 2 and kinds.count(P.INT4) == 4, kinds
     assert sum(n.op_type == "Add" and n.name.endswith("_add_min") for n in m.graph.node) == 3
+    m8 = onnx.load(os.path.join(sets["int8"], "decode_64.onnx"), load_external_data=False)
+    inits8 = {t.name: t for t in m8.graph.initializer}
+    kinds8 = sorted(inits8[n.input[0]].data_type for n in m8.graph.node if n.op_type == "DequantizeLinear")
+    assert kinds8.count(P.UINT8) == 3 and kinds8.count(P.INT8) == 6, kinds8
 
 
 def test_dequantized_graphs_hold_the_files_values_bitwise(sets, tmp_path):
@@ -149,6 +153,11 @@ def test_carried_int4_logits_equal_fp32(sets):
     assert scale > 1e-2
     exact = float(np.abs(_logits(sets["exact_int4"], ids, 5, EXACT) - fp).max())
     assert exact <= 1e-4 * max(scale, 1.0), (exact, scale)
+    # int8 holds the same blocks (Q4_0 as int8, Q4_1 as 4-bit values in uint8): the same logits
+    assert graphset.read_manifest(sets["exact_int8"])["weights"]["ggml_carried"] == {"Q4_0": 3, "Q4_1": 4,
+                                                                                   "Q8_0": 2}
+    exact8 = float(np.abs(_logits(sets["exact_int8"], ids, 5, EXACT) - fp).max())
+    assert exact8 <= 1e-4 * max(scale, 1.0), (exact8, scale)
     default = float(np.abs(_logits(sets["exact_int4"], ids, 5) - fp).max())
     assert default <= 0.05 * scale, (default, scale)
 
@@ -188,12 +197,13 @@ def test_the_executor_runs_affine_weights_as_matmulnbits(sets, tmp_path):
     before = os.stat(os.path.join(sets["int4"], "decode_64.onnx")).st_mtime_ns
     ex = create_executor(cfg.with_overrides(executor={"options": {"optimized_model_dir": cache}}))
     ex.close()
-    ex = create_executor(cfg)
-    try:
-        made = ex._affine._made
-        assert len([k for k in made if k[0] != "block_sums"]) == 3  # 3 affine weights, for all graphs at once
-    finally:
-        ex.close()
+    for weights in ("int4", "int8"):  # int8: the same 4-bit values in uint8 storage
+        ex = create_executor(load_config(os.path.join(sets[weights], "config.yaml")))
+        try:
+            made = ex._affine._made
+            assert len([k for k in made if k[0] != "block_sums"]) == 3  # 3 affine weights, for all graphs at once
+        finally:
+            ex.close()
     (sub,) = os.listdir(cache)
     m = onnx.load(os.path.join(cache, sub, "decode_64.onnx"), load_external_data=False)
     ops = [n.op_type for n in m.graph.node]
