@@ -334,20 +334,30 @@ def status(key, path="/proc/self/status"):
             return int(line.split()[1]) * 1024
 def pss():
     return status("Pss:", "/proc/self/smaps_rollup")
+import numpy as np
 from synflux_ros.bench.llm import graph_config
+from synflux_ros.core.graphs import seeded_feeds
 from synflux_ros.runtimes.stack import create_executor
 import onnxruntime
 base, base_pss = status("VmRSS:"), pss()
-ex = create_executor(graph_config(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])))
+cfg = graph_config(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]))
+ex = create_executor(cfg)
+loaded = pss() - base_pss
+kv = ex.alloc_tensor("kv", cfg.llm.kv_shape, cfg.llm.kv_dtype)
+rng = np.random.default_rng(0)
+for meta in ex.graphs.values():  # every graph once: mapped weights are read, kernels' buffers made
+    ex.run(meta.name, seeded_feeds(meta, cfg, rng, kv))
 print(json.dumps({"rss_peak_growth": status("VmHWM:") - base, "rss_growth": status("VmRSS:") - base,
-                  "pss_growth": pss() - base_pss, "graphs": len(ex.graphs),
+                  "pss_growth": pss() - base_pss, "pss_growth_loaded": loaded, "graphs": len(ex.graphs),
                   "weights_file": os.path.getsize(os.path.join(sys.argv[1], "weights.bin"))}))
 """
 
 
 def graph_set_memory(graph_dir: str, threads: int, options: dict | None = None) -> dict:
     """Memory growth (peak and final RSS, and PSS: shared file pages counted once) of a fresh process that
-    loads every graph of a set with the given executor options, and the size of the set's weights file."""
+    loads every graph of a set with the given executor options and runs each once (so that mapped weights
+    are read; one KV slot and the activations are included), ``pss_growth_loaded`` after loading alone,
+    and the size of the set's weights file."""
     out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, os.path.abspath(graph_dir), str(threads),
                           json.dumps(options or {})], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
