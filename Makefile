@@ -63,11 +63,13 @@ $(RKNN_VENV)/.stamp-rknn: requirements-rknn.txt
 # The tests import the installed package (with its generated messages), not the source tree.
 # The RKNN venv is a prerequisite so that the rknn backend tests run (they skip without it).
 # The NPU simulator tests (qnn, rknn: minutes of single-instruction emulation, the rknn one single-threaded)
-# run in a second pytest process beside the others, on a DDS domain of their own; their report follows.
+# run in a second pytest process beside the others, on a DDS domain of their own; their report follows. That
+# process runs at a lower CPU priority (nice 5): its cases only need throughput, while the others start nodes and
+# wait for DDS discovery and replies under timeouts.
 SIM_TESTS := rknn or qnn
 test: install rknn-venv
 	cd test && base=$${ROS_DOMAIN_ID:-$$(( RANDOM % 100 + 1 ))}; \
-	  ROS_DOMAIN_ID=$$(( base % 101 + 1 )) $(PY) -m pytest -q -rs -p no:cacheprovider \
+	  ROS_DOMAIN_ID=$$(( base % 101 + 1 )) nice -n 5 $(PY) -m pytest -q -rs -p no:cacheprovider \
 	    --basetemp=$(abspath $(BUILD))/pytest-simulators -k "$(SIM_TESTS)" unit integration \
 	    > $(abspath $(BUILD))/test-simulators.log 2>&1 & sim=$$!; \
 	  trap "kill $$sim 2>/dev/null" INT TERM; \

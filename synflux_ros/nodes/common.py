@@ -7,6 +7,8 @@ import signal
 import statistics
 import sys
 import threading
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -144,6 +146,72 @@ COMMON_PARAMS = [
     Param("diagnostics_period", 1.0, "seconds between /diagnostics messages"),
     Param("autostart", True, "configure and activate at start-up (no lifecycle manager needed)"),
 ]
+
+
+# ------------------------------------------------------------------ service responses
+# rmw_fastrtps sends a response only once the server has matched the client's response reader, and waits
+# 100 ms for that; rclpy then reports "failed to send response (timeout)" as a RuntimeWarning and the
+# response is gone. A client that calls right after it discovered a node that has just started (or a
+# node busy loading a model) hits this: the request arrived, the answer never does. The model nodes'
+# services therefore send again until the client's reader is matched, for up to RESPONSE_RESEND_S.
+RESPONSE_RESEND_S = 5.0
+_SEND_TIMEOUT = "failed to send response (timeout)"
+_send_failures = threading.local()
+
+
+def _ensure_send_failure_hook() -> None:
+    """Count rclpy's send-timeout warnings per thread (they are emitted in the sending thread). Checked on
+    every send: ``warnings.catch_warnings`` elsewhere restores the previous hook and filters when it exits."""
+    if getattr(warnings.showwarning, "synflux_send_hook", False):
+        return
+    warnings.filterwarnings("always", message=r"failed to send response \(timeout\)", category=RuntimeWarning)
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if category is RuntimeWarning and str(message).startswith(_SEND_TIMEOUT):
+            _send_failures.count = getattr(_send_failures, "count", 0) + 1
+            return
+        shown(message, category, filename, lineno, file, line)
+    showwarning.synflux_send_hook = True
+    warnings.showwarning = showwarning
+
+
+class ResponseSender:
+    """Wraps a service's ``send_response`` (called by the executor after the callback) so that a response
+    the middleware could not deliver yet is sent again; counts what was resent and what was lost."""
+
+    def __init__(self, node, service, resend_s: float = RESPONSE_RESEND_S):
+        self.node, self.service, self.resend_s = node, service, resend_s
+        resolve = getattr(node, "resolve_service_name", None)
+        self.name = resolve(service.srv_name) if resolve is not None else service.srv_name
+        self.resent = 0  # responses that needed more than one attempt
+        self.lost = 0  # responses still undeliverable after resend_s (the client is gone or never matched)
+        self._send = service.send_response
+        service.send_response = self.send
+
+    def send(self, response, header) -> None:
+        deadline = time.monotonic() + self.resend_s
+        attempts = 0
+        while True:
+            _ensure_send_failure_hook()
+            before = getattr(_send_failures, "count", 0)
+            self._send(response, header)
+            attempts += 1
+            if getattr(_send_failures, "count", 0) == before:
+                if attempts > 1:
+                    self.resent += 1
+                    self.node.get_logger().info(f"{self.name}: response delivered on attempt "
+                                                f"{attempts} (the client's reader was not yet matched)")
+                return
+            if time.monotonic() >= deadline:
+                self.lost += 1
+                self.node.get_logger().error(
+                    f"{self.name}: response lost: the client's response reader was not matched "
+                    f"within {self.resend_s:.0f} s ({attempts} attempts); the client has gone or cannot be "
+                    f"reached")
+                return
+            time.sleep(0.05)
+
 
 
 class SynfluxNode(LifecycleNode):

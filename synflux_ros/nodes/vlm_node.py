@@ -23,7 +23,7 @@ from ..core.image import ImageError, decode_raw
 from ..runtimes.sessions import RequestError
 from ..runtimes.vlm import ChatRequest, VLMRuntime
 from ..srv import Chat, EndSession
-from .common import COMMON_PARAMS, OK, Param, SynfluxNode, median, ros_text, run_lifecycle_node
+from .common import COMMON_PARAMS, OK, Param, ResponseSender, SynfluxNode, median, ros_text, run_lifecycle_node
 
 PARAMS = [
     Param("config", "vlm_demo.yaml", "model YAML: a path, or a file name in the package's config directory"),
@@ -63,8 +63,9 @@ class VLMNode(SynfluxNode):
         if not self._chat_services:
             group = MutuallyExclusiveCallbackGroup()
             self._chat_services = [
-                self.create_service(Chat, "chat", self._on_chat, callback_group=group),
-                self.create_service(EndSession, "end_session", self._on_end, callback_group=group)]
+                ResponseSender(self, self.create_service(Chat, "chat", self._on_chat, callback_group=group)),
+                ResponseSender(self, self.create_service(EndSession, "end_session", self._on_end,
+                                                         callback_group=group))]
         s = cfg.session
         return (f"{cfg.name!r} on {cfg.executor.backend!r}: {s.max_sessions} sessions of {cfg.llm.max_seq_len} "
                 f"tokens (eviction {s.eviction})")
@@ -146,6 +147,8 @@ class VLMNode(SynfluxNode):
                   "sessions_evicted": rt.sessions.evicted, "turns_served": rt.turns_served,
                   "requests_refused": rt.requests_refused, "ttft_median_ms": ttft, "decode_tokens_per_s": tps,
                   "device_memory_mib": rt.executor.device_bytes / 2**20, "last_refusal": self._last_refusal,
+                  "responses_resent": sum(r.resent for r in self._chat_services),
+                  "responses_lost": sum(r.lost for r in self._chat_services),
                   "vision_device": rt.executor.device_of("vision_encoder"),
                   "llm_device": rt.executor.device_of(f"decode_{self.cfg.llm.decode_buckets[0]}")}
         return OK, f"{len(rt.sessions)}/{rt.kv_pool.num_slots} sessions", values

@@ -50,10 +50,22 @@ def make_config(tmp_path_factory):
     return _make
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the tail of each node's output (what the node logged is often the why)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for p in getattr(item, "synflux_nodes", []):
+            state = "running" if p.alive() else f"exited with {p.proc.returncode}"
+            report.sections.append((f"{p.name} output ({state})", p.output()[-4000:]))
+
+
 @pytest.fixture()
-def start_node(ros_env):
+def start_node(ros_env, request):
     """Start a node executable; every process is stopped (SIGINT) at the end of the test."""
     procs = []
+    request.node.synflux_nodes = procs
 
     def _start(name, params=None, namespace=None, **kw):
         remaps = dict(kw.pop("remaps", {}))

@@ -9,21 +9,21 @@ from synflux_ros.nodes import testing
 from synflux_ros.nodes.testing import call_service, rgb_image
 from synflux_ros.srv import Chat, EndSession
 
-TIMEOUT = 30.0
+TIMEOUT = 60.0  # a safety net against a hang, not a speed requirement (the tests share 2 cores)
 
 
 class ChatClient:
-    def __init__(self, node, ns: str):
-        self.node = node
+    def __init__(self, node, ns: str, timeout: float = TIMEOUT):
+        self.node, self.timeout = node, timeout
         self.chat_cli = node.create_client(Chat, f"{ns}/chat")
         self.end_cli = node.create_client(EndSession, f"{ns}/end_session")
 
     def chat(self, session_id: str, prompt: str, **kw):
         req = Chat.Request(session_id=session_id, prompt=prompt, **kw)
-        return call_service(self.node, self.chat_cli, req, TIMEOUT)
+        return call_service(self.node, self.chat_cli, req, self.timeout)
 
     def end(self, session_id: str):
-        return call_service(self.node, self.end_cli, EndSession.Request(session_id=session_id), TIMEOUT)
+        return call_service(self.node, self.end_cli, EndSession.Request(session_id=session_id), self.timeout)
 
 
 @pytest.fixture()

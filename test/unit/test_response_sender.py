@@ -1,0 +1,96 @@
+"""The model nodes send a service response again when the middleware could not deliver it yet.
+
+rmw_fastrtps drops a response whose client's response reader is not matched within 100 ms; rclpy reports
+that as the RuntimeWarning "failed to send response (timeout): ...". These tests drive ResponseSender with
+a service stand-in that fails the way rclpy does; the node-level behaviour (a fresh client calling a node
+that has just started) runs over DDS in test_vlm_node.py.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+
+pytest.importorskip("rclpy", reason="the node helpers need rclpy (run `make test`, which sets up .venv)")
+
+from synflux_ros.nodes.common import ResponseSender  # noqa: E402
+
+TIMEOUT_WARNING = ("failed to send response (timeout): client will not receive response, at "
+                   "/project/src/rmw_response.cpp:164")
+
+
+class Logger:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, msg):
+        self.lines.append(("info", msg))
+
+    def error(self, msg):
+        self.lines.append(("error", msg))
+
+
+class FakeNode:
+    def __init__(self):
+        self.logger = Logger()
+
+    def get_logger(self):
+        return self.logger
+
+
+class FlakyService:
+    """Undeliverable for the first ``failures`` sends, as rclpy reports it (a warning, no exception)."""
+    srv_name = "/robot/chat"
+
+    def __init__(self, failures: int):
+        self.failures, self.delivered, self.calls = failures, [], 0
+
+    def send_response(self, response, header):
+        self.calls += 1
+        if self.calls <= self.failures:
+            warnings.warn(TIMEOUT_WARNING, RuntimeWarning, stacklevel=2)
+            return
+        self.delivered.append((response, header))
+
+
+def test_a_response_is_sent_again_until_delivered():
+    node, srv = FakeNode(), FlakyService(failures=3)
+    sender = ResponseSender(node, srv, resend_s=5.0)
+    srv.send_response("reply", "hdr")  # what the executor calls after the callback
+    assert srv.delivered == [("reply", "hdr")] and srv.calls == 4
+    assert (sender.resent, sender.lost) == (1, 0)
+    assert any("attempt 4" in msg for level, msg in node.logger.lines if level == "info")
+
+
+def test_a_response_delivered_at_once_is_sent_once():
+    node, srv = FakeNode(), FlakyService(failures=0)
+    sender = ResponseSender(node, srv)
+    srv.send_response("reply", "hdr")
+    assert srv.calls == 1 and (sender.resent, sender.lost) == (0, 0) and node.logger.lines == []
+
+
+def test_an_undeliverable_response_is_counted_and_logged_as_lost():
+    node, srv = FakeNode(), FlakyService(failures=10**6)
+    sender = ResponseSender(node, srv, resend_s=0.3)
+    srv.send_response("reply", "hdr")
+    assert srv.delivered == [] and srv.calls >= 2
+    assert (sender.resent, sender.lost) == (0, 1)
+    errors = [msg for level, msg in node.logger.lines if level == "error"]
+    assert len(errors) == 1 and "/robot/chat: response lost" in errors[0]
+
+
+def test_failures_are_told_apart_per_thread_and_other_warnings_still_show():
+    # a send failing in one executor thread must not make another thread's send look failed
+    node = FakeNode()
+    flaky, fine = FlakyService(failures=2), FlakyService(failures=0)
+    a, b = ResponseSender(node, flaky), ResponseSender(node, fine)
+    t = threading.Thread(target=flaky.send_response, args=("r1", "h1"))
+    t.start()
+    fine.send_response("r2", "h2")
+    t.join()
+    assert (a.resent, b.resent, a.lost, b.lost) == (1, 0, 0, 0) and fine.calls == 1
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.warn("something else", RuntimeWarning)
+    assert [str(w.message) for w in seen] == ["something else"]
