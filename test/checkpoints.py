@@ -40,6 +40,8 @@ def demo_size(raw: dict) -> dict:
         return raw
     llm.update(num_layers=2, hidden_dim=64, num_heads=4, num_kv_heads=min(llm.get("num_kv_heads", 4), 2),
                head_dim=16, intermediate_size=128, vocab_size=1024)
+    if llm.get("mrope_section"):  # Qwen3-VL's t:h:w split of the rotary frequencies, for head_dim 16
+        llm["mrope_section"] = [4, 2, 2]
     vis = raw.get("vision")
     if vis:  # text-only configs have none
         vis.update(hidden_dim=32, num_layers=1, num_heads=2, intermediate_size=64)

@@ -272,7 +272,8 @@ class OpenVINOExecutor(HostBufferHooks, Executor):
             compiled = self.core.compile_model(path, self.device, config)
         except Exception as exc:  # noqa: BLE001 - OpenVINO raises RuntimeError for everything
             raise self._load_error(path, meta, exc, hint) from exc
-        plan = binding_plan(meta, self._ports(compiled.inputs), self._ports(compiled.outputs), path,
+        names = {t.name for t in (*meta.inputs, *meta.outputs)}
+        plan = binding_plan(meta, self._ports(compiled.inputs, names), self._ports(compiled.outputs, names), path,
                             "the graph set was built for another config or model; " + hint)
         try:
             from_cache = bool(compiled.get_property("LOADED_FROM_CACHE"))
@@ -301,7 +302,10 @@ class OpenVINOExecutor(HostBufferHooks, Executor):
         return RuntimeError(f"openvino executor: cannot compile graph {meta.name!r} ({path}) for device "
                             f"{self.device!r}: {_message(exc)}")
 
-    def _ports(self, ports) -> list[Port]:
+    def _ports(self, ports, known=()) -> list[Port]:
+        """Ports as the binding checks them. A port can carry several tensor names (an output that is also
+        an intermediate node's result, e.g. the Unsqueeze of a one-map stack); the name in ``known`` (the
+        manifest's) is the one reported."""
         out = []
         for p in ports:
             etype = p.get_element_type()
@@ -312,7 +316,8 @@ class OpenVINOExecutor(HostBufferHooks, Executor):
             pshape = p.get_partial_shape()
             shape = None if pshape.rank.is_dynamic else [
                 d.get_length() if d.is_static else "?" for d in pshape]
-            out.append(Port(p.get_any_name(), dtype, shape))
+            names = [n for n in p.get_names() if n in known]
+            out.append(Port(names[0] if names else p.get_any_name(), dtype, shape))
         return out
 
     def _tensor(self, buf, offset: int, shape, dtype: str):

@@ -75,6 +75,17 @@ class VisionConfig:
             raise ConfigError(f"vision.std: values must be > 0, got {list(self.std)}")
 
     @property
+    def merged_grid(self) -> tuple[int, int]:
+        """qwen3_vl: the rows and columns of one tile's token grid (tile side / (patch * merge))."""
+        unit = self.patch_size * self.spatial_merge_size
+        return self.tile_size[0] // unit, self.tile_size[1] // unit
+
+    @property
+    def num_deepstack(self) -> int:
+        """DeepStack feature maps the vision encoder returns (qwen3_vl only)."""
+        return len(self.deepstack_layers) if self.architecture == "qwen3_vl" else 0
+
+    @property
     def num_tiles(self) -> int:
         return (self.resolution[0] // self.tile_size[0]) * (self.resolution[1] // self.tile_size[1])
 
@@ -104,6 +115,11 @@ class LLMConfig:
                               doc="qwen3: q/k RMSNorm; llama: plain; gemma: (1+w) norms, GELU, scaled embeddings")
     intermediate_size: int = _spec(0, min=0, doc="MLP width (0 = 4 x hidden_dim)")
     rope_theta: float = _spec(10000.0, min=1.0)
+    mrope_section: tuple[int, ...] = _spec(
+        default_factory=tuple, min=1,
+        doc="multimodal rotary embedding (Qwen3-VL, interleaved): rotary frequencies per position axis "
+            "[t, h, w], summing to head_dim / 2; empty = 1-D positions. The prefill and decode graphs then "
+            "take position_ids [3, n]")
     rms_norm_eps: float = _spec(1e-6, min=0.0)
     tie_word_embeddings: bool = _spec(False)
 
@@ -127,6 +143,9 @@ class LLMConfig:
                 raise ConfigError(f"llm.{name}: buckets must be strictly increasing, got {list(buckets)}")
             if buckets[-1] > self.max_seq_len:
                 raise ConfigError(f"llm.{name}: bucket {buckets[-1]} exceeds max_seq_len {self.max_seq_len}")
+        if self.mrope_section and (len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2):
+            raise ConfigError(f"llm.mrope_section: three frequency counts [t, h, w] summing to head_dim / 2 "
+                              f"({self.head_dim // 2}) are needed, got {list(self.mrope_section)}")
         if self.decode_buckets[-1] != self.max_seq_len:
             raise ConfigError(f"llm.decode_buckets: the largest bucket must equal max_seq_len "
                               f"({self.max_seq_len}) so every cache position can be decoded, "
@@ -285,6 +304,12 @@ class ModelConfig:
             if not self.action.num_bins <= vocab <= self.llm.vocab_size:
                 raise ConfigError(f"action.token_vocab_size: {vocab} must lie between action.num_bins "
                                   f"({self.action.num_bins}) and llm.vocab_size ({self.llm.vocab_size})")
+        if self.llm.mrope_section:
+            if self.mode != "vlm":
+                raise ConfigError("llm.mrope_section: multimodal positions are supported for vlm configs only")
+            if self.vision is not None and (self.vision.architecture != "qwen3_vl" or self.vision.num_tiles != 1):
+                raise ConfigError("llm.mrope_section: image positions need vision.architecture qwen3_vl with one "
+                                  "tile (tile_size equal to resolution)")
         if self.mode == "vla" and self.vision.num_tokens >= self.llm.max_seq_len:
             raise ConfigError(f"llm.max_seq_len: {self.llm.max_seq_len} leaves no room after "
                               f"{self.vision.num_tokens} vision tokens")

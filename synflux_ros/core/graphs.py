@@ -12,6 +12,19 @@ L/KV/Dh = layers / kv heads / head dim, T = vision tiles)::
     action_expert_<d>   noisy_actions [1,h,a], time_embedding [1,E], prefix_len [1], past_kv
                                                                       -> velocity [1,h,a]   (flow matching)
 
+A config with ``llm.mrope_section`` (Qwen3-VL's multimodal rotary embedding) gives prefill and decode one more
+input, ``position_ids [3, n]`` int64: the rotary position of each token on the t, h and w axes (text tokens
+have three equal ones, an image's tokens the grid positions of :func:`mrope_positions`); ``cache_position``
+still says where the tokens go in the cache. A ``qwen3_vl`` vision section with ``deepstack_layers`` (K of
+them) adds ``deepstack_embeds [K, T*tokens_per_tile, H]`` to the vision encoder's outputs and
+``deepstack_embeds [K, p, H]`` to prefill's inputs: row i of map k is added to the hidden state of token i
+after decoder layer k (zero rows for text tokens)::
+
+    vision_encoder      pixel_values              -> vision_embeds [N, H], deepstack_embeds [K, N, H]
+    prefill_<p>         inputs_embeds, num_tokens, cache_position, past_kv, position_ids [3,p] i64,
+                        deepstack_embeds [K,p,H]   -> logits, new_kv
+    decode_<d>          input_ids, cache_position, past_kv, position_ids [3,1] i64 -> logits, new_kv
+
 ``time_embedding`` is the sinusoidal embedding of the flow time t (:func:`time_embedding`, E = the action
 expert's width), computed on the host in float64: its highest frequency turns t by ~1571 rad per unit, so
 a device that computed it from an fp16 t would be radians off (the QNN HTP was: velocity cosine 0.95).
@@ -62,6 +75,40 @@ def time_from_embedding(emb: np.ndarray) -> float:
     return float(np.arctan2(emb[half - 1], emb[-1]) / _time_frequencies(emb.size)[-1])
 
 
+def mrope_positions(tokens, grid: tuple[int, int] | None, start: int = 0) -> tuple[np.ndarray, int]:
+    """Rotary positions [3, n] (t, h, w) of a rendered conversation, Qwen3-VL's rule for still images, and
+    the position the next token takes.
+
+    ``tokens`` holds a token id or ``(image key, row)`` per position, an image's rows consecutive and in
+    row-major order over its merged token grid ``grid`` (rows, cols). A text token at next position s takes
+    (s, s, s); an image whose first token comes at s takes (s, s + row, s + col), and the text after it
+    continues at s + max(rows, cols). ``start`` is the position of ``tokens[0]``.
+    """
+    out = np.empty((3, len(tokens)), np.int64)
+    nxt, i, n = start, 0, len(tokens)
+    while i < n:
+        t = tokens[i]
+        if isinstance(t, (int, np.integer)):
+            out[:, i] = nxt
+            nxt += 1
+            i += 1
+            continue
+        if grid is None:
+            raise ValueError("image rows in a conversation of a model without an image grid")
+        rows, cols = grid
+        if t[1] != 0:
+            raise ValueError(f"image {t[0]!r} starts at row {t[1]}, not 0")
+        for j in range(rows * cols):
+            if i + j >= n or isinstance(tokens[i + j], (int, np.integer)) or tuple(tokens[i + j]) != (t[0], j):
+                raise ValueError(f"image {t[0]!r}: expected its {rows * cols} rows in order")
+            out[0, i + j] = nxt
+            out[1, i + j] = nxt + j // cols
+            out[2, i + j] = nxt + j % cols
+        nxt += max(rows, cols)
+        i += rows * cols
+    return out, nxt
+
+
 def select_bucket(buckets, needed: int) -> int:
     """Smallest bucket >= needed."""
     for b in buckets:
@@ -80,11 +127,14 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
     kv = kv_spec(cfg)
     ids = llm.token_id_dtype
     graphs = []
+    K = vis.num_deepstack if vis is not None else 0
+    mrope = bool(llm.mrope_section)
     if vis is not None:  # text-only chat models have no vision encoder
+        deepstack_out = (TensorSpec("deepstack_embeds", (K, vis.num_tokens, H), F32),) if K else ()
         graphs.append(GraphMeta(
             "vision_encoder", "vision_encoder",
             (TensorSpec("pixel_values", (vis.num_tiles, 3, *vis.tile_size), F32),),
-            (TensorSpec("vision_embeds", (vis.num_tokens, H), F32),),
+            (TensorSpec("vision_embeds", (vis.num_tokens, H), F32), *deepstack_out),
             file="vision_encoder.onnx"))
     for p in llm.prefill_buckets:
         graphs.append(GraphMeta(
@@ -94,13 +144,16 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
         graphs.append(GraphMeta(
             f"prefill_{p}", "prefill",
             (TensorSpec("inputs_embeds", (1, p, H), F32), TensorSpec("num_tokens", (1,), I64),
-             TensorSpec("cache_position", (1,), I64), kv),
+             TensorSpec("cache_position", (1,), I64), kv,
+             *((TensorSpec("position_ids", (3, p), I64),) if mrope else ()),
+             *((TensorSpec("deepstack_embeds", (K, p, H), F32),) if K else ())),
             (TensorSpec("logits", (1, V), F32), TensorSpec("new_kv", (L, 2, KV, p, Dh), llm.kv_dtype)),
             group="prefill", file=f"prefill_{p}.onnx", attrs={"bucket": p}))
     for d in llm.decode_buckets:
         graphs.append(GraphMeta(
             f"decode_{d}", "decode",
-            (TensorSpec("input_ids", (1, 1), ids), TensorSpec("cache_position", (1,), I64), kv),
+            (TensorSpec("input_ids", (1, 1), ids), TensorSpec("cache_position", (1,), I64), kv,
+             *((TensorSpec("position_ids", (3, 1), I64),) if mrope else ())),
             (TensorSpec("logits", (1, V), F32), TensorSpec("new_kv", (L, 2, KV, 1, Dh), llm.kv_dtype)),
             group="decode", file=f"decode_{d}.onnx", attrs={"bucket": d, "hidden_dim": H}))
     act = cfg.action
@@ -133,11 +186,16 @@ def seeded_feeds(meta: GraphMeta, cfg: ModelConfig, rng: np.random.Generator, kv
         elif name == "cache_position":  # decode: the last position of its span; prefill: after a history
             pos = bucket - 1 if meta.kind == "decode" else min(S - bucket, S // 4)
             feeds[name] = np.array([pos], spec.dtype)
+        elif name == "position_ids":  # text positions after a history (an image's rows differ per axis)
+            n = spec.shape[1]
+            first = bucket - 1 if meta.kind == "decode" else min(S - bucket, S // 4)
+            grid = rng.integers(0, 3, (3, n)) * (meta.kind != "decode")
+            feeds[name] = (first + np.arange(n)[None, :] + grid).astype(spec.dtype)
         elif name == "prefix_len":
             feeds[name] = np.array([max(1, bucket // 2)], spec.dtype)
         elif name == "time_embedding":
             feeds[name] = time_embedding(rng.uniform(0.0, 1.0), spec.shape[-1])
         else:  # pixel values, embeddings, noisy actions: Gaussian at the scale the graph sees
-            scale = 0.05 if name == "inputs_embeds" else 1.0
+            scale = 0.05 if name in ("inputs_embeds", "deepstack_embeds") else 1.0
             feeds[name] = (rng.standard_normal(spec.shape) * scale).astype(spec.dtype)
     return feeds

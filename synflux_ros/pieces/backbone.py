@@ -28,6 +28,8 @@ class LLMBackbone:
         self.decode_buckets = cfg.llm.decode_buckets
         self.max_seq = cfg.llm.max_seq_len
         self.hidden = cfg.llm.hidden_dim
+        self.mrope = bool(cfg.llm.mrope_section)
+        self.num_deepstack = cfg.vision.num_deepstack if cfg.vision is not None else 0
         # Token ids are fed in the dtype the graphs declare (llm.token_id_dtype: int64 or int32).
         self.id_dtype = np.dtype(self._id_dtype(executor, cfg))
 
@@ -59,32 +61,53 @@ class LLMBackbone:
             out[off:off + m] = self.ex.run(f"embed_{b}", {"input_ids": padded})["inputs_embeds"][0, :m]
         return out
 
-    def prefill(self, slot: DeviceTensor, start: int, embeds: np.ndarray) -> np.ndarray:
-        """Append ``embeds`` [n, H] at cache position ``start``; return the last token's logits [V]."""
+    def prefill(self, slot: DeviceTensor, start: int, embeds: np.ndarray, positions: np.ndarray | None = None,
+                deepstack: np.ndarray | None = None) -> np.ndarray:
+        """Append ``embeds`` [n, H] at cache position ``start``; return the last token's logits [V].
+        Multimodal-rope models take the tokens' rotary ``positions`` [3, n] (default: text positions, the
+        cache positions on every axis) and, with DeepStack, the maps ``deepstack`` [K, n, H] (default: zeros,
+        as for text tokens)."""
         n = embeds.shape[0]
         if n < 1:
             raise ValueError("prefill needs at least one token")
         if start + n > self.max_seq:
             raise ContextOverflowError(f"{start} cached + {n} new tokens exceed the context of {self.max_seq}")
+        if self.mrope and positions is None:
+            positions = np.broadcast_to(np.arange(start, start + n, dtype=np.int64), (3, n))
+        if self.num_deepstack and deepstack is None:
+            deepstack = np.zeros((self.num_deepstack, n, self.hidden), np.float32)
         logits = None
         for off, m, b in self._chunks(n):
             x = np.zeros((1, b, self.hidden), np.float32)
             x[0, :m] = embeds[off:off + m]
             pos = start + off
-            out = self.ex.run(f"prefill_{b}", {
-                "inputs_embeds": x, "num_tokens": np.array([m], np.int64),
-                "cache_position": np.array([pos], np.int64), "past_kv": slot})
+            feeds = {"inputs_embeds": x, "num_tokens": np.array([m], np.int64),
+                     "cache_position": np.array([pos], np.int64), "past_kv": slot}
+            if self.mrope:
+                # padded rows continue after the last valid one (their keys are discarded)
+                p = np.empty((3, b), np.int64)
+                p[:, :m] = positions[:, off:off + m]
+                p[:, m:] = p[:, m - 1:m] + np.arange(1, b - m + 1)
+                feeds["position_ids"] = p
+            if self.num_deepstack:
+                ds = np.zeros((deepstack.shape[0], b, self.hidden), np.float32)
+                ds[:, :m] = deepstack[:, off:off + m]
+                feeds["deepstack_embeds"] = ds
+            out = self.ex.run(f"prefill_{b}", feeds)
             self.ex.write(slot, np.s_[:, :, :, pos:pos + m], out["new_kv"][:, :, :, :m])
             logits = out["logits"][0]
         return logits
 
-    def decode(self, slot: DeviceTensor, pos: int, token: int) -> np.ndarray:
-        """Feed one token at cache position ``pos``; return its logits [V]."""
+    def decode(self, slot: DeviceTensor, pos: int, token: int, rope_pos: int | None = None) -> np.ndarray:
+        """Feed one token at cache position ``pos``; return its logits [V]. Multimodal-rope models take the
+        token's rotary position ``rope_pos`` too (the same on the t, h and w axes; default ``pos``)."""
         if pos >= self.max_seq:
             raise ContextOverflowError(f"cache position {pos} is beyond the context of {self.max_seq}")
         d = select_bucket(self.decode_buckets, pos + 1)
-        out = self.ex.run(f"decode_{d}", {
-            "input_ids": np.array([[token]], self.id_dtype), "cache_position": np.array([pos], np.int64),
-            "past_kv": slot})
+        feeds = {"input_ids": np.array([[token]], self.id_dtype), "cache_position": np.array([pos], np.int64),
+                 "past_kv": slot}
+        if self.mrope:
+            feeds["position_ids"] = np.full((3, 1), pos if rope_pos is None else rope_pos, np.int64)
+        out = self.ex.run(f"decode_{d}", feeds)
         self.ex.write(slot, np.s_[:, :, :, pos:pos + 1], out["new_kv"])
         return out["logits"][0]

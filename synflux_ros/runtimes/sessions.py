@@ -42,7 +42,7 @@ class Session:
     """What the slot holds, position by position: a token id, or (image key, row) for an image's rows."""
     messages: list[Message] = field(default_factory=list)
     system: str = ""  # the system prompt the session started with; "" = the template's default
-    images: dict = field(default_factory=dict)  # image key -> vision embeddings [tokens, H]
+    images: dict = field(default_factory=dict)  # image key -> its ImageFeatures (embeddings [tokens, H], ...)
     turns: int = 0
     last_used: float = field(default_factory=time.monotonic)
 

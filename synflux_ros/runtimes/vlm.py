@@ -23,6 +23,7 @@ import numpy as np
 
 from ..core.config import ConfigError, ModelConfig
 from ..core.executor import Executor
+from ..core.graphs import mrope_positions
 from ..core.image import ImageError, check_image_size
 from ..pieces.chat_template import ChatTemplateError, load_chat_template
 from ..pieces.heads.text_sampling import SamplingParams, generate
@@ -111,6 +112,10 @@ class VLMRuntime(ModelRuntime):
         if not eos:
             raise ConfigError("text.eos_token_ids: no end-of-sequence id (set it or use a tokenizer that has one)")
         self._eos = eos
+        vis = self.cfg.vision
+        self._mrope = bool(self.cfg.llm.mrope_section)
+        self._grid = vis.merged_grid if self._mrope and vis is not None else None
+        self._num_deepstack = vis.num_deepstack if vis is not None else 0
         self._lock = threading.Lock()
         self.turns_served = 0
         self.requests_refused = 0
@@ -226,7 +231,7 @@ class VLMRuntime(ModelRuntime):
             if i == self._image_id and self._image_id is not None:
                 key = keys[n]
                 n += 1
-                out += [(key, row) for row in range(images[key].shape[0])]
+                out += [(key, row) for row in range(images[key].rows)]
             else:
                 out.append(i)
         return out
@@ -236,8 +241,18 @@ class VLMRuntime(ModelRuntime):
         x = self.backbone.embed(ids)
         for pos, t in enumerate(tokens):
             if not isinstance(t, int):
-                x[pos] = images[t[0]][t[1]]
+                x[pos] = images[t[0]].embeds[t[1]]
         return x
+
+    def _deepstack(self, tokens: list, images: dict) -> np.ndarray | None:
+        """[K, n, H]: each image row's DeepStack features at its position, zeros at text positions."""
+        if not self._num_deepstack:
+            return None
+        out = np.zeros((self._num_deepstack, len(tokens), self.cfg.llm.hidden_dim), np.float32)
+        for pos, t in enumerate(tokens):
+            if not isinstance(t, int):
+                out[:, pos] = images[t[0]].deepstack[:, t[1]]
+        return out
 
     def chat(self, req: ChatRequest) -> ChatResult:
         """Serve one turn; a request that cannot be served raises :class:`RequestError` saying why."""
@@ -268,7 +283,7 @@ class VLMRuntime(ModelRuntime):
         start = existing.turns if existing else 0
         for i, img in enumerate(req.images):
             try:
-                images[(start, i)] = self.vision(img)
+                images[(start, i)] = self.vision.features(img)
             except ImageError as exc:
                 raise RequestError(f"images[{i}]: {exc}") from None
         message = Message("user", req.prompt, list(images))
@@ -301,10 +316,19 @@ class VLMRuntime(ModelRuntime):
         session.cached = min(session.cached, turn.reused)
         del session.tokens[session.cached:]
         images = {**session.images, **turn.images}
-        logits = self.backbone.prefill(slot, turn.reused, self._embed(turn.tokens[turn.reused:], images))
+        new = turn.tokens[turn.reused:]
+        positions, shift = None, None
+        if self._mrope:
+            # Rotary positions of the whole conversation (those of the reused part are what the cache holds);
+            # generated tokens continue after the last one: cache position + shift.
+            every, nxt = mrope_positions(turn.tokens, self._grid)
+            positions, shift = every[:, turn.reused:], nxt - len(turn.tokens)
+        logits = self.backbone.prefill(slot, turn.reused, self._embed(new, images), positions,
+                                       self._deepstack(new, images))
         pos = len(turn.tokens)
         rng = np.random.default_rng([self.cfg.text.seed, zlib.crc32(turn.req.session_id.encode()), session.turns])
-        gen = generate(logits, lambda p, tok: self.backbone.decode(slot, p, tok), pos, turn.params, rng, turn.t0)
+        gen = generate(logits, lambda p, tok: self.backbone.decode(slot, p, tok, None if shift is None else p + shift),
+                       pos, turn.params, rng, turn.t0)
         text_ids = [t for t in gen.tokens if t not in self._eos]
         reply = self.tokenizer.decode(text_ids)
         self._record_turn(session, turn, gen.tokens, reply)

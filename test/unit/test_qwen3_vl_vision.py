@@ -129,8 +129,10 @@ def test_matches_hf_image_features(checkpoint, image):
                                           mean=cfg.vision.mean, std=cfg.vision.std))
         pixel_values = torch.from_numpy(pre(image))
         assert tuple(pixel_values.shape) == (1, 3, H, W)
-        (embeds,) = ours_model(pixel_values)
+        graph_out = ours_model(pixel_values)  # what the vision_encoder graph returns
+        embeds = graph_out[0]
         embeds_ds, deepstack = ours_model.forward_with_deepstack(pixel_values)
+    assert len(graph_out) == 2 and torch.equal(graph_out[1], torch.stack(deepstack))
 
     ref = hf_out.pooler_output[0]
     assert embeds.shape == ref.shape == (12, LLM_HIDDEN)
@@ -164,7 +166,7 @@ def test_matches_hf_visual_with_processor_pixels(checkpoint, image):
             .permute(4, 0, 2, 5, 1, 3, 6).reshape(1, 3, H, W))
     with torch.no_grad():
         ref = hf_model.model.visual(hf_in["pixel_values"], grid_thw=hf_in["image_grid_thw"]).pooler_output
-        (embeds,) = ours_model(tile)
+        embeds = ours_model(tile)[0]
     assert per_token_cosine(embeds, ref).min().item() > 0.999
     assert (embeds - ref).abs().max().item() < 1e-4
 
@@ -189,8 +191,9 @@ def test_random_module_meets_the_graph_contract():
         again = build_qwen3_vl_vision(cfg, seed=0)(x)[0]
         other = build_qwen3_vl_vision(cfg, seed=1)(x)[0]
         embeds, deepstack = model.forward_with_deepstack(x)
-    assert isinstance(out, tuple) and len(out) == 1
+    assert isinstance(out, tuple) and len(out) == 2  # vision_embeds, deepstack_embeds
     assert tuple(out[0].shape) == meta.outputs[0].shape == (4, LLM_HIDDEN)
+    assert tuple(out[1].shape) == meta.outputs[1].shape == (1, 4, LLM_HIDDEN)
     assert out[0].dtype == torch.float32 and torch.isfinite(out[0]).all()
     assert torch.equal(out[0], again) and not torch.allclose(out[0], other)
     assert torch.equal(embeds, out[0]) and len(deepstack) == 1 and deepstack[0].shape == (4, LLM_HIDDEN)
@@ -224,18 +227,19 @@ def test_onnx_export_matches_onnxruntime(tmp_path):
     onnx.checker.check_model(graph)
     assert {op.domain for op in graph.graph.node} <= {"", "ai.onnx"}
     assert [i.name for i in graph.graph.input] == ["pixel_values"]
-    assert [o.name for o in graph.graph.output] == ["vision_embeds"]
+    assert [o.name for o in graph.graph.output] == ["vision_embeds", "deepstack_embeds"]
     # The resampled position table and the time-summed patch kernel are folded into constants.
     assert "pos_embed.weight" not in {i.name for i in graph.graph.initializer}
     assert sum(n.op_type == "Conv" for n in graph.graph.node) == 1
     assert not any(n.op_type == "ReduceSum" for n in graph.graph.node)
     x = np.random.default_rng(1).standard_normal((1, 3, 64, 64)).astype(np.float32)
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    (got,) = sess.run(["vision_embeds"], {"pixel_values": x})
+    got, got_ds = sess.run(["vision_embeds", "deepstack_embeds"], {"pixel_values": x})
     with torch.no_grad():
-        want = model(torch.from_numpy(x))[0].numpy()
-    assert got.shape == want.shape == (4, LLM_HIDDEN)
+        want, want_ds = (t.numpy() for t in model(torch.from_numpy(x)))
+    assert got.shape == want.shape == (4, LLM_HIDDEN) and got_ds.shape == want_ds.shape == (1, 4, LLM_HIDDEN)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got_ds, want_ds, rtol=1e-4, atol=1e-5)
 
 
 def test_shipped_qwen3_config_geometry():

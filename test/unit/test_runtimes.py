@@ -439,11 +439,13 @@ def test_qwen3_real_size_single_session():
         assert slot == 36 * 2 * 8 * 4096 * 128 * 2
         P = max(llm.prefill_buckets)
         th, tw = vis.tile_size
+        K = len(vis.deepstack_layers)
         need = (slot
                 + L * 2 * KV * P * Dh * f16 + P * H * 4 + V * 4 + 16   # prefill staging (largest bucket)
+                + 3 * P * 8 + K * P * H * 4                            # its M-RoPE positions, DeepStack maps
                 + P * 8 + P * H * 4                                   # embed staging
-                + L * 2 * KV * 1 * Dh * f16 + V * 4 + 16               # decode staging
-                + vis.num_tiles * 3 * th * tw * 4 + vis.num_tokens * H * 4)  # vision encoder
+                + L * 2 * KV * 1 * Dh * f16 + V * 4 + 16 + 3 * 8       # decode staging
+                + vis.num_tiles * 3 * th * tw * 4 + (1 + K) * vis.num_tokens * H * 4)  # vision encoder
         assert slot + L * 2 * KV * P * Dh * f16 <= rt.executor.device_bytes <= 1.1 * need
         assert rt.kv_pool.num_slots == 1
     finally:

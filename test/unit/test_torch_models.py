@@ -60,6 +60,12 @@ def small_qwen3(**llm):
                                    **llm})
 
 
+def text_base(**llm):
+    """small_qwen3 without its (vit) vision section: the base for reading any text checkpoint, Qwen3-VL's too
+    (whose multimodal positions need its own vision tower)."""
+    return small_qwen3(**llm).with_overrides(vision=None)
+
+
 CONTRACT_CONFIGS = {
     "vla_demo_orin": lambda: cfg_of("vla_demo_orin"),
     "vlm_demo": lambda: cfg_of("vlm_demo"),
@@ -346,7 +352,7 @@ def test_greedy_decoding_matches_transformers(hf_checkpoint):
     variant, model, path = hf_checkpoint
     if "sharded" in variant:
         assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
-    cfg = config_from_hf(path, small_qwen3())
+    cfg = config_from_hf(path, text_base())
     assert cfg.llm.prefill_buckets == (16, 64) and cfg.llm.max_seq_len == 128
     gm = build_graph_modules(cfg, hf_dir=path)
     assert gm.tokenizer_path == os.path.join(path, "tokenizer.json")
@@ -377,7 +383,7 @@ def test_greedy_decoding_matches_transformers(hf_checkpoint):
 
 def test_config_from_hf_reads_dimensions(hf_checkpoint):
     variant, model, path = hf_checkpoint
-    cfg = config_from_hf(path, small_qwen3(kv_dtype="float16"))
+    cfg = config_from_hf(path, text_base(kv_dtype="float16"))
     text = model.config.get_text_config()
     assert (cfg.llm.num_layers, cfg.llm.hidden_dim, cfg.llm.num_heads, cfg.llm.num_kv_heads, cfg.llm.head_dim,
             cfg.llm.intermediate_size, cfg.llm.vocab_size) == (2, 64, 4, 2, 16, 128, 512)
@@ -386,6 +392,8 @@ def test_config_from_hf_reads_dimensions(hf_checkpoint):
     assert cfg.llm.architecture == {"qwen3": "qwen3", "llama": "llama", "gemma": "gemma",
                                     "qwen3_vl": "qwen3"}[HF_VARIANTS[variant][0]]
     assert cfg.llm.rope_theta == float(text.rope_parameters["rope_theta"])
+    vl = HF_VARIANTS[variant][0] == "qwen3_vl"
+    assert cfg.llm.mrope_section == (tuple(text.rope_parameters["mrope_section"]) if vl else ())
 
 
 def _write_config(path, **fields):

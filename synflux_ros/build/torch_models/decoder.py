@@ -96,6 +96,30 @@ def rope_lookup(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: tor
     return cos_table[idx], sin_table[idx]
 
 
+def mrope_axis_masks(head_dim: int, section) -> torch.Tensor:
+    """[3, head_dim] float 0/1: which position axis (t, h, w) drives each rotary column under Qwen3-VL's
+    interleaved multimodal rope. Frequency i < head_dim/2 follows h when i % 3 == 1 and i < 3 * section[1],
+    w when i % 3 == 2 and i < 3 * section[2], else t; both halves of the rotate-half layout alike."""
+    half = head_dim // 2
+    axis = torch.zeros(half, dtype=torch.int64)
+    i = torch.arange(half)
+    axis[(i % 3 == 1) & (i < 3 * section[1])] = 1
+    axis[(i % 3 == 2) & (i < 3 * section[2])] = 2
+    axis = torch.cat((axis, axis))
+    return torch.stack([(axis == a).to(torch.float32) for a in range(3)])
+
+
+def mrope_lookup(cos_table, sin_table, positions: torch.Tensor, masks: torch.Tensor):
+    """positions [3, T] int64 -> cos, sin [T, Dh]: each column from the table row of its axis' position
+    (three lookups, combined with the 0/1 ``masks`` of :func:`mrope_axis_masks`: exact, one term is nonzero)."""
+    cos = sin = None
+    for a in range(3):
+        c, s_ = rope_lookup(cos_table, sin_table, positions[a])
+        cos = c * masks[a] if cos is None else cos + c * masks[a]
+        sin = s_ * masks[a] if sin is None else sin + s_ * masks[a]
+    return cos, sin
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, rotate-half convention: x [..., T, Dh], cos/sin [T, Dh] (the decoder's and the
     vision towers' rotary tables alike)."""
@@ -340,6 +364,8 @@ class CausalLM(nn.Module):
         # rotary cos/sin [max_seq_len, Dh] of every cache position (rope_table), set by finalize_weights
         self.rope_cos: nn.Parameter | None = None
         self.rope_sin: nn.Parameter | None = None
+        if llm.mrope_section:
+            self.register_buffer("mrope_masks", torch.empty(3, llm.head_dim), persistent=False)
 
     def tie(self) -> None:
         if self.llm.tie_word_embeddings:
@@ -347,6 +373,8 @@ class CausalLM(nn.Module):
 
     def fill_buffers(self) -> None:
         self.inv_freq = rope_inv_freq(self.llm.head_dim, self.llm.rope_theta, self.rope)
+        if self.llm.mrope_section:
+            self.mrope_masks = mrope_axis_masks(self.llm.head_dim, self.llm.mrope_section)
 
     # -------------------------------------------------------------- pieces used by the graph modules
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -358,21 +386,27 @@ class CausalLM(nn.Module):
         return x
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, past, allowed: torch.Tensor,
-            kv_dtype: torch.dtype = torch.float32, span: int | None = None):
-        """x [T, H] at ``positions`` [T]; past: the cache (see :func:`layer_kv`); only its first ``span``
-        positions are read (default all); allowed [T, span + T]. The rotary cos/sin are the rows
-        ``positions`` of the tables (:func:`rope_lookup`); a position >= max_seq_len (only padded prefill
-        rows get one) reads the last row.
+            kv_dtype: torch.dtype = torch.float32, span: int | None = None, deepstack: torch.Tensor | None = None):
+        """x [T, H] at ``positions`` [T] (or [3, T] t/h/w positions with ``llm.mrope_section``); past: the
+        cache (see :func:`layer_kv`); only its first ``span`` positions are read (default all); allowed
+        [T, span + T]. The rotary cos/sin are the rows ``positions`` of the tables (:func:`rope_lookup`); a
+        position >= max_seq_len (only padded prefill rows get one) reads the last row. ``deepstack`` [K, T, H]:
+        map k is added to the hidden states after layer k (Qwen3-VL's DeepStack).
 
         Returns the last hidden states [T, H] (before the final norm) and new_kv [L, 2, KV, T, Dh].
         """
         if self.rope_cos is None:
             raise RuntimeError("CausalLM.finalize_weights() must run after the weights are set")
-        cos, sin = rope_lookup(self.rope_cos, self.rope_sin, positions)
+        if self.llm.mrope_section:
+            cos, sin = mrope_lookup(self.rope_cos, self.rope_sin, positions, self.mrope_masks)
+        else:
+            cos, sin = rope_lookup(self.rope_cos, self.rope_sin, positions)
         new = []
         for i, layer in enumerate(self.model.layers):
             pk, pv = layer_kv(past, i, span)
             x, k, v = layer(x, cos, sin, pk, pv, allowed, kv_dtype)
+            if deepstack is not None and i < deepstack.shape[0]:
+                x = x + deepstack[i]
             new.append(torch.stack((k, v)))
         return x, torch.stack(new)
 
@@ -422,13 +456,15 @@ class PrefillGraph(nn.Module):
         self.lm, self.bucket, self.max_seq_len = lm, bucket, max_seq_len
         self.kv_dtype = torch_dtype(kv_dtype)
 
-    def forward(self, inputs_embeds, num_tokens, cache_position, past_kv):
+    def forward(self, inputs_embeds, num_tokens, cache_position, past_kv, position_ids=None, deepstack_embeds=None):
         p, s = self.bucket, self.max_seq_len
         rows = torch.arange(p, dtype=torch.int64)
         past_ok = (torch.arange(s, dtype=torch.int64)[None, :] < cache_position).expand(p, s)
         causal = rows[None, :] <= rows[:, None]
         allowed = torch.cat((past_ok, causal), dim=1)
-        h, new_kv = self.lm.run(inputs_embeds[0], cache_position + rows, past_kv, allowed, self.kv_dtype)
+        positions = cache_position + rows if position_ids is None else position_ids
+        h, new_kv = self.lm.run(inputs_embeds[0], positions, past_kv, allowed, self.kv_dtype,
+                                deepstack=deepstack_embeds)
         last = torch.index_select(h, 0, num_tokens - 1)
         logits = self.lm.head(last)
         valid = (rows < num_tokens).to(new_kv.dtype)[None, None, None, :, None]
@@ -444,12 +480,13 @@ class DecodeGraph(nn.Module):
         self.lm, self.bucket = lm, bucket
         self.kv_dtype = torch_dtype(kv_dtype)
 
-    def forward(self, input_ids, cache_position, past_kv):
+    def forward(self, input_ids, cache_position, past_kv, position_ids=None):
         d = self.bucket
         x = self.lm.embed(input_ids[0])
         past_ok = torch.arange(d, dtype=torch.int64)[None, :] < cache_position
         allowed = torch.cat((past_ok, torch.ones(1, 1, dtype=torch.bool)), dim=1)
-        h, new_kv = self.lm.run(x, cache_position, past_kv, allowed, self.kv_dtype, span=d)
+        positions = cache_position if position_ids is None else position_ids
+        h, new_kv = self.lm.run(x, positions, past_kv, allowed, self.kv_dtype, span=d)
         return self.lm.head(h), new_kv
 
 
@@ -560,6 +597,12 @@ def hf_llm_fields(hf_dir: str) -> tuple[str, dict, dict]:
         "tie_word_embeddings": bool(tied),
         "architecture": arch,
     }
+    section = rope.get("mrope_section")
+    if model_type == "qwen3_vl":
+        if not section:
+            raise ConfigError(f"{where}: rope_parameters.mrope_section is missing (Qwen3-VL positions images in 3-D)")
+        # transformers always interleaves Qwen3-VL's sections (mrope_interleaved is not read), and so do the graphs
+        fields["mrope_section"] = tuple(int(v) for v in section)
     return model_type, fields, rope
 
 

@@ -335,8 +335,11 @@ class Qwen3VLVision(nn.Module):
                 features.append(self.deepstack_merger_list[self.deepstack_layers.index(i)](x))
         return self.merger(x), features
 
-    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self._encode(pixel_values, deepstack=False)[0],)
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The vision encoder graph's outputs: ``(vision_embeds,)``, plus ``deepstack_embeds`` [K, N, out_dim]
+        (the features of :meth:`forward_with_deepstack`, stacked) when the tower has DeepStack layers."""
+        embeds, features = self._encode(pixel_values, deepstack=bool(self.deepstack_layers))
+        return (embeds, torch.stack(features)) if features else (embeds,)
 
     def forward_with_deepstack(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``(vision_embeds, deepstack)``: ``deepstack[k]`` [T * tokens_per_tile, out_dim] is the k-th feature in
