@@ -239,6 +239,8 @@ def _run_action_expert(ex: MockExecutor, meta, ins, outs):
     x = ins["noisy_actions"]
     t = time_from_embedding(ins["time_embedding"])
     u = ex._prefix_readout(past, p, None)
+    if "state" in ins:  # the robot state moves the target too (a stand-in for pi0's state token)
+        u = u + np.float32(np.tanh(ins["state"].astype(np.float64).sum()))
     target = np.tanh(0.5 * ex._wave(x.size, u)).reshape(x.shape)
     # Exact velocity of the straight path from noise (t=1) to the prefix's target (t=0).
     outs["velocity"][...] = (x - target) / max(t, 1e-6)

@@ -41,7 +41,7 @@ RSS_GROWTH_TARGET_MIB = 5.0
 TREND_MIN_S = 120.0
 """The RSS trend (least-squares slope) is printed when the rate ran this long after its warm-up."""
 COUNTS = ("frames_received", "frames_published", "frames_dropped", "frames_rejected", "frames_failed",
-          "frames_while_inactive")
+          "frames_while_inactive", "frames_no_state")
 
 
 def rss_kib(pid: int) -> int:
@@ -164,9 +164,9 @@ def soak_rate(node, proc: NodeProcess, diag: NodeDiagnostics, rss: RssSampler, r
     d = {k: after[k] - before[k] for k in COUNTS}
     in_flight = after["frames_in_flight"]
     accounted = d["frames_published"] + d["frames_dropped"] + d["frames_rejected"] + d["frames_failed"] \
-        + d["frames_while_inactive"] + in_flight
+        + d["frames_while_inactive"] + d["frames_no_state"] + in_flight
     balanced = d["frames_received"] == accounted and in_flight == 0
-    clean = d["frames_rejected"] == 0 and d["frames_failed"] == 0
+    clean = d["frames_rejected"] == 0 and d["frames_failed"] == 0 and d["frames_no_state"] == 0
     warm = min(warmup_s, (streamed - start) / 4)
     warm_kib = rss.first_after(start + warm)
     phase = rss.between(start + warm, streamed) + [end_kib]

@@ -139,9 +139,11 @@ def compare_model(cfg: ModelConfig, rt, rt_ref, passes, min_agreement: float) ->
         return rows
     frames = [np.random.default_rng([7, i]).integers(0, 256, (240, 320, 3), np.uint8) for i in range(FRAMES)]
     rows = []
+    state_dim = rt.cfg.action.state_dim
     for i, frame in enumerate(frames):
-        a = rt.infer(frame, seq=i).actions
-        b = rt_ref.infer(frame, seq=i).actions
+        state = np.random.default_rng([8, i]).uniform(-1, 1, state_dim).astype(np.float32) if state_dim else None
+        a = rt.infer(frame, seq=i, state=state).actions
+        b = rt_ref.infer(frame, seq=i, state=state).actions
         diff = float(np.max(np.abs(a.astype(np.float64) - b)))
         rows.append(Comparison(f"action chunk, frame {i}", diff, cosine(a, b), passes(diff, cosine(a, b))))
     return rows

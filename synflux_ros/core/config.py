@@ -174,8 +174,26 @@ class ActionConfig:
     norm_mask: tuple[bool, ...] = _spec(default_factory=tuple, doc="False = keep the dimension as predicted")
     expert_hidden_dim: int = _spec(0, min=0, doc="flow matching: action-expert width (0 = llm.hidden_dim)")
     expert_intermediate_size: int = _spec(0, min=0, doc="flow matching: action-expert MLP width (0 = 4 x width)")
+    state_dim: int = _spec(0, min=0, doc="flow matching: length of the robot-state vector the action expert takes "
+                                         "as its state token (pi0: 32, zero-padded); 0 = no state input")
+    state_joints: tuple[str, ...] = _spec(
+        default_factory=tuple, doc="joint names whose sensor_msgs/JointState positions fill the state vector, in "
+                                   "order (the rest is zero); required with state_dim")
+    state_max_age: float = _spec(0.1, min=0.0, doc="seconds a joint state may be older than a camera frame (by "
+                                                   "header stamps) and still be used for it")
 
     def __post_init__(self):
+        if self.state_dim:
+            if self.head_type != "flow_matching":
+                raise ConfigError("action.state_dim: a robot-state input is supported for flow_matching heads only")
+            if not self.state_joints or len(self.state_joints) > self.state_dim:
+                raise ConfigError(f"action.state_joints: 1 to state_dim ({self.state_dim}) joint names are needed, "
+                                  f"got {len(self.state_joints)}")
+            if len(set(self.state_joints)) != len(self.state_joints) or not all(j.strip() for j in self.state_joints):
+                raise ConfigError(f"action.state_joints: names must be unique and not empty, got "
+                                  f"{list(self.state_joints)}")
+        elif self.state_joints:
+            raise ConfigError("action.state_joints: given without action.state_dim")
         for name in ("norm_q01", "norm_q99", "norm_mask"):
             v = getattr(self, name)
             if v and len(v) != self.action_dim:
@@ -324,7 +342,8 @@ class ModelConfig:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
     # Fields that change no graph: runtime behaviour only.
-    _RUNTIME_ONLY = {"action": ("step_period", "seed", "norm_q01", "norm_q99", "norm_mask"),
+    _RUNTIME_ONLY = {"action": ("step_period", "seed", "norm_q01", "norm_q99", "norm_mask", "state_joints",
+                                "state_max_age"),
                      "vision": ("resize", "pad_value", "interpolation", "mean", "std", "max_input_pixels")}
 
     def graph_hash(self) -> str:

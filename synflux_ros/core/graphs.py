@@ -10,7 +10,7 @@ L/KV/Dh = layers / kv heads / head dim, T = vision tiles)::
     decode_<d>          input_ids [1,1] ids, cache_position [1], past_kv
                                                                       -> logits [1,V], new_kv [L,2,KV,1,Dh]
     action_expert_<d>   noisy_actions [1,h,a], time_embedding [1,E], prefix_len [1], past_kv
-                                                                      -> velocity [1,h,a]   (flow matching)
+                        (, state [1,s] with action.state_dim s)       -> velocity [1,h,a]   (flow matching)
 
 A config with ``llm.mrope_section`` (Qwen3-VL's multimodal rotary embedding) gives prefill and decode one more
 input, ``position_ids [3, n]`` int64: the rotary position of each token on the t, h and w axes (text tokens
@@ -163,7 +163,8 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
                 f"action_expert_{d}", "action_expert",
                 (TensorSpec("noisy_actions", (1, act.action_horizon, act.action_dim), F32),
                  TensorSpec("time_embedding", (1, time_embedding_dim(cfg)), F32),
-                 TensorSpec("prefix_len", (1,), I64), kv),
+                 TensorSpec("prefix_len", (1,), I64), kv,
+                 *((TensorSpec("state", (1, act.state_dim), F32),) if act.state_dim else ())),
                 (TensorSpec("velocity", (1, act.action_horizon, act.action_dim), F32),),
                 group="action_expert", file=f"action_expert_{d}.onnx", attrs={"bucket": d}))
     return graphs

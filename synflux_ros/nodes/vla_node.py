@@ -4,7 +4,11 @@ Subscribes ``image`` (sensor_msgs/Image, sensor-data QoS; or ``image/compressed`
 ``image_transport:=compressed``) and ``instruction`` (std_msgs/String, reliable; from volatile publishers
 such as ``ros2 topic pub`` and from latched (transient-local) ones, whose last message it gets on joining);
 publishes ``action_chunk`` (synflux_ros/msg/ActionChunk), optionally ``joint_trajectory``
-(trajectory_msgs/JointTrajectory) and ``/diagnostics``.
+(trajectory_msgs/JointTrajectory) and ``/diagnostics``. A model whose action expert takes the robot state
+(``action.state_dim``) also subscribes ``joint_states`` (sensor_msgs/JointState, best effort, so reliable and
+best-effort publishers both match): each frame gets the joint state at its header stamp
+(:mod:`synflux_ros.runtimes.robot_state`); a frame without one within ``action.state_max_age`` is counted
+(``frames_no_state``) and skipped, never run on zeros.
 
 Lifecycle: configure loads the model (executor, graphs, KV slots); activate starts the pipeline
 threads; deactivate stops them; cleanup frees the device memory. With ``autostart`` (default) the node
@@ -25,13 +29,14 @@ from builtin_interfaces.msg import Duration
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
-from sensor_msgs.msg import CompressedImage, Image
+from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from ..msg import ActionChunk
 from ..core.image import ImageError, decode_compressed, decode_raw
 from ..core.pipeline import source_rate
+from ..runtimes.robot_state import NoFreshState, RobotStateBuffer
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
 from .common import COMMON_PARAMS, OK, WARN, Param, SynfluxNode, median, run_lifecycle_node
 
@@ -47,6 +52,8 @@ PARAMS = [
 # A transient-local subscription does not match volatile publishers (the `ros2 topic pub` default) and a
 # volatile one gets no history from latched publishers: the node subscribes with both. A latched
 # publisher matches both, so its messages can arrive twice; an unchanged instruction is not re-applied.
+JOINT_STATE_QOS = QoSProfile(depth=50, reliability=ReliabilityPolicy.BEST_EFFORT,
+                             durability=DurabilityPolicy.VOLATILE)
 INSTRUCTION_QOS = (
     QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.VOLATILE),
     QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL),
@@ -74,7 +81,10 @@ class VLANode(SynfluxNode):
         self._seq = 0
         # Frames are counted here until they reach the pipeline, and by the pipeline after that
         # (processed = published, dropped, failed); counters of pipelines torn down are carried over.
-        self._counts = dict(received=0, rejected=0, inactive=0, instructions_rejected=0)
+        self._counts = dict(received=0, rejected=0, inactive=0, no_state=0, instructions_rejected=0,
+                            states_received=0, states_rejected=0)
+        self._states: RobotStateBuffer | None = None
+        self._state_age_ms = float("nan")
         self._retired = dict(processed=0, dropped=0, failed=0)
         self._latencies = deque(maxlen=200)
         self._published_times = deque(maxlen=200)
@@ -108,6 +118,11 @@ class VLANode(SynfluxNode):
         else:
             self._subs.append(self.create_subscription(Image, "image", self._on_image, qos_profile_sensor_data,
                                                        callback_group=inputs))
+        if cfg.action.state_dim:
+            self._states = RobotStateBuffer(cfg.action)
+            self._subs.append(self.create_subscription(JointState, "joint_states", self._on_joint_state,
+                                                       JOINT_STATE_QOS,
+                                                       callback_group=MutuallyExclusiveCallbackGroup()))
         quiet = SubscriptionEventCallbacks(incompatible_qos=lambda event: None)
         for qos in INSTRUCTION_QOS:
             self._subs.append(self.create_subscription(String, "instruction", self._on_instruction, qos,
@@ -166,10 +181,32 @@ class VLANode(SynfluxNode):
         except ImageError as exc:
             self._reject("image", exc)
             return
+        state = None
+        if self._states is not None:
+            try:
+                state, age = self._states.at(header.stamp.sec + header.stamp.nanosec * 1e-9)
+            except NoFreshState as exc:
+                self._count("no_state")
+                self._last_input_error = f"frame skipped: {exc}"
+                self.get_logger().warning(self._last_input_error, throttle_duration_sec=2.0)
+                return
+            self._state_age_ms = age * 1e3
         with self._lock:
             seq = self._seq
             self._seq += 1
-        self.pipeline.submit(Frame(seq, rgb, t_receipt, meta=header))
+        self.pipeline.submit(Frame(seq, rgb, t_receipt, meta=header, state=state))
+
+    def _on_joint_state(self, msg: JointState):
+        self._count("states_received")
+        stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+        try:
+            if stamp == 0.0:
+                raise ValueError("header stamp is zero (the state cannot be matched to camera frames)")
+            self._states.add(stamp, msg.name, msg.position)
+        except ValueError as exc:
+            self._count("states_rejected")
+            self._last_input_error = f"joint_states: {exc}"
+            self.get_logger().warning(f"joint state rejected: {exc}", throttle_duration_sec=2.0)
 
     def _on_image(self, msg: Image):
         self._submit(msg.header, lambda: decode_raw(msg.encoding, msg.height, msg.width, msg.step, msg.data,
@@ -233,8 +270,8 @@ class VLANode(SynfluxNode):
 
     # ---------------------------------------------------------------- diagnostics
     def frame_counts(self) -> dict[str, int]:
-        """Every received frame is in exactly one of published, dropped, rejected, failed, inactive or
-        in flight (inside the pipeline)."""
+        """Every received frame is in exactly one of published, dropped, rejected, failed, inactive,
+        no_state (skipped: no fresh robot state) or in flight (inside the pipeline)."""
         with self._lock:
             counts = dict(self._counts)
             done = dict(self._retired)
@@ -244,7 +281,7 @@ class VLANode(SynfluxNode):
                 done[key] += getattr(c, key)
         counts.update(published=done["processed"], dropped=done["dropped"], failed=done["failed"])
         counts["in_flight"] = counts["received"] - counts["rejected"] - counts["inactive"] - counts["published"] \
-            - counts["dropped"] - counts["failed"]
+            - counts["dropped"] - counts["failed"] - counts["no_state"]
         return counts
 
     def input_rates(self) -> dict[str, float]:
@@ -272,18 +309,25 @@ class VLANode(SynfluxNode):
                   self.runtime.instruction, "frames_received": counts["received"], "frames_published":
                   counts["published"], "frames_dropped": counts["dropped"], "frames_rejected": counts["rejected"],
                   "frames_failed": counts["failed"], "frames_while_inactive": counts["inactive"],
-                  "frames_in_flight": counts["in_flight"],
+                  "frames_in_flight": counts["in_flight"], "frames_no_state": counts["no_state"],
                   "instructions_rejected": counts["instructions_rejected"], "publish_rate_hz": rate,
                   **rates, "latency_median_ms": median(lat)}
         for st in self.pipeline.pipeline.stats if self.pipeline else []:
             values[f"stage_{st.name}_median_ms"] = median(st.recent_ms)
         for stage, device in self.runtime.stage_devices.items():
             values[f"stage_{stage}_device"] = device
+        if self._states is not None:
+            values.update(states_received=counts["states_received"], states_rejected=counts["states_rejected"],
+                          state_age_ms=self._state_age_ms)
         values["device_memory_mib"] = self.runtime.executor.device_bytes / 2**20
         values["last_error"] = self._last_input_error
         problems = []
         if counts["rejected"] or counts["failed"]:
             problems.append(f"{counts['rejected']} rejected, {counts['failed']} failed")
+        if counts["no_state"]:
+            problems.append(f"{counts['no_state']} skipped without a fresh joint state")
+        if counts["states_rejected"]:
+            problems.append(f"{counts['states_rejected']} joint states rejected")
         if rates["delivery_ratio"] < MIN_DELIVERY_RATIO:
             problems.append(f"receiving {rates['delivery_ratio']:.0%} of the camera's "
                             f"{rates['camera_rate_hz']:.1f} Hz (frames lost in transport)")

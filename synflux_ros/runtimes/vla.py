@@ -44,6 +44,7 @@ class Frame:
     logits: np.ndarray | None = None
     actions: np.ndarray | None = None
     instruction: str = ""
+    state: np.ndarray | None = None  # robot state [action.state_dim] for the action expert (configs with one)
     timings: dict = field(default_factory=dict)
 
 
@@ -122,7 +123,8 @@ class VLARuntime(ModelRuntime):
     def stage_head(self, frame: Frame) -> Frame:
         t0 = time.perf_counter()
         try:
-            actions = self.head(self.kv_pool.tensor(frame.slot), frame.prefix_len, frame.logits, frame.seq)
+            actions = self.head(self.kv_pool.tensor(frame.slot), frame.prefix_len, frame.logits, frame.seq,
+                                frame.state)
         finally:
             self.release(frame)
         frame.actions = unnormalize(actions, self.cfg.action)
@@ -150,9 +152,9 @@ class VLARuntime(ModelRuntime):
     def stages(self) -> list[tuple[str, Callable]]:
         return [("vision", self.stage_vision), ("backbone", self.stage_backbone), ("head", self.stage_head)]
 
-    def infer(self, image: np.ndarray, seq: int = 0) -> Frame:
-        """Run one frame through all stages in the calling thread."""
-        frame = Frame(seq, image)
+    def infer(self, image: np.ndarray, seq: int = 0, state: np.ndarray | None = None) -> Frame:
+        """Run one frame (and its robot state, for configs with one) through all stages in the calling thread."""
+        frame = Frame(seq, image, state=state)
         for _, fn in self.stages:
             fn(frame)
         return frame

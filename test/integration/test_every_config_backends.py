@@ -97,7 +97,7 @@ def test_config_builds_and_runs_on_its_node(name, backend, built, start_node, cl
     wait = 240.0 if backend in SIMULATORS else 60.0
     if cfg.mode == "vla":
         start_node("vla_node", {"config": str(out / "config.yaml"), "executor": backend}, namespace=ns)
-        h = Harness(client, ns)
+        h = Harness(client, ns, state_joints=cfg.action.state_joints)
         h.wait_connected(timeout=wait)
         h.publish_until_chunks(1, lambda s, t: rgb_image(480, 640, s, t), timeout=wait, period=0.5)
         c = h.chunks[-1]

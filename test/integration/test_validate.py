@@ -43,8 +43,8 @@ def test_a_wrong_cache_append_fails_the_reuse_check(graph_sets, monkeypatch):
     from synflux_ros.pieces.backbone import LLMBackbone
     prefill = LLMBackbone.prefill
 
-    def shifted(self, slot, start, embeds):
-        return prefill(self, slot, start + 1 if start else 0, embeds)
+    def shifted(self, slot, start, embeds, *rest):
+        return prefill(self, slot, start + 1 if start else 0, embeds, *rest)
     monkeypatch.setattr(LLMBackbone, "prefill", shifted)
     rows = {r.check: r for r in validate(graph_sets["vlm_demo"], "onnxruntime", "onnxruntime", {}, {})}
     assert not rows["turn 2: cache reuse against recompute"].passed

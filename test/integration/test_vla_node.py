@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
-from sensor_msgs.msg import CompressedImage, Image
+from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory
 
@@ -22,8 +22,12 @@ LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability
 class Harness:
     """Client side of one vla_node under namespace ``ns``."""
 
-    def __init__(self, node, ns: str, compressed: bool = False):
+    def __init__(self, node, ns: str, compressed: bool = False, state_joints=()):
+        """``state_joints``: the node takes the robot state; each published frame is preceded by a JointState
+        of these joints with the frame's stamp (positions from :meth:`state_of`)."""
         self.node = node
+        self.state_joints = list(state_joints)
+        self.state_pub = node.create_publisher(JointState, f"{ns}/joint_states", 50) if state_joints else None
         self.chunks, self.trajs, self.diags = [], [], []
         kind, topic = (CompressedImage, f"{ns}/image/compressed") if compressed else (Image, f"{ns}/image")
         self.image_pub = node.create_publisher(kind, topic, qos_profile_sensor_data)
@@ -41,6 +45,18 @@ class Harness:
     def wait_connected(self, timeout=20.0):
         assert spin_until(self.node, lambda: self.image_pub.get_subscription_count() > 0, timeout), \
             "vla_node never subscribed to the image topic"
+        if self.state_pub is not None:
+            assert spin_until(self.node, lambda: self.state_pub.get_subscription_count() > 0, timeout), \
+                "vla_node never subscribed to the joint_states topic"
+
+    @staticmethod
+    def state_of(seq: int) -> list[float]:
+        return [0.1 * ((seq + i) % 5) for i in range(8)]
+
+    def publish_state(self, stamp_ns: int, positions, names=None):
+        msg = JointState(name=list(self.state_joints if names is None else names), position=list(positions))
+        msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp_ns, 10**9)
+        self.state_pub.publish(msg)
 
     def publish_until_chunks(self, n: int, make_msg, timeout=30.0, period=0.05):
         """Publish frames until ``n`` more chunks arrived; returns the stamps published."""
@@ -48,6 +64,8 @@ class Harness:
         stamps, seq, deadline = [], 0, time.monotonic() + timeout
         while len(self.chunks) < target and time.monotonic() < deadline:
             stamp = 1_000_000_000 * (100 + seq) + 12345
+            if self.state_pub is not None:
+                self.publish_state(stamp - 5_000_000, self.state_of(seq)[:len(self.state_joints)])
             self.image_pub.publish(make_msg(seq, stamp))
             stamps.append(stamp)
             seq += 1

@@ -235,10 +235,10 @@ def test_a_prompt_over_the_byte_limit_is_refused_before_tokenising(runtime):
     assert runtime.chat(ChatRequest("s", "\u20ac" * 100, max_new_tokens=4)).generated_tokens >= 1
 
 
-def test_an_image_over_the_pixel_limit_is_refused_before_preprocessing(runtime):
+def test_an_image_over_the_pixel_limit_is_refused_before_preprocessing(runtime, monkeypatch):
     seen = []
-    vision = runtime.vision
-    runtime.vision = lambda img: seen.append(img.shape) or vision(img)
+    features = runtime.vision.features
+    monkeypatch.setattr(runtime.vision, "features", lambda img: seen.append(img.shape) or features(img))
     # ten billion pixels that occupy three bytes of memory
     huge = np.lib.stride_tricks.as_strided(np.zeros(3, np.uint8), (100_000, 100_000, 3), strides=(0, 0, 1))
     ok = np.zeros((32, 32, 3), np.uint8)

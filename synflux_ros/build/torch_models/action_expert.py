@@ -13,6 +13,11 @@ to the prefix keys/values that backbone layer ``l`` left in the KV cache:
   tokens]; action tokens see each other bidirectionally;
 * output: final norm and ``action_out_proj`` to the action dimension -> velocity [1, h, a].
 
+With ``action.state_dim`` the robot state is pi0's state token: ``state_proj(state)`` goes before the action
+tokens (positions ``prefix_len + 0`` for the state, ``prefix_len + 1 + i`` for the actions); the state token
+attends to the prefix and itself, the action tokens to the prefix, the state token and each other, and the
+velocity is read from the action tokens.
+
 The blocks follow the backbone architecture (norm style, MLP activation, q/k norms).
 """
 from __future__ import annotations
@@ -45,11 +50,13 @@ class ActionExpert(nn.Module):
                          llm.rms_norm_eps) for _ in range(llm.num_layers))
         self.norm = RMSNorm(width, llm.rms_norm_eps, llm.architecture == "gemma")
         self.action_out_proj = nn.Linear(width, act.action_dim)
+        self.state_dim = act.state_dim
+        self.state_proj = nn.Linear(act.state_dim, width) if act.state_dim else None
         self.register_buffer("inv_freq", torch.empty(llm.head_dim // 2), persistent=False)
         # Rotary cos/sin [max_seq_len + h, Dh] of every position an action token can take (prefix_len <=
         # max_seq_len, plus row i < h), see decoder.rope_table: parameters, so each is one initializer that
         # every action_expert graph shares; set by fill_buffers.
-        self.rope_rows = llm.max_seq_len + act.action_horizon
+        self.rope_rows = llm.max_seq_len + act.action_horizon + (1 if act.state_dim else 0)
         self.rope_cos: nn.Parameter | None = None
         self.rope_sin: nn.Parameter | None = None
 
@@ -57,26 +64,34 @@ class ActionExpert(nn.Module):
         self.inv_freq = rope_inv_freq(self.llm.head_dim, self.llm.rope_theta, self.rope)
         self.rope_cos, self.rope_sin = (_param(t) for t in rope_table(self.rope_rows, self.inv_freq))
 
-    def velocity(self, noisy_actions, time_embedding, prefix_len, past_kv, span: int):
+    def velocity(self, noisy_actions, time_embedding, prefix_len, past_kv, span: int, state=None):
         h = self.horizon
         x = self.action_in_proj(noisy_actions[0])  # [h, W]
         t_emb = time_embedding.expand(h, self.time_dim)
         x = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat((x, t_emb), dim=-1))))
-        rows = torch.arange(h, dtype=torch.int64)
+        n = h
+        own = torch.ones(h, h, dtype=torch.bool)  # the action tokens see each other
+        if self.state_proj is not None:
+            x = torch.cat((self.state_proj(state), x), dim=0)  # [1 + h, W]: the state token first
+            n = h + 1
+            rows = torch.arange(n, dtype=torch.int64)
+            own = (rows[None, :] == 0) | (rows[:, None] > 0)  # the state token sees only itself among them
+        rows = torch.arange(n, dtype=torch.int64)
         cos, sin = rope_lookup(self.rope_cos, self.rope_sin, prefix_len + rows)
-        prefix_ok = (torch.arange(span, dtype=torch.int64)[None, :] < prefix_len).expand(h, span)
-        allowed = torch.cat((prefix_ok, torch.ones(h, h, dtype=torch.bool)), dim=1)
+        prefix_ok = (torch.arange(span, dtype=torch.int64)[None, :] < prefix_len).expand(n, span)
+        allowed = torch.cat((prefix_ok, own), dim=1)
         for i, layer in enumerate(self.layers):
             x, _, _ = layer(x, cos, sin, *layer_kv(past_kv, i, span), allowed)
-        return self.action_out_proj(self.norm(x)).unsqueeze(0)
+        return self.action_out_proj(self.norm(x[n - h:])).unsqueeze(0)
 
 
 class ActionExpertGraph(nn.Module):
-    """action_expert_<d>: noisy_actions [1,h,a], time_embedding [1,E], prefix_len [1], past_kv -> velocity [1,h,a]."""
+    """action_expert_<d>: noisy_actions [1,h,a], time_embedding [1,E], prefix_len [1], past_kv (, state [1,s])
+    -> velocity [1,h,a]."""
 
     def __init__(self, expert: ActionExpert, bucket: int):
         super().__init__()
         self.expert, self.bucket = expert, bucket
 
-    def forward(self, noisy_actions, time_embedding, prefix_len, past_kv):
-        return (self.expert.velocity(noisy_actions, time_embedding, prefix_len, past_kv, self.bucket),)
+    def forward(self, noisy_actions, time_embedding, prefix_len, past_kv, state=None):
+        return (self.expert.velocity(noisy_actions, time_embedding, prefix_len, past_kv, self.bucket, state),)

@@ -53,7 +53,8 @@ class ActionTokenHead(ActionHead):
         self.shape = (act.action_horizon, act.action_dim)
         self.context_tokens = act.action_horizon * act.action_dim
 
-    def __call__(self, kv: DeviceTensor, prefix_len: int, logits: np.ndarray, seq: int) -> np.ndarray:
+    def __call__(self, kv: DeviceTensor, prefix_len: int, logits: np.ndarray, seq: int,
+                 state: np.ndarray | None = None) -> np.ndarray:
         ids, pos = [], prefix_len
         for i in range(self.context_tokens):
             tok = self.action_tokenizer.best_action_token(logits)

@@ -37,15 +37,27 @@ class FlowMatchingHead(ActionHead):
     def initial_noise(self, seed: int) -> np.ndarray:
         return np.random.default_rng(seed).standard_normal(self.shape).astype(np.float32)
 
-    def __call__(self, kv: DeviceTensor, prefix_len: int, logits: np.ndarray, seq: int) -> np.ndarray:
-        return self.denoise(kv, prefix_len, self.initial_noise(self.seed + seq))
+    def __call__(self, kv: DeviceTensor, prefix_len: int, logits: np.ndarray, seq: int,
+                 state: np.ndarray | None = None) -> np.ndarray:
+        return self.denoise(kv, prefix_len, self.initial_noise(self.seed + seq), state)
 
-    def denoise(self, kv: DeviceTensor, prefix_len: int, noise: np.ndarray) -> np.ndarray:
-        """Denoise ``noise`` [1, horizon, action_dim] conditioned on the prefix -> [horizon, action_dim]."""
+    def denoise(self, kv: DeviceTensor, prefix_len: int, noise: np.ndarray,
+                state: np.ndarray | None = None) -> np.ndarray:
+        """Denoise ``noise`` [1, horizon, action_dim] conditioned on the prefix (and, with ``action.state_dim``,
+        the robot state [state_dim]) -> [horizon, action_dim]."""
         graph = f"action_expert_{select_bucket(self.buckets, prefix_len)}"
         x = noise.astype(np.float32, copy=True)
-        plen = np.array([prefix_len], np.int64)
+        feeds = {"noisy_actions": x, "prefix_len": np.array([prefix_len], np.int64), "past_kv": kv}
+        if self.act.state_dim:
+            if state is None:
+                raise ValueError("the action expert takes the robot state (action.state_dim), none was given")
+            state = np.asarray(state, np.float32).reshape(-1)
+            if state.shape != (self.act.state_dim,) or not np.isfinite(state).all():
+                raise ValueError(f"robot state: expected {self.act.state_dim} finite values, got "
+                                 f"{state.shape[0]}{'' if np.isfinite(state).all() else ' with non-finite ones'}")
+            feeds["state"] = state[None, :]
         for emb in self.time_embeddings:
-            v = self.ex.run(graph, {"noisy_actions": x, "time_embedding": emb, "prefix_len": plen, "past_kv": kv})
+            feeds["time_embedding"] = emb
+            v = self.ex.run(graph, feeds)
             x += self.dt * v["velocity"]
         return x[0]
