@@ -128,6 +128,7 @@ bench: install $(VENV)/.stamp-smollm2 llamacpp
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.backends --work $(abspath $(BUILD))/bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.gguf --work $(abspath $(BUILD))/bench
+	cd $(BUILD) && $(PY) -m synflux_ros.bench.image_chat --work $(abspath $(BUILD))/bench
 
 bench-llm: install $(VENV)/.stamp-smollm2 llamacpp
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench

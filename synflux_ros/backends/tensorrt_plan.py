@@ -136,6 +136,12 @@ def plan_engines(metas: list[GraphMeta], dla_kinds=()) -> list[EngineSpec]:
     if bad:
         raise PlanError(f"graph kinds {sorted(bad)} cannot run on DLA (DLA-capable: {', '.join(DLA_CAPABLE)})")
     kinds = _by_kind(metas)
+    multimodal = sorted({t.name for m in kinds.get("prefill", []) + kinds.get("decode", []) for t in m.inputs
+                         if t.name in ("position_ids", "deepstack_embeds")})
+    if multimodal:
+        raise PlanError(f"the tensorrt backend does not take the LLM inputs {', '.join(multimodal)} yet (Qwen3-VL's "
+                        f"multimodal positions and DeepStack maps); run this model on onnxruntime, openvino, qnn "
+                        f"or rknn")
     engines: list[EngineSpec] = []
 
     def static(meta: GraphMeta, dla: bool) -> EngineSpec:

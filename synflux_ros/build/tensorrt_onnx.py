@@ -11,7 +11,8 @@ and ``D`` (cache positions attended, the length of the shape-only input ``attent
                                                                             -> logits [1,V] f32,
                                                                                new_kv [L,2,KV,T,Dh] kv
     action_expert  noisy_actions [1,h,a] f32, time_embedding [1,E] f32, prefix_len [1] i64,
-                   past_kv.<l>.<j> [KV,S,Dh] kv, attention_span [D] f32     -> velocity [1,h,a] f32
+                   past_kv.<l>.<j> [KV,S,Dh] kv, attention_span [D] f32 (, state [1,s] f32)
+                                                                            -> velocity [1,h,a] f32
 
 ``llm`` at (T = p, D = S) is ``prefill_<p>``; ``embed`` at T = 1 followed by ``llm`` at (T = 1, D = d,
 num_tokens = 1) is ``decode_<d>``; ``action_expert`` at D = d is ``action_expert_<d>``. The vision
@@ -72,7 +73,7 @@ def profiled_io(cfg: ModelConfig, kind: str) -> tuple[list[tuple[str, tuple, str
     if kind == "action_expert":
         ha = (1, act.action_horizon, act.action_dim)
         ins = [("noisy_actions", ha, "float32"), ("time_embedding", (1, time_embedding_dim(cfg)), "float32"), ("prefix_len", (1,), "int64"),
-               *_kv_views(cfg), span]
+               *_kv_views(cfg), span, *([("state", (1, act.state_dim), "float32")] if act.state_dim else [])]
         return ins, [("velocity", ha, "float32")]
     raise ValueError(f"unknown profiled graph kind {kind!r} (kinds: {', '.join(PROFILED_KINDS)})")
 

@@ -125,7 +125,9 @@ def _downstream_of_positions(model) -> list:
 
 def test_exported_graphs_gather_rotary_tables_and_compute_no_angles(pi0, tmp_path):
     cfg, gm = pi0
-    n_lm, n_expert = cfg.llm.max_seq_len, cfg.llm.max_seq_len + cfg.action.action_horizon
+    # the expert's positions: the state token (vla_pi0 has one) and the action tokens after the prefix
+    n_lm = cfg.llm.max_seq_len
+    n_expert = cfg.llm.max_seq_len + cfg.action.action_horizon + (1 if cfg.action.state_dim else 0)
     for meta in graph_set(cfg):
         if meta.kind not in ("prefill", "decode", "action_expert"):
             continue
@@ -162,7 +164,8 @@ def test_tables_equal_the_positions_values_and_are_stored_once(pi0, tmp_path):
     lm = gm.modules[f"decode_{cfg.llm.decode_buckets[0]}"].lm
     expert = gm.modules[f"action_expert_{cfg.llm.decode_buckets[0]}"].expert
     inv = rope_inv_freq(cfg.llm.head_dim, cfg.llm.rope_theta)
-    for owner, rows in ((lm, cfg.llm.max_seq_len), (expert, cfg.llm.max_seq_len + cfg.action.action_horizon)):
+    expert_rows = cfg.llm.max_seq_len + cfg.action.action_horizon + (1 if cfg.action.state_dim else 0)
+    for owner, rows in ((lm, cfg.llm.max_seq_len), (expert, expert_rows)):
         cos, sin = rope_cos_sin(torch.arange(rows), inv)
         assert owner.rope_cos.dtype == torch.float32 and owner.rope_cos.shape == (rows, cfg.llm.head_dim)
         assert torch.equal(owner.rope_cos, cos) and torch.equal(owner.rope_sin, sin)

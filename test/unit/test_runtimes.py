@@ -100,7 +100,7 @@ def test_vla_pi0_real_size():
     cfg = cfg_of("vla_pi0")
     rt = VLARuntime(cfg)
     try:
-        act = rt.infer(image(5)).actions
+        act = rt.infer(image(5), state=np.linspace(-0.5, 0.5, 32, dtype=np.float32)).actions  # pi0's state token
         assert act.shape == (50, 32)
         assert np.all(np.isfinite(act)) and np.all(np.abs(act) < 1.0)
         assert sum(st.calls for n, st in rt.executor.stats.items()

@@ -184,6 +184,8 @@ def test_action_expert_equals_static(built):
         for prefix in (7, d):
             feeds = {"noisy_actions": built.rng.standard_normal((1, act.action_horizon, act.action_dim)).astype(np.float32),
                      "time_embedding": time_embedding(0.7, time_embedding_dim(built.cfg)), "prefix_len": i64(prefix), **built.views()}
+            if act.state_dim:  # the robot state token (vla_pi0)
+                feeds["state"] = built.rng.standard_normal((1, act.state_dim)).astype(np.float32)
             want = built.static[f"action_expert_{d}"].run(None, feeds)[0]
             got = built.prof["action_expert"].run(None, {**feeds, "attention_span": built.span(d)})[0]
             close(got, want, atol=1e-5, what=f"action_expert_{d} at prefix {prefix}")
@@ -214,13 +216,14 @@ def test_other_sizes_match_eager_torch(built):
         expert = ProfiledActionExpert(built.gm.modules[f"action_expert_{built.llm.decode_buckets[0]}"].expert).eval()
         for d, prefix in ((3, 2), (s - 5, s - 9)):
             noisy = built.rng.standard_normal((1, act.action_horizon, act.action_dim)).astype(np.float32)
+            state = built.rng.standard_normal((1, act.state_dim)).astype(np.float32) if act.state_dim else None
             with torch.no_grad():
                 emb = time_embedding(0.3, time_embedding_dim(built.cfg))
                 want = expert(torch.from_numpy(noisy), torch.from_numpy(emb), torch.tensor([prefix]), past,
-                              torch.zeros(d))[0]
+                              torch.zeros(d), None if state is None else torch.from_numpy(state))[0]
             got = built.prof["action_expert"].run(None, {
                 "noisy_actions": noisy, "time_embedding": emb, "prefix_len": i64(prefix),
-                **built.views(), "attention_span": built.span(d)})[0]
+                **built.views(), "attention_span": built.span(d), **({"state": state} if act.state_dim else {})})[0]
             close(got, want.numpy(), atol=1e-4, what=f"action_expert D={d}")
 
 

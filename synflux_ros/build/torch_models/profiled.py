@@ -14,7 +14,8 @@ sizes taken from the input shapes instead of Python ints, so a trace exports the
     ProfiledEmbed(lm)(input_ids [1,T])                               == embed_<T>
     ProfiledLLM(lm, kv_dtype)(embeds [1,T,H], num_tokens, cache_position, past_kv, span [S])  == prefill_<T>
     ProfiledLLM(lm, kv_dtype)(embed(ids) [1,1,H], 1, cache_position, past_kv, span [d])       == decode_<d>
-    ProfiledActionExpert(expert)(noisy_actions, time_embedding, prefix_len, past_kv, span [d])      == action_expert_<d>
+    ProfiledActionExpert(expert)(noisy_actions, time_embedding, prefix_len, past_kv, span [d] (, state))
+                                                                                              == action_expert_<d>
 
 ``past_kv`` is taken the way the static modules take it (the contract tensor or its per-layer views).
 """
@@ -78,8 +79,9 @@ class ProfiledActionExpert(nn.Module):
         super().__init__()
         self.expert = expert
 
-    def forward(self, noisy_actions, time_embedding, prefix_len, past_kv, attention_span):
-        return (self.expert.velocity(noisy_actions, time_embedding, prefix_len, past_kv, attention_span.shape[0]),)
+    def forward(self, noisy_actions, time_embedding, prefix_len, past_kv, attention_span, state=None):
+        return (self.expert.velocity(noisy_actions, time_embedding, prefix_len, past_kv, attention_span.shape[0],
+                                     state),)
 
 
 class FlatViews(nn.Module):
