@@ -22,10 +22,15 @@ def counts(d: dict) -> dict:
     return {k: int(d[f"frames_{k}"]) for k in ("received", "published", "dropped", "rejected", "failed", "in_flight")}
 
 
-def stream(h: Harness, client, n: int, period: float = 0.06):
-    for i in range(n):
+def stream(h: Harness, client, n: int, period: float = 0.06, limit: int = 300):
+    """Publish frames until the node has received at least ``n`` (the image topic is best effort: on a
+    loaded machine some are lost in transport, and they are not the node's to count)."""
+    for i in range(limit):
         h.image_pub.publish(rgb_image(448, 448, i, 10**9 * (i + 1)))
         spin_until(client, lambda: False, period)
+        if i + 1 >= n and h.diags and int(h.diags[-1]["frames_received"]) >= n:
+            return
+    raise AssertionError(f"the node received fewer than {n} of {limit} frames: {h.diags[-1:]}")
 
 
 @pytest.mark.parametrize("fault,stage,needle", [
@@ -40,7 +45,7 @@ def test_device_faults_fail_the_frame_and_the_node_keeps_serving(start_node, cli
     start_node("vla_node", {"config": cfg, "diagnostics_period": 0.2}, namespace="/faulty")
     h = Harness(client, "/faulty")
     h.wait_connected()
-    stream(h, client, 30)
+    stream(h, client, 25)
     # settled: every received frame accounted for, and the chunks counted as published all arrived
     d = h.diag_where(lambda d: int(d["frames_failed"]) >= 2 and int(d["frames_in_flight"]) == 0 and
                      int(d["frames_received"]) >= 25 and int(d["frames_published"]) == len(h.chunks), timeout=20)
