@@ -113,9 +113,7 @@ class VLMRuntime(ModelRuntime):
             raise ConfigError("text.eos_token_ids: no end-of-sequence id (set it or use a tokenizer that has one)")
         self._eos = eos
         vis = self.cfg.vision
-        self._mrope = bool(self.cfg.llm.mrope_section)
-        self._grid = vis.merged_grid if self._mrope and vis is not None else None
-        self._num_deepstack = vis.num_deepstack if vis is not None else 0
+        self._grid = vis.merged_grid if self.backbone.mrope and vis is not None else None
         self._lock = threading.Lock()
         self.turns_served = 0
         self.requests_refused = 0
@@ -246,9 +244,9 @@ class VLMRuntime(ModelRuntime):
 
     def _deepstack(self, tokens: list, images: dict) -> np.ndarray | None:
         """[K, n, H]: each image row's DeepStack features at its position, zeros at text positions."""
-        if not self._num_deepstack:
+        if not self.backbone.num_deepstack:
             return None
-        out = np.zeros((self._num_deepstack, len(tokens), self.cfg.llm.hidden_dim), np.float32)
+        out = np.zeros((self.backbone.num_deepstack, len(tokens), self.backbone.hidden), np.float32)
         for pos, t in enumerate(tokens):
             if not isinstance(t, int):
                 out[:, pos] = images[t[0]].deepstack[:, t[1]]
@@ -318,7 +316,7 @@ class VLMRuntime(ModelRuntime):
         images = {**session.images, **turn.images}
         new = turn.tokens[turn.reused:]
         positions, shift = None, None
-        if self._mrope:
+        if self.backbone.mrope:
             # Rotary positions of the whole conversation (those of the reused part are what the cache holds);
             # generated tokens continue after the last one: cache position + shift.
             every, nxt = mrope_positions(turn.tokens, self._grid)
