@@ -36,6 +36,11 @@ def _spec(default=dataclasses.MISSING, *, choices=None, min=None, max=None, doc=
 
 
 DTYPES = ("float32", "float16")
+
+
+def _is_topic_token(name: str) -> bool:
+    """A ROS name token: letters, digits and '_', not starting with a digit."""
+    return bool(name) and not name[0].isdigit() and all(c.isalnum() or c == "_" for c in name) and name.isascii()
 TOKEN_ID_DTYPES = ("int64", "int32")
 
 
@@ -64,6 +69,12 @@ class VisionConfig:
     max_input_pixels: int = _spec(DEFAULT_MAX_INPUT_PIXELS, min=1,
                                   doc="largest width*height of an incoming image (raw, compressed or a chat "
                                       "image), checked before it is decoded")
+    cameras: tuple[str, ...] = _spec(
+        default_factory=tuple, doc="VLA: camera names, in the order their tokens enter the prefix (each image runs "
+                                   "through the vision encoder on its own; vla_node subscribes '<name>/image'); "
+                                   "empty = one camera on 'image'")
+    camera_max_skew: float = _spec(0.05, min=0.0, doc="VLA with several cameras: seconds another camera's image may "
+                                                      "lie from the first camera's frame (by header stamps)")
 
     def __post_init__(self):
         for i, axis in enumerate(("height", "width")):
@@ -73,6 +84,15 @@ class VisionConfig:
                     f"{self.resolution[i]}")
         if any(s <= 0 for s in self.std):
             raise ConfigError(f"vision.std: values must be > 0, got {list(self.std)}")
+        names = list(self.cameras)
+        if len(set(names)) != len(names) or not all(_is_topic_token(n) for n in names):
+            raise ConfigError(f"vision.cameras: names must be unique, non-empty and usable in a topic name "
+                              f"(letters, digits, '_', not starting with a digit), got {names}")
+
+    @property
+    def num_cameras(self) -> int:
+        """Images per VLA frame (one without ``cameras``)."""
+        return max(1, len(self.cameras))
 
     @property
     def merged_grid(self) -> tuple[int, int]:
@@ -121,6 +141,10 @@ class LLMConfig:
             "[t, h, w], summing to head_dim / 2; empty = 1-D positions. The prefill and decode graphs then "
             "take position_ids [3, n]")
     rms_norm_eps: float = _spec(1e-6, min=0.0)
+    prefill_attention: str = _spec("causal", choices=("causal", "bidirectional"),
+                                   doc="bidirectional: the tokens of one prefill call all see each other (pi0's "
+                                       "prefix: cameras and instruction); the whole prefix must fit one prefill "
+                                       "bucket (VLA configs only)")
     tie_word_embeddings: bool = _spec(False)
 
     def __post_init__(self):
@@ -158,6 +182,40 @@ class LLMConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NormalizationConfig:
+    """``action.state_norm`` / ``action.action_norm``: how a vector is mapped for the model and back, as
+    LeRobot's normalizer does it (per dimension):
+
+    * ``mean_std``: ``(x - mean) / (std + eps)``; back: ``y * std + mean``;
+    * ``bounds`` (LeRobot's MIN_MAX, QUANTILES and QUANTILE10 with min/max, q01/q99 or q10/q90 as
+      low/high): ``2 * (x - low) / d - 1`` with ``d = high - low`` (``eps`` where that is 0); back:
+      ``(y + 1) * d / 2 + low``.
+    """
+    mode: str = _spec(choices=("mean_std", "bounds"))
+    mean: tuple[float, ...] = _spec(default_factory=tuple, doc="mean_std: per-dimension mean")
+    std: tuple[float, ...] = _spec(default_factory=tuple, doc="mean_std: per-dimension standard deviation")
+    low: tuple[float, ...] = _spec(default_factory=tuple, doc="bounds: per-dimension lower bound (min, q01, q10)")
+    high: tuple[float, ...] = _spec(default_factory=tuple, doc="bounds: per-dimension upper bound (max, q99, q90)")
+    eps: float = _spec(1e-8, min=0.0)
+
+    _RELATIVE_ERRORS = True  # its checks name its own fields; the loader prefixes where it sits
+
+    def __post_init__(self):
+        need = ("mean", "std") if self.mode == "mean_std" else ("low", "high")
+        other = ("low", "high") if self.mode == "mean_std" else ("mean", "std")
+        a, b = (getattr(self, n) for n in need)
+        if not a or len(a) != len(b):
+            raise ConfigError(f"{need[0]} / {need[1]}: mode {self.mode} needs both, with one value per dimension "
+                              f"(got {len(a)} and {len(b)})")
+        if any(getattr(self, n) for n in other):
+            raise ConfigError(f"{other[0]} / {other[1]}: not used by mode {self.mode}")
+
+    @property
+    def dim(self) -> int:
+        return len(self.mean or self.low)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ActionConfig:
     """``action``: the VLA head (flow matching or action tokens), chunk shape and un-normalisation."""
     head_type: str = _spec(choices=("flow_matching", "autoregressive"))
@@ -181,6 +239,12 @@ class ActionConfig:
                                    "order (the rest is zero); required with state_dim")
     state_max_age: float = _spec(0.1, min=0.0, doc="seconds a joint state may be older than a camera frame (by "
                                                    "header stamps) and still be used for it")
+    output_dim: int = _spec(0, min=0, doc="flow matching: action dimensions published, the first output_dim of "
+                                          "action_dim (pi0 predicts 32, zero-padded); 0 = action_dim")
+    state_norm: NormalizationConfig | None = _spec(
+        None, doc="flow matching: normalisation of the state_joints values before they enter the model")
+    action_norm: NormalizationConfig | None = _spec(
+        None, doc="flow matching: un-normalisation of the output_dim published values")
 
     def __post_init__(self):
         if self.state_dim:
@@ -194,12 +258,33 @@ class ActionConfig:
                                   f"{list(self.state_joints)}")
         elif self.state_joints:
             raise ConfigError("action.state_joints: given without action.state_dim")
+        if self.output_dim > self.action_dim:
+            raise ConfigError(f"action.output_dim: {self.output_dim} exceeds action_dim {self.action_dim}")
+        flow_only = [n for n in ("output_dim", "state_norm", "action_norm") if getattr(self, n)]
+        if flow_only and self.head_type != "flow_matching":
+            raise ConfigError(f"action.{flow_only[0]}: supported for flow_matching heads only")
+        if self.norm_q01 and self.published_dim != self.action_dim:
+            raise ConfigError("action.norm_q01: not with output_dim (use action_norm, which applies after the cut)")
+        if self.action_norm is not None:
+            if self.norm_q01:
+                raise ConfigError("action.action_norm: give it or norm_q01/norm_q99, not both")
+            if self.action_norm.dim != self.published_dim:
+                raise ConfigError(f"action.action_norm: {self.action_norm.dim} dimensions, the published actions "
+                                  f"have {self.published_dim} (output_dim, else action_dim)")
+        if self.state_norm is not None and self.state_norm.dim != len(self.state_joints):
+            raise ConfigError(f"action.state_norm: {self.state_norm.dim} dimensions for {len(self.state_joints)} "
+                              f"state_joints")
         for name in ("norm_q01", "norm_q99", "norm_mask"):
             v = getattr(self, name)
             if v and len(v) != self.action_dim:
                 raise ConfigError(f"action.{name}: {len(v)} values given, action_dim is {self.action_dim}")
         if bool(self.norm_q01) != bool(self.norm_q99):
             raise ConfigError("action.norm_q01 / action.norm_q99: give both or neither")
+
+    @property
+    def published_dim(self) -> int:
+        """Values per step of a published chunk."""
+        return self.output_dim or self.action_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,6 +303,10 @@ class TokenizerConfig:
     """``tokenizer``: a tokenizer.json (else byte-level) and the VLA prompt template."""
     path: str = _spec("", doc="tokenizer.json; empty = byte-level tokenizer")
     prompt_template: str = _spec("{instruction}\n", doc="VLA: how an instruction becomes the text prompt")
+    instruction_bos: str = _spec("", doc="VLA: a special token put before the instruction's tokens (LeRobot pi0's "
+                                         "PaliGemma tokenizer adds '<bos>'); empty = none")
+    max_instruction_tokens: int = _spec(0, min=0, doc="VLA: the instruction's tokens are cut to this many (LeRobot "
+                                                      "pi0: tokenizer_max_length, 48); 0 = no cut")
     chat_template: str = _spec("", doc="VLM: a chat template (.jinja file); empty = the checkpoint's (beside the "
                                        "tokenizer), else the built-in ChatML")
     image_token: str = _spec("<|image_pad|>", doc="VLM: the token the chat template marks an image with; each "
@@ -328,9 +417,25 @@ class ModelConfig:
             if self.vision is not None and (self.vision.architecture != "qwen3_vl" or self.vision.num_tiles != 1):
                 raise ConfigError("llm.mrope_section: image positions need vision.architecture qwen3_vl with one "
                                   "tile (tile_size equal to resolution)")
-        if self.mode == "vla" and self.vision.num_tokens >= self.llm.max_seq_len:
+        if self.mode == "vla" and self.prefix_vision_tokens >= self.llm.max_seq_len:
             raise ConfigError(f"llm.max_seq_len: {self.llm.max_seq_len} leaves no room after "
-                              f"{self.vision.num_tokens} vision tokens")
+                              f"{self.prefix_vision_tokens} vision tokens")
+        if self.vision is not None and self.vision.cameras and self.mode != "vla":
+            raise ConfigError("vision.cameras: several cameras per frame are for vla configs (a chat turn takes "
+                              "its images from the request)")
+        if self.llm.prefill_attention == "bidirectional":
+            if self.mode != "vla":
+                raise ConfigError("llm.prefill_attention: bidirectional prefixes are for vla configs (chat prefill "
+                                  "must stay causal)")
+            if self.prefix_vision_tokens + 1 > self.llm.prefill_buckets[-1]:
+                raise ConfigError(f"llm.prefill_buckets: with bidirectional prefill attention the whole prefix "
+                                  f"({self.prefix_vision_tokens} vision tokens and the instruction) must fit the "
+                                  f"largest bucket, {self.llm.prefill_buckets[-1]}")
+
+    @property
+    def prefix_vision_tokens(self) -> int:
+        """VLA: vision tokens at the start of every prefix (all cameras)."""
+        return self.vision.num_tokens * self.vision.num_cameras if self.vision is not None else 0
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -343,8 +448,9 @@ class ModelConfig:
 
     # Fields that change no graph: runtime behaviour only.
     _RUNTIME_ONLY = {"action": ("step_period", "seed", "norm_q01", "norm_q99", "norm_mask", "state_joints",
-                                "state_max_age"),
-                     "vision": ("resize", "pad_value", "interpolation", "mean", "std", "max_input_pixels")}
+                                "state_max_age", "output_dim", "state_norm", "action_norm"),
+                     "vision": ("resize", "pad_value", "interpolation", "mean", "std", "max_input_pixels", "cameras",
+                                "camera_max_skew")}
 
     def graph_hash(self) -> str:
         """Hash of what shapes and fills the graphs (vision, llm, action heads); a graph set built for
@@ -448,8 +554,14 @@ def _build(cls, raw: dict, prefix: str):
             kwargs[name] = _convert(raw[name], hints[name], path, dict(f.metadata))
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{path}: required field is missing")
-    # __post_init__ checks raise ConfigError with their own field paths.
-    return cls(**kwargs)
+    # __post_init__ checks raise ConfigError with their own field paths (relative ones for sections that can
+    # sit in several places, prefixed here).
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        if getattr(cls, "_RELATIVE_ERRORS", False):
+            raise ConfigError(f"{prefix}{exc}") from None
+        raise
 
 
 def from_dict(raw: dict, source: str = "") -> ModelConfig:

@@ -10,6 +10,11 @@ best-effort publishers both match): each frame gets the joint state at its heade
 (:mod:`synflux_ros.runtimes.robot_state`); a frame without one within ``action.state_max_age`` is counted
 (``frames_no_state``) and skipped, never run on zeros.
 
+A model with several cameras (``vision.cameras: [front, wrist]``) subscribes ``<name>/image`` (or
+``<name>/image/compressed``) per camera instead of ``image``; frames of the first camera trigger inference and
+take each other camera's image nearest in stamp; a frame for which some camera has none within
+``vision.camera_max_skew`` is counted (``frames_no_camera``) and skipped.
+
 Lifecycle: configure loads the model (executor, graphs, KV slots); activate starts the pipeline
 threads; deactivate stops them; cleanup frees the device memory. With ``autostart`` (default) the node
 configures and activates itself, so ``ros2 run`` and plain launch files work without a lifecycle manager.
@@ -36,7 +41,7 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 from ..msg import ActionChunk
 from ..core.image import ImageError, decode_compressed, decode_raw
 from ..core.pipeline import source_rate
-from ..runtimes.robot_state import NoFreshState, RobotStateBuffer
+from ..runtimes.robot_state import CameraImages, NoFreshState, RobotStateBuffer
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
 from .common import COMMON_PARAMS, OK, WARN, Param, SynfluxNode, median, run_lifecycle_node
 
@@ -44,7 +49,8 @@ PARAMS = [
     Param("config", "vla_demo_orin.yaml", "model YAML: a path, or a file name in the package's config directory"),
     *COMMON_PARAMS,
     Param("default_instruction", "", "instruction used until one arrives on 'instruction' (empty = config's)"),
-    Param("image_transport", "raw", "subscribe 'image' (raw) or 'image/compressed'", ("raw", "compressed")),
+    Param("image_transport", "raw", "subscribe 'image' (raw) or 'image/compressed' (per camera with several)",
+          ("raw", "compressed")),
     Param("publish_joint_trajectory", False, "also publish each chunk as trajectory_msgs/JointTrajectory"),
     Param("joint_names", [""], "joint names for joint_trajectory; their count must equal the action dimension"),
 ]
@@ -81,9 +87,10 @@ class VLANode(SynfluxNode):
         self._seq = 0
         # Frames are counted here until they reach the pipeline, and by the pipeline after that
         # (processed = published, dropped, failed); counters of pipelines torn down are carried over.
-        self._counts = dict(received=0, rejected=0, inactive=0, no_state=0, instructions_rejected=0,
-                            states_received=0, states_rejected=0)
+        self._counts = dict(received=0, rejected=0, inactive=0, no_state=0, no_camera=0, instructions_rejected=0,
+                            states_received=0, states_rejected=0, camera_images=0, camera_images_rejected=0)
         self._states: RobotStateBuffer | None = None
+        self._cameras: CameraImages | None = None
         self._state_age_ms = float("nan")
         self._retired = dict(processed=0, dropped=0, failed=0)
         self._latencies = deque(maxlen=200)
@@ -96,8 +103,9 @@ class VLANode(SynfluxNode):
     # ---------------------------------------------------------------- lifecycle hooks
     def setup(self, p: dict, cfg) -> str:
         joints = [j for j in p["joint_names"] if j]
-        if p["publish_joint_trajectory"] and len(joints) != cfg.action.action_dim:
-            raise self.fail("joint_names", f"{len(joints)} names {joints} for action_dim {cfg.action.action_dim}")
+        if p["publish_joint_trajectory"] and len(joints) != cfg.action.published_dim:
+            raise self.fail("joint_names", f"{len(joints)} names {joints} for {cfg.action.published_dim} action "
+                                           f"values per step (action.output_dim, else action_dim)")
         self.runtime = self.load_runtime(VLARuntime, cfg)
         if p["default_instruction"]:
             try:
@@ -112,12 +120,19 @@ class VLANode(SynfluxNode):
         if p["publish_joint_trajectory"]:
             self._pubs["traj"] = self.create_lifecycle_publisher(JointTrajectory, "joint_trajectory", 10)
         inputs = MutuallyExclusiveCallbackGroup()
-        if p["image_transport"] == "compressed":
-            self._subs.append(self.create_subscription(CompressedImage, "image/compressed", self._on_compressed,
+        compressed = p["image_transport"] == "compressed"
+        suffix = "image/compressed" if compressed else "image"
+        cameras = cfg.vision.cameras
+        if len(cameras) > 1:
+            self._cameras = CameraImages(cameras, cfg.vision.camera_max_skew, topic="{}/" + suffix)
+        for i, name in enumerate(cameras or [None]):
+            topic = f"{name}/{suffix}" if name else suffix
+            if i == 0:
+                callback = self._on_compressed if compressed else self._on_image
+            else:
+                callback = self._other_camera(name, compressed)
+            self._subs.append(self.create_subscription(CompressedImage if compressed else Image, topic, callback,
                                                        qos_profile_sensor_data, callback_group=inputs))
-        else:
-            self._subs.append(self.create_subscription(Image, "image", self._on_image, qos_profile_sensor_data,
-                                                       callback_group=inputs))
         if cfg.action.state_dim:
             self._states = RobotStateBuffer(cfg.action)
             self._subs.append(self.create_subscription(JointState, "joint_states", self._on_joint_state,
@@ -127,8 +142,10 @@ class VLANode(SynfluxNode):
         for qos in INSTRUCTION_QOS:
             self._subs.append(self.create_subscription(String, "instruction", self._on_instruction, qos,
                                                        callback_group=inputs, event_callbacks=quiet))
+        cams = f", cameras {', '.join(cameras)}" if cameras else ""
         return (f"{cfg.name!r} ({cfg.action.head_type}, horizon {cfg.action.action_horizon} x "
-                f"{cfg.action.action_dim}) on {cfg.executor.backend!r}, instruction {self.runtime.instruction!r}")
+                f"{cfg.action.published_dim}{cams}) on {cfg.executor.backend!r}, instruction "
+                f"{self.runtime.instruction!r}")
 
     def activate(self) -> None:
         self.pipeline.start()
@@ -181,10 +198,19 @@ class VLANode(SynfluxNode):
         except ImageError as exc:
             self._reject("image", exc)
             return
+        stamp = header.stamp.sec + header.stamp.nanosec * 1e-9
+        if self._cameras is not None:
+            try:
+                rgb = self._cameras.images_for(stamp, rgb)
+            except NoFreshState as exc:
+                self._count("no_camera")
+                self._last_input_error = f"frame skipped: {exc}"
+                self.get_logger().warning(self._last_input_error, throttle_duration_sec=2.0)
+                return
         state = None
         if self._states is not None:
             try:
-                state, age = self._states.at(header.stamp.sec + header.stamp.nanosec * 1e-9)
+                state, age = self._states.at(stamp)
             except NoFreshState as exc:
                 self._count("no_state")
                 self._last_input_error = f"frame skipped: {exc}"
@@ -207,6 +233,23 @@ class VLANode(SynfluxNode):
             self._count("states_rejected")
             self._last_input_error = f"joint_states: {exc}"
             self.get_logger().warning(f"joint state rejected: {exc}", throttle_duration_sec=2.0)
+
+    def _other_camera(self, name: str, compressed: bool):
+        """Callback storing the images of a camera after the first (they are used by its frames)."""
+        def store(msg):
+            self._count("camera_images")
+            try:
+                if compressed:
+                    rgb = decode_compressed(msg.format, msg.data, max_pixels=self.cfg.vision.max_input_pixels)
+                else:
+                    rgb = decode_raw(msg.encoding, msg.height, msg.width, msg.step, msg.data, msg.is_bigendian,
+                                     max_pixels=self.cfg.vision.max_input_pixels)
+                self._cameras.add(name, msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9, rgb)
+            except (ImageError, ValueError) as exc:
+                self._count("camera_images_rejected")
+                self._last_input_error = f"{name} image: {exc}"
+                self.get_logger().warning(f"rejected {name} image: {exc}", throttle_duration_sec=2.0)
+        return store
 
     def _on_image(self, msg: Image):
         self._submit(msg.header, lambda: decode_raw(msg.encoding, msg.height, msg.width, msg.step, msg.data,
@@ -270,8 +313,9 @@ class VLANode(SynfluxNode):
 
     # ---------------------------------------------------------------- diagnostics
     def frame_counts(self) -> dict[str, int]:
-        """Every received frame is in exactly one of published, dropped, rejected, failed, inactive,
-        no_state (skipped: no fresh robot state) or in flight (inside the pipeline)."""
+        """Every received frame (of the first camera) is in exactly one of published, dropped, rejected,
+        failed, inactive, no_state (skipped: no fresh robot state), no_camera (skipped: another camera had no
+        image close enough) or in flight (inside the pipeline)."""
         with self._lock:
             counts = dict(self._counts)
             done = dict(self._retired)
@@ -281,7 +325,7 @@ class VLANode(SynfluxNode):
                 done[key] += getattr(c, key)
         counts.update(published=done["processed"], dropped=done["dropped"], failed=done["failed"])
         counts["in_flight"] = counts["received"] - counts["rejected"] - counts["inactive"] - counts["published"] \
-            - counts["dropped"] - counts["failed"] - counts["no_state"]
+            - counts["dropped"] - counts["failed"] - counts["no_state"] - counts["no_camera"]
         return counts
 
     def input_rates(self) -> dict[str, float]:
@@ -316,6 +360,9 @@ class VLANode(SynfluxNode):
             values[f"stage_{st.name}_median_ms"] = median(st.recent_ms)
         for stage, device in self.runtime.stage_devices.items():
             values[f"stage_{stage}_device"] = device
+        if self._cameras is not None:
+            values.update(frames_no_camera=counts["no_camera"], camera_images_received=counts["camera_images"],
+                          camera_images_rejected=counts["camera_images_rejected"])
         if self._states is not None:
             values.update(states_received=counts["states_received"], states_rejected=counts["states_rejected"],
                           state_age_ms=self._state_age_ms)
@@ -326,6 +373,10 @@ class VLANode(SynfluxNode):
             problems.append(f"{counts['rejected']} rejected, {counts['failed']} failed")
         if counts["no_state"]:
             problems.append(f"{counts['no_state']} skipped without a fresh joint state")
+        if counts["no_camera"]:
+            problems.append(f"{counts['no_camera']} skipped without an image of every camera")
+        if counts["camera_images_rejected"]:
+            problems.append(f"{counts['camera_images_rejected']} camera images rejected")
         if counts["states_rejected"]:
             problems.append(f"{counts['states_rejected']} joint states rejected")
         if rates["delivery_ratio"] < MIN_DELIVERY_RATIO:

@@ -29,6 +29,7 @@ class LLMBackbone:
         self.max_seq = cfg.llm.max_seq_len
         self.hidden = cfg.llm.hidden_dim
         self.mrope = bool(cfg.llm.mrope_section)
+        self.bidirectional = cfg.llm.prefill_attention == "bidirectional"
         self.num_deepstack = cfg.vision.num_deepstack if cfg.vision is not None else 0
         # Token ids are fed in the dtype the graphs declare (llm.token_id_dtype: int64 or int32).
         self.id_dtype = np.dtype(self._id_dtype(executor, cfg))
@@ -72,6 +73,11 @@ class LLMBackbone:
             raise ValueError("prefill needs at least one token")
         if start + n > self.max_seq:
             raise ContextOverflowError(f"{start} cached + {n} new tokens exceed the context of {self.max_seq}")
+        if self.bidirectional and n > self.prefill_buckets[-1]:
+            # The tokens of one call see each other; split over calls, early ones would miss later ones.
+            raise ContextOverflowError(f"{n} tokens do not fit the largest prefill bucket "
+                                       f"({self.prefill_buckets[-1]}), and a bidirectional prefix "
+                                       f"(llm.prefill_attention) must be prefilled in one call")
         if self.mrope and positions is None:
             positions = np.broadcast_to(np.arange(start, start + n, dtype=np.int64), (3, n))
         if self.num_deepstack and deepstack is None:

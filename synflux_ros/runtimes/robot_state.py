@@ -1,4 +1,5 @@
-"""Robot state for the action expert: joint positions by name, matched to camera frames by header stamp.
+"""Robot state for the action expert: joint positions by name, matched to camera frames by header stamp;
+and, for models with several cameras, the other cameras' images matched to the first camera's frames.
 
 ``vla_node`` feeds every ``sensor_msgs/JointState`` it receives into a :class:`RobotStateBuffer` and asks it,
 per camera frame, for the state at the frame's time. The buffer is ROS-free: stamps are seconds, names and
@@ -25,7 +26,55 @@ from ..core.config import ActionConfig
 
 
 class NoFreshState(LookupError):
-    """No joint state within ``action.state_max_age`` of a frame; the message says what was there."""
+    """Nothing within the allowed age of a frame (a joint state, or another camera's image); the message
+    says what was there."""
+
+
+class StampedBuffer:
+    """The last ``capacity`` values by header stamp (seconds), thread-safe; :meth:`at` finds the one for a
+    frame's stamp. Shared by the joint states and the images of a frame's other cameras.
+
+    ``nearest`` False (joint states): the newest value stamped at or before the frame, else the oldest one;
+    True (camera images): the value with the stamp closest to the frame's. Either must lie within ``max_age``.
+    ``what`` names the values in messages (e.g. ``"joint state"``), ``source`` where they come from,
+    ``limit`` the setting behind ``max_age``."""
+
+    def __init__(self, max_age: float, capacity: int, what: str, source: str, limit: str, nearest: bool = False):
+        self.max_age = float(max_age)
+        self.capacity = capacity
+        self.what, self.source, self.limit, self.nearest = what, source, limit, nearest
+        self._stamps: list[float] = []
+        self._values: list = []
+        self._lock = threading.Lock()
+
+    def add(self, stamp: float, value) -> None:
+        if not math.isfinite(stamp):
+            raise ValueError(f"stamp {stamp!r} is not finite")
+        with self._lock:
+            at = bisect.bisect_right(self._stamps, stamp)
+            self._stamps.insert(at, stamp)
+            self._values.insert(at, value)
+            if len(self._stamps) > self.capacity:
+                del self._stamps[0], self._values[0]
+
+    def at(self, stamp: float) -> tuple[object, float]:
+        """(value, age in seconds: frame stamp minus value stamp, negative for a newer value) for a frame
+        stamped ``stamp``; NoFreshState when none lies within ``max_age``."""
+        with self._lock:
+            if not self._stamps:
+                raise NoFreshState(f"no {self.what} received yet on {self.source}")
+            at = bisect.bisect_right(self._stamps, stamp)
+            pick = at - 1 if at > 0 else 0
+            if self.nearest and at < len(self._stamps) and (
+                    at == 0 or self._stamps[at] - stamp < stamp - self._stamps[at - 1]):
+                pick = at
+            age = stamp - self._stamps[pick]
+            value = self._values[pick]
+        if abs(age) > self.max_age:
+            when = "older" if age > 0 else "newer"
+            raise NoFreshState(f"the nearest {self.what} is {abs(age) * 1e3:.0f} ms {when} than the frame "
+                               f"({self.limit}: {self.max_age * 1e3:.0f} ms)")
+        return value, age
 
 
 class RobotStateBuffer:
@@ -37,10 +86,8 @@ class RobotStateBuffer:
         self.joints = tuple(action.state_joints)
         self.dim = action.state_dim
         self.max_age = float(action.state_max_age)
-        self.capacity = capacity
-        self._stamps: list[float] = []
-        self._states: list[np.ndarray] = []
-        self._lock = threading.Lock()
+        self._buffer = StampedBuffer(action.state_max_age, capacity, "joint state", "'joint_states'",
+                                     "action.state_max_age")
 
     def add(self, stamp: float, names, positions) -> np.ndarray:
         """Store one joint-state message; returns its state vector. ValueError says why one is refused."""
@@ -60,26 +107,30 @@ class RobotStateBuffer:
             if not math.isfinite(value):
                 raise ValueError(f"joint {joint!r}: position {value!r} is not finite")
             state[k] = value
-        with self._lock:
-            at = bisect.bisect_right(self._stamps, stamp)
-            self._stamps.insert(at, stamp)
-            self._states.insert(at, state)
-            if len(self._stamps) > self.capacity:
-                del self._stamps[0], self._states[0]
+        self._buffer.add(stamp, state)
         return state
 
     def at(self, stamp: float) -> tuple[np.ndarray, float]:
         """(state vector, age in seconds: frame stamp minus state stamp, negative for a newer state) for a
         frame stamped ``stamp``; NoFreshState when none lies within ``state_max_age``."""
-        with self._lock:
-            if not self._stamps:
-                raise NoFreshState("no joint state received yet on 'joint_states'")
-            at = bisect.bisect_right(self._stamps, stamp)
-            pick = at - 1 if at > 0 else 0
-            age = stamp - self._stamps[pick]
-            state = self._states[pick]
-        if abs(age) > self.max_age:
-            when = "older" if age > 0 else "newer"
-            raise NoFreshState(f"the nearest joint state is {abs(age) * 1e3:.0f} ms {when} than the frame "
-                               f"(action.state_max_age: {self.max_age * 1e3:.0f} ms)")
+        state, age = self._buffer.at(stamp)
         return state.copy(), age
+
+
+class CameraImages:
+    """The newest images of a frame's other cameras (``vision.cameras[1:]``): the first camera's frames
+    trigger inference, and each takes, per other camera, the image whose stamp is nearest to its own,
+    within ``vision.camera_max_skew``."""
+
+    def __init__(self, cameras, max_skew: float, topic: str = "{}/image", capacity: int = 8):
+        self.cameras = tuple(cameras)
+        self._buffers = {name: StampedBuffer(max_skew, capacity, f"'{name}' image", repr(topic.format(name)),
+                                             "vision.camera_max_skew", nearest=True) for name in self.cameras[1:]}
+
+    def add(self, camera: str, stamp: float, image: np.ndarray) -> None:
+        self._buffers[camera].add(stamp, image)
+
+    def images_for(self, stamp: float, first: np.ndarray) -> list[np.ndarray]:
+        """[first, image of camera 2, ...] for a first-camera frame stamped ``stamp``; NoFreshState names the
+        camera without an image close enough."""
+        return [first] + [self._buffers[name].at(stamp)[0] for name in self.cameras[1:]]

@@ -2,10 +2,13 @@
 
 Stages (each may run on its own device and in its own pipeline thread):
 
-1. ``vision``    resize/letterbox, normalise, tile, vision encoder graph
-2. ``backbone``  LLM prefill of [vision tokens | instruction tokens] into a KV-cache slot
-3. ``head``      the action head (flow matching: Euler steps of the action expert; or autoregressive
-                 action tokens), then un-normalisation; the slot is released
+1. ``vision``    per camera (``vision.cameras``, in config order): resize/letterbox, normalise, tile, vision
+                 encoder graph
+2. ``backbone``  LLM prefill of [camera 1 tokens | camera 2 tokens | ... | instruction tokens] into a KV-cache
+                 slot (in one prefill call with ``llm.prefill_attention: bidirectional``, pi0's prefix)
+3. ``head``      the action head (flow matching: Euler steps of the action expert on the normalised robot
+                 state, see :mod:`synflux_ros.pieces.normalization`; or autoregressive action tokens), then
+                 un-normalisation; the slot is released
 
 :meth:`VLARuntime.infer` runs the three in sequence; :class:`VLAPipeline` runs them in threads.
 """
@@ -18,11 +21,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..core.config import ModelConfig
+from ..core.config import ConfigError, ModelConfig
 from ..core.executor import Executor
 from ..core.pipeline import Pipeline
 from ..pieces.heads import action_head
 from ..pieces.heads.action_tokens import unnormalize
+from ..pieces.normalization import StateActionMaps
 from ..pieces.tokenizer import Tokenizer
 from .stack import ModelRuntime
 
@@ -34,7 +38,7 @@ class Frame:
     """One camera frame travelling through the pipeline."""
 
     seq: int
-    image: np.ndarray | None  # HxWx3 uint8 RGB
+    image: np.ndarray | list | None  # HxWx3 uint8 RGB; with vision.cameras a list, one per camera in order
     t_receipt: float = field(default_factory=time.perf_counter)
     meta: Any = None  # passed through untouched (e.g. the ROS header)
     pixels: np.ndarray | None = None
@@ -68,7 +72,18 @@ class VLARuntime(ModelRuntime):
     def _setup(self) -> None:
         cfg = self.cfg
         self.head = action_head(cfg, self.executor, self.backbone)
-        self.horizon, self.action_dim = cfg.action.action_horizon, cfg.action.action_dim
+        self.horizon, self.action_dim = cfg.action.action_horizon, cfg.action.published_dim
+        self.maps = StateActionMaps(cfg.action) if cfg.action.head_type == "flow_matching" else None
+        self.cameras = cfg.vision.cameras
+        self.vision_tokens = cfg.prefix_vision_tokens
+        self.max_instruction_tokens = cfg.tokenizer.max_instruction_tokens
+        self.bos: list[int] = []
+        if cfg.tokenizer.instruction_bos:
+            try:
+                self.bos = [self.tokenizer.special(cfg.tokenizer.instruction_bos)]
+            except KeyError:
+                raise ConfigError(f"tokenizer.instruction_bos: the tokenizer has no special token "
+                                  f"{cfg.tokenizer.instruction_bos!r}") from None
         self._instruction: _Instruction | None = None
         self._instr_lock = threading.Lock()
         self.set_instruction(cfg.default_instruction)
@@ -85,23 +100,38 @@ class VLARuntime(ModelRuntime):
             raise ValueError("instruction is empty")
         if len(text) > MAX_INSTRUCTION_CHARS:
             raise ValueError(f"instruction has {len(text)} characters (limit {MAX_INSTRUCTION_CHARS})")
-        ids = self.tokenizer.encode(self.cfg.tokenizer.prompt_template.format(instruction=text))
+        ids = self.bos + self.tokenizer.encode(self.cfg.tokenizer.prompt_template.format(instruction=text))
+        if self.max_instruction_tokens:  # cut as LeRobot's tokenizer step does (truncation to its max length)
+            ids = ids[:self.max_instruction_tokens]
         extra = self.head.context_tokens
-        if self.vision.num_tokens + len(ids) + extra > self.cfg.llm.max_seq_len:
-            raise ValueError(f"instruction needs {len(ids)} tokens; with {self.vision.num_tokens} vision tokens"
+        limit, what = self.cfg.llm.max_seq_len, "the context of {}"
+        if self.cfg.llm.prefill_attention == "bidirectional":
+            limit = min(limit, self.cfg.llm.prefill_buckets[-1])
+            what = "the largest prefill bucket, {} (a bidirectional prefix is prefilled in one call)"
+        if self.vision_tokens + len(ids) + extra > limit:
+            raise ValueError(f"instruction needs {len(ids)} tokens; with {self.vision_tokens} vision tokens"
                              f"{f' and {extra} action tokens' if extra else ''}"
-                             f" that exceeds the context of {self.cfg.llm.max_seq_len}")
+                             f" that exceeds {what.format(limit)}")
         with self._instr_lock:
             embeds = self.backbone.embed(ids) if ids else np.zeros((0, self.cfg.llm.hidden_dim), np.float32)
             self._instruction = _Instruction(text, tuple(ids), embeds)
 
     # ---------------------------------------------------------------- stages
+    def camera_images(self, image) -> list[np.ndarray]:
+        """A frame's images, one per camera in config order; ValueError when the count is wrong."""
+        images = list(image) if isinstance(image, (list, tuple)) else [image]
+        if len(images) != self.cfg.vision.num_cameras:
+            names = f" ({', '.join(self.cameras)})" if self.cameras else ""
+            raise ValueError(f"the model takes {self.cfg.vision.num_cameras} camera image(s) per frame{names}, "
+                             f"got {len(images)}")
+        return images
+
     def stage_vision(self, frame: Frame) -> Frame:
         t0 = time.perf_counter()
-        frame.pixels = self.vision.preprocess(frame.image)
+        images = self.camera_images(frame.image)
         frame.image = None
-        frame.vision_embeds = self.vision.encode(frame.pixels)
-        frame.pixels = None
+        embeds = [self.vision.encode(self.vision.preprocess(img)) for img in images]
+        frame.vision_embeds = embeds[0] if len(embeds) == 1 else np.concatenate(embeds, axis=0)
         frame.timings["vision_ms"] = (time.perf_counter() - t0) * 1e3
         return frame
 
@@ -122,12 +152,16 @@ class VLARuntime(ModelRuntime):
 
     def stage_head(self, frame: Frame) -> Frame:
         t0 = time.perf_counter()
+        state = frame.state
         try:
-            actions = self.head(self.kv_pool.tensor(frame.slot), frame.prefix_len, frame.logits, frame.seq,
-                                frame.state)
+            if state is not None and self.maps is not None:
+                state = self.maps.state_in(state)
+            actions = self.head(self.kv_pool.tensor(frame.slot), frame.prefix_len, frame.logits, frame.seq, state)
         finally:
             self.release(frame)
-        frame.actions = unnormalize(actions, self.cfg.action)
+        if self.maps is not None:
+            actions = self.maps.actions_out(actions)
+        frame.actions = unnormalize(actions, self.cfg.action)  # norm_q01/q99 (OpenVLA style), when given
         frame.logits = None
         frame.timings["head_ms"] = (time.perf_counter() - t0) * 1e3
         return frame
@@ -152,8 +186,9 @@ class VLARuntime(ModelRuntime):
     def stages(self) -> list[tuple[str, Callable]]:
         return [("vision", self.stage_vision), ("backbone", self.stage_backbone), ("head", self.stage_head)]
 
-    def infer(self, image: np.ndarray, seq: int = 0, state: np.ndarray | None = None) -> Frame:
-        """Run one frame (and its robot state, for configs with one) through all stages in the calling thread."""
+    def infer(self, image, seq: int = 0, state: np.ndarray | None = None) -> Frame:
+        """Run one frame (an image, or a list of one per camera with ``vision.cameras``; and its robot state in
+        robot units, for configs with one) through all stages in the calling thread."""
         frame = Frame(seq, image, state=state)
         for _, fn in self.stages:
             fn(frame)

@@ -329,16 +329,16 @@ def test_describe_fields():
     assert "choices: flow_matching, autoregressive" in by_path["action.head_type"]
     assert "max 1.0" in by_path["text.top_p"]
     assert by_path["session.max_sessions"].endswith("concurrent chat sessions")
-    # One line per leaf field of every section.
-    n_leaves = 0
-    for f in dataclasses.fields(ModelConfig):
-        if f.name == "source":
-            continue
-        sub = {"vision", "llm", "action", "text", "tokenizer", "session", "executor", "pipeline"}
-        if f.name in sub:
-            hints = typing.get_type_hints(ModelConfig)
+    # One line per leaf field of every section (sections inside sections, e.g. action.state_norm, expanded).
+    def leaves(cls) -> int:
+        n = 0
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "source":
+                continue
             tp = [a for a in typing.get_args(hints[f.name]) if a is not type(None)] or [hints[f.name]]
-            n_leaves += len(dataclasses.fields(tp[0]))
-        else:
-            n_leaves += 1
+            n += leaves(tp[0]) if dataclasses.is_dataclass(tp[0]) else 1
+        return n
+    n_leaves = leaves(ModelConfig)
+    assert "action.state_norm.mode" in by_path and "action.action_norm.eps" in by_path
     assert len(lines) == n_leaves

@@ -205,14 +205,17 @@ def test_time_embedding_is_pi0s_sinusoid_in_float64():
     assert abs(2 * np.pi / 4e-3 * (t16 - 0.7)) > 0.1
 
 
-def test_flow_time_steps_in_float32_as_pi0_samples():
-    """t = 1, 1 + dt, ... accumulated in float32 (pi0's sample_actions: time += dt); one embedding per step."""
+def test_flow_time_steps_as_lerobot_samples():
+    """Step k at t = 1 + k * dt in float64, then float32 (LeRobot 0.4.3+ sample_actions); one embedding per
+    step. Accumulating t in float32 instead (openpi) gives other float32 values for some steps."""
     fs = FlowSetup(num_denoise_steps=10)
-    t, dt, want = np.float32(1.0), np.float32(-0.1), []
+    want = [np.float32(1.0 + k * (-1.0 / 10)) for k in range(10)]
+    acc, accumulated = np.float32(1.0), []
     for _ in range(10):
-        want.append(t)
-        t = np.float32(t + dt)
-    assert fs.head.dt == dt and len(fs.head.time_embeddings) == 10
+        accumulated.append(acc)
+        acc = np.float32(acc + np.float32(-0.1))
+    assert want != accumulated  # the two rules differ, so this test tells them apart
+    assert fs.head.dt == np.float32(-0.1) and len(fs.head.time_embeddings) == 10
     dim = fs.head.time_embeddings[0].shape[1]
     for emb, t in zip(fs.head.time_embeddings, want):
         np.testing.assert_array_equal(emb, time_embedding(t, dim))

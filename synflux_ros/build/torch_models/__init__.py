@@ -30,6 +30,7 @@ from ...core.graphs import graph_set
 from .action_expert import ActionExpert, ActionExpertGraph
 from .decoder import (CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, fuse_projections, hf_llm_fields,
                       init_random, load_hf_weights, materialize)
+from .lerobot_pi0 import config_from_lerobot_pi0, is_lerobot_pi0, load_lerobot_pi0
 from .qwen3_vl_vision import build_qwen3_vl_vision, vision_config_from_hf
 from .vision import VitVisionEncoder
 
@@ -66,7 +67,10 @@ def _random(module_factory, seed: int, stream: str) -> nn.Module:
 def config_from_hf(hf_dir: str, base: ModelConfig) -> ModelConfig:
     """``base`` with the model dimensions of the checkpoint in ``hf_dir``: the LLM's, and the vision
     tower's when ``base`` has ``vision.architecture: qwen3_vl`` (buckets, kv dtype, resolution, action,
-    ... kept from ``base``). Raises ConfigError for an unsupported checkpoint."""
+    ... kept from ``base``); for a LeRobot pi0 checkpoint, everything it fixes (:mod:`.lerobot_pi0`).
+    Raises ConfigError for an unsupported checkpoint."""
+    if is_lerobot_pi0(hf_dir):
+        return config_from_lerobot_pi0(hf_dir, base)
     _, fields, _ = hf_llm_fields(hf_dir)
     cfg = base.with_overrides(llm=fields)
     if cfg.vision is not None and cfg.vision.architecture == "qwen3_vl":
@@ -82,12 +86,29 @@ def _check_matches_checkpoint(cfg: ModelConfig, fields: dict, hf_dir: str) -> No
                           f"use config_from_hf to take the dimensions from it")
 
 
+def _load_pi0(cfg: ModelConfig, hf_dir: str) -> dict:
+    """The language model, vision encoder and action expert of a LeRobot pi0 checkpoint (``cfg`` must be
+    :func:`config_from_hf` of it), weights loaded; the expert's projections fused for export."""
+    with torch.device("meta"):
+        parts = {"lm": CausalLM(cfg.llm), "vision": VitVisionEncoder(cfg), "expert": ActionExpert(cfg)}
+    for module in parts.values():
+        materialize(module)
+    load_lerobot_pi0(hf_dir, parts["lm"], parts["vision"], parts["expert"])
+    fuse_projections(parts["expert"])
+    return {name: module.eval() for name, module in parts.items()}
+
+
 def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = None) -> GraphModules:
     """One torch module per graph of ``graph_set(cfg)``."""
     llm = cfg.llm
     rope = None
     model_type = None
-    if hf_dir:
+    pi0 = None
+    if hf_dir and is_lerobot_pi0(hf_dir):
+        pi0 = _load_pi0(cfg, hf_dir)
+        lm = pi0["lm"]
+        model_type = "lerobot_pi0"
+    elif hf_dir:
         model_type, fields, rope = hf_llm_fields(hf_dir)
         _check_matches_checkpoint(cfg, fields, hf_dir)
         with torch.device("meta"):
@@ -111,6 +132,8 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
             modules[meta.name] = build_qwen3_vl_vision(cfg, seed=seed, hf_dir=hf_dir)
             if not hf_dir:
                 random_parts.append(meta.name)
+        elif meta.kind == "vision_encoder" and pi0 is not None:
+            modules[meta.name] = pi0["vision"]
         elif meta.kind == "vision_encoder" and cfg.vision.architecture == "vit":
             modules[meta.name] = _random(lambda: VitVisionEncoder(cfg), seed, "vision")
             random_parts.append(meta.name)
@@ -122,9 +145,11 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
             modules[meta.name] = DecodeGraph(lm, bucket, llm.kv_dtype).eval()
         elif meta.kind == "action_expert":
             if expert is None:
-                expert = fuse_projections(_random(lambda: ActionExpert(cfg, rope), seed, "action_expert"))
+                expert = pi0["expert"] if pi0 is not None else \
+                    fuse_projections(_random(lambda: ActionExpert(cfg, rope), seed, "action_expert"))
             modules[meta.name] = ActionExpertGraph(expert, bucket).eval()
-            random_parts.append(meta.name)
+            if pi0 is None:
+                random_parts.append(meta.name)
         else:
             missing.append(meta.name)
 

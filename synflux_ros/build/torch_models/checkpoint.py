@@ -93,3 +93,40 @@ def read_tensors(files: Mapping[str, str]) -> Iterator[tuple[str, torch.Tensor]]
         with safe_open(path, framework="pt") as fh:
             for key in keys:
                 yield key, fh.get_tensor(key).to(torch.float32)
+
+
+def tensor_shapes(files: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
+    """``{key: shape}`` for every ``key: file`` of ``files``, from the file headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for key, path in files.items():
+        by_file.setdefault(path, []).append(key)
+    shapes = {}
+    for path, keys in by_file.items():
+        with safe_open(path, framework="pt") as fh:
+            for key in keys:
+                shapes[key] = tuple(fh.get_slice(key).get_shape())
+    return shapes
+
+
+def copy_checked(params: Mapping[str, torch.nn.Parameter], files: Mapping[str, str], wanted: Mapping[str, str],
+                 expected, unexpected, where: str, what: str, hint: str = "") -> None:
+    """Copy checkpoint tensors into parameters: ``wanted`` maps a checkpoint key (in ``files``) to a name of
+    ``params``. ConfigError naming up to 8 of them when an ``expected`` parameter has no tensor, when there
+    are ``unexpected`` checkpoint keys, or when a shape differs (``hint`` says what to do then)."""
+    missing = sorted(set(expected) - set(wanted.values()))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        raise ConfigError(f"{where}: checkpoint does not match {what}: {'; '.join(parts)}")
+    with torch.no_grad():
+        for key, tensor in read_tensors({key: files[key] for key in wanted}):
+            target = params[wanted[key]]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ConfigError(f"{where}: {key} has shape {list(tensor.shape)}, the graphs expect "
+                                  f"{list(target.shape)}{f' ({hint})' if hint else ''}")
+            target.copy_(tensor)

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ...core.config import ConfigError, LLMConfig
-from .checkpoint import read_config, read_tensors, tensor_files
+from .checkpoint import copy_checked, read_config, tensor_files
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -447,21 +447,26 @@ class EmbedGraph(nn.Module):
 
 class PrefillGraph(nn.Module):
     """prefill_<p>: rows i < num_tokens at positions cache_position + i attend to the cache below
-    cache_position and to new rows i' <= i; logits of row num_tokens - 1. Padded rows (i >= num_tokens)
-    are seen by no valid row, give no logits and their new_kv rows are zero; their positions may pass the
-    end of the cache (clamped in the rotary lookup)."""
+    cache_position and to new rows i' <= i (``llm.prefill_attention: bidirectional``: to every valid new
+    row, pi0's prefix); logits of row num_tokens - 1. Padded rows (i >= num_tokens) are seen by no valid
+    row, give no logits and their new_kv rows are zero; their positions may pass the end of the cache
+    (clamped in the rotary lookup)."""
 
     def __init__(self, lm: CausalLM, bucket: int, max_seq_len: int, kv_dtype: str):
         super().__init__()
         self.lm, self.bucket, self.max_seq_len = lm, bucket, max_seq_len
         self.kv_dtype = torch_dtype(kv_dtype)
+        self.bidirectional = lm.llm.prefill_attention == "bidirectional"
 
     def forward(self, inputs_embeds, num_tokens, cache_position, past_kv, position_ids=None, deepstack_embeds=None):
         p, s = self.bucket, self.max_seq_len
         rows = torch.arange(p, dtype=torch.int64)
         past_ok = (torch.arange(s, dtype=torch.int64)[None, :] < cache_position).expand(p, s)
-        causal = rows[None, :] <= rows[:, None]
-        allowed = torch.cat((past_ok, causal), dim=1)
+        if self.bidirectional:
+            new_ok = (rows[None, :] < num_tokens).expand(p, p)
+        else:
+            new_ok = rows[None, :] <= rows[:, None]
+        allowed = torch.cat((past_ok, new_ok), dim=1)
         positions = cache_position + rows if position_ids is None else position_ids
         h, new_kv = self.lm.run(inputs_embeds[0], positions, past_kv, allowed, self.kv_dtype,
                                 deepstack=deepstack_embeds)
@@ -636,20 +641,5 @@ def load_hf_weights(lm: CausalLM, hf_dir: str, model_type: str) -> None:
             wanted[key] = name
         else:
             unexpected.append(key)
-    missing = sorted(expected - set(wanted.values()))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}")
-        raise ConfigError(f"{hf_dir}: checkpoint does not match a {lm.llm.architecture} decoder of this "
-                          f"config: {'; '.join(parts)}")
-    with torch.no_grad():
-        for key, tensor in read_tensors({key: files[key] for key in wanted}):
-            target = params[wanted[key]]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ConfigError(
-                    f"{hf_dir}: {key} has shape {list(tensor.shape)}, the graphs expect "
-                    f"{list(target.shape)} (build the config with config_from_hf)")
-            target.copy_(tensor)
+    copy_checked(params, files, wanted, expected, unexpected, hf_dir,
+                 f"a {lm.llm.architecture} decoder of this config", "build the config with config_from_hf")

@@ -49,21 +49,25 @@ class ProfiledLLM(nn.Module):
     -> logits [1, V], new_kv [L, 2, KV, T, Dh].
 
     Rows i < num_tokens at positions cache_position + i attend to the cache positions j < D that are
-    below cache_position and to new rows i' <= i; logits of row num_tokens - 1; new_kv rows
-    >= num_tokens are zero. (T = p, D = S) is ``prefill_<p>``; (T = 1, D = d, num_tokens = 1) on the
+    below cache_position and to new rows i' <= i (every valid new row with ``llm.prefill_attention:
+    bidirectional``); logits of row num_tokens - 1; new_kv rows >= num_tokens are zero. (T = p, D = S) is ``prefill_<p>``; (T = 1, D = d, num_tokens = 1) on the
     embedded token is ``decode_<d>``."""
 
     def __init__(self, lm: CausalLM, kv_dtype: str):
         super().__init__()
         self.lm = lm
         self.kv_dtype = torch_dtype(kv_dtype)
+        self.bidirectional = lm.llm.prefill_attention == "bidirectional"
 
     def forward(self, inputs_embeds, num_tokens, cache_position, past_kv, attention_span):
         t, d = inputs_embeds.shape[1], attention_span.shape[0]
         rows = _arange(t)
         past_ok = (_arange(d)[None, :] < cache_position).expand(t, d)
-        causal = rows[None, :] <= rows[:, None]
-        allowed = torch.cat((past_ok, causal), dim=1)
+        if self.bidirectional:
+            new_ok = (rows[None, :] < num_tokens).expand(t, t)
+        else:
+            new_ok = rows[None, :] <= rows[:, None]
+        allowed = torch.cat((past_ok, new_ok), dim=1)
         h, new_kv = self.lm.run(inputs_embeds[0], cache_position + rows, past_kv, allowed, self.kv_dtype, span=d)
         last = torch.index_select(h, 0, num_tokens - 1)
         logits = self.lm.head(last)

@@ -1,8 +1,9 @@
 """Flow-matching action head (pi0 style).
 
 Start from Gaussian noise at t = 1 and integrate the action expert's velocity field to t = 0 with
-``num_denoise_steps`` Euler steps, ``x <- x + dt * v(x, t)`` with ``dt = -1 / N``, t stepped in float32
-(``t <- t + dt``) as pi0's ``sample_actions`` does. The expert attends to the prefix (vision + instruction)
+``num_denoise_steps`` Euler steps, ``x <- x + dt * v(x, t)`` with ``dt = -1 / N`` and step k at
+``t = 1 + k * dt`` (computed in float64, then float32), as LeRobot 0.4.3+'s ``PI0Pytorch.sample_actions``
+does (openpi and LeRobot before 0.4.3 accumulate t in float32, which differs by ~1e-7 in t). The expert attends to the prefix (vision + instruction)
 through the KV cache; the noise is seeded per frame. The expert takes the sinusoidal embedding of t, which
 is computed here in float64 for all steps once (``core.graphs.time_embedding``).
 """
@@ -27,10 +28,7 @@ class FlowMatchingHead(ActionHead):
         self.shape = (1, self.act.action_horizon, self.act.action_dim)
         n = self.act.num_denoise_steps
         self.dt = np.float32(-1.0 / n)
-        times, t = [], np.float32(1.0)
-        for _ in range(n):
-            times.append(t)
-            t = np.float32(t + self.dt)
+        times = [np.float32(1.0 + k * (-1.0 / n)) for k in range(n)]
         dim = time_embedding_dim(cfg)
         self.time_embeddings = [time_embedding(t, dim) for t in times]
 

@@ -1,0 +1,280 @@
+"""LeRobot pi0 checkpoints (``synflux-build --from-hf DIR`` on a directory whose config.json says
+``"type": "pi0"``): the model's dimensions, cameras, state/action sizes and normalisation into a
+:class:`ModelConfig`, and its weights into the graph modules.
+
+A LeRobot 0.4 pi0 checkpoint directory holds ``config.json`` (PI0Config), ``model.safetensors`` (keys under
+``model.``: ``paligemma_with_expert.paligemma.model.{vision_tower,multi_modal_projector,language_model}``,
+``paligemma_with_expert.gemma_expert.model``, ``state_proj``, ``action_in_proj``, ``action_time_mlp_{in,out}``,
+``action_out_proj``) and the processor pipelines ``policy_preprocessor.json`` /
+``policy_postprocessor.json`` whose normalizer steps name a safetensors file of statistics
+(``observation.state.mean``, ``action.std``, ...).
+
+How the parts map onto the graphs (the pipeline the reference runs, see :mod:`.action_expert`):
+
+* SigLIP vision tower + projector -> ``vision_encoder`` (:class:`~.vision.VitVisionEncoder`, one image per
+  call, no pooling: (resolution / 14)^2 tokens per camera); pixels in [-1, 1] (mean = std = 0.5);
+* PaliGemma's Gemma -> prefill with ``llm.prefill_attention: bidirectional`` (pi0's prefix: every valid
+  prefix token sees every other); language embeddings scaled by sqrt(width), image embeddings not;
+* the Gemma action expert, ``state_proj``, ``action_in_proj``, the action-time MLP and ``action_out_proj``
+  -> ``action_expert_<d>``, one call per Euler step;
+* the normalizer statistics -> ``action.state_norm`` / ``action.action_norm``; the true action dimension
+  (``output_features.action``) -> ``action.output_dim``; ``tokenizer_max_length`` ->
+  ``tokenizer.max_instruction_tokens``; the image feature keys ``observation.images.<name>`` ->
+  ``vision.cameras`` (in the checkpoint's order, the order of their tokens in the prefix).
+
+The widths come from the tensor shapes; the head split (heads x head_dim) is not in them, so it is taken
+from the base config when that config's split fits the shapes, else from the variant named in config.json
+(LeRobot's ``gemma_2b`` / ``gemma_300m``: 8 heads, 1 KV head, head_dim 256).
+
+Not imported: LeRobot's masked "empty cameras" (their tokens are masked out, so leaving them out is the
+same), pi0.5 (adaRMS time conditioning) and bfloat16 checkpoints' mixed precision (weights are read to
+float32). The PaliGemma tokenizer is not part of a LeRobot checkpoint: give ``tokenizer.path`` (its
+tokenizer.json) or put tokenizer.json beside the checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from ...core.config import ConfigError, ModelConfig
+from .checkpoint import copy_checked, read_config, read_json, read_tensors, tensor_files, tensor_shapes
+
+ROOT = "paligemma_with_expert."
+VLM = ROOT + "paligemma.model.language_model."
+VISION = ROOT + "paligemma.model.vision_tower.vision_model."
+PROJECTOR = ROOT + "paligemma.model.multi_modal_projector.linear."
+LM_HEAD = ROOT + "paligemma.lm_head.weight"
+EXPERT = ROOT + "gemma_expert."
+HEADS = {"gemma_2b": (8, 1, 256), "gemma_300m": (8, 1, 256)}  # LeRobot's variants: heads, kv heads, head_dim
+SIGLIP_HEADS = 16  # So400m/14; its head count is not in the tensor shapes either
+_PROJECTIONS = ("state_proj", "action_in_proj", "action_time_mlp_in", "action_time_mlp_out", "action_out_proj")
+_MODES = {"MEAN_STD": ("mean_std", "mean", "std"), "MIN_MAX": ("bounds", "min", "max"),
+          "QUANTILES": ("bounds", "q01", "q99"), "QUANTILE10": ("bounds", "q10", "q90")}
+
+
+def is_lerobot_pi0(hf_dir: str) -> bool:
+    """Whether ``hf_dir`` holds a LeRobot pi0 checkpoint (config.json with ``"type": "pi0"``)."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        return False
+    try:
+        return read_json(path).get("type") == "pi0"
+    except ConfigError:
+        return False
+
+
+def _key(name: str) -> str:
+    """A state-dict name without LeRobot's ``model.`` prefix (checkpoints are saved with it; LeRobot's
+    loader adds it where it is missing, so both forms load)."""
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def _shapes(hf_dir: str) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+    """({checkpoint key: file}, {name without ``model.``: shape})."""
+    files = tensor_files(hf_dir)
+    return files, {_key(k): s for k, s in tensor_shapes(files).items()}
+
+
+def _layers(shapes: dict, prefix: str) -> int:
+    found = {int(m.group(1)) for k in shapes if (m := re.match(re.escape(prefix) + r"layers\.(\d+)\.", k))}
+    if not found or found != set(range(max(found) + 1)):
+        raise ConfigError(f"no consecutive '{prefix}layers.N' tensors (found layers {sorted(found)})")
+    return len(found)
+
+
+def _need(shapes: dict, name: str, where: str) -> tuple[int, ...]:
+    if name not in shapes:
+        raise ConfigError(f"{where}: tensor {name!r} is missing (not a LeRobot pi0 checkpoint?)")
+    return shapes[name]
+
+
+def _head_split(base: ModelConfig, q_out: int, kv_out: int, variant: str, where: str) -> tuple[int, int, int]:
+    llm = base.llm
+    if llm.num_heads * llm.head_dim == q_out and llm.num_kv_heads * llm.head_dim == kv_out:
+        return llm.num_heads, llm.num_kv_heads, llm.head_dim
+    if variant in HEADS:
+        h, kv, dh = HEADS[variant]
+        if h * dh == q_out and kv * dh == kv_out:
+            return h, kv, dh
+    raise ConfigError(f"{where}: attention projections of {q_out} (queries) and {kv_out} (keys) outputs fit neither "
+                      f"the config's llm heads ({llm.num_heads} x {llm.head_dim}, {llm.num_kv_heads} KV) nor the "
+                      f"variant {variant!r}; set llm.num_heads / num_kv_heads / head_dim to the checkpoint's")
+
+
+def _processor_stats(hf_dir: str, pipeline: str, step_name: str) -> tuple[dict, dict, float, dict]:
+    """(norm_map, features, eps, stats {key: tensor}) of a normalizer step of a saved processor pipeline;
+    empty stats when the pipeline or its state file is absent (LeRobot then leaves values unchanged)."""
+    path = os.path.join(hf_dir, f"{pipeline}.json")
+    if not os.path.isfile(path):
+        return {}, {}, 1e-8, {}
+    steps = read_json(path).get("steps", [])
+    step = next((s for s in steps if isinstance(s, dict) and s.get("registry_name") == step_name), None)
+    if step is None:
+        return {}, {}, 1e-8, {}
+    config = step.get("config") or {}
+    stats = {}
+    if step.get("state_file"):
+        state = os.path.join(hf_dir, step["state_file"])
+        if not os.path.isfile(state):
+            raise ConfigError(f"{path}: {step_name} names {step['state_file']}, which is not in {hf_dir}")
+        from safetensors import safe_open
+        with safe_open(state, framework="pt") as fh:
+            keys = list(fh.keys())
+        stats = dict(read_tensors({k: state for k in keys}))
+    return config.get("norm_map") or {}, config.get("features") or {}, float(config.get("eps", 1e-8)), stats
+
+
+def _norm(kind: str, feature: str, hf_dir: str, pipeline: str, step: str, dim: int) -> dict | None:
+    """``action.state_norm`` / ``action_norm`` for ``feature`` from a saved normalizer step (None: identity)."""
+    norm_map, _, eps, stats = _processor_stats(hf_dir, pipeline, step)
+    mode = str(norm_map.get(kind, "IDENTITY")).upper()
+    if mode == "IDENTITY" or not any(k.startswith(feature + ".") for k in stats):
+        return None
+    if mode not in _MODES:
+        raise ConfigError(f"{hf_dir}/{pipeline}.json: normalisation mode {mode!r} for {kind} is not supported "
+                          f"(supported: IDENTITY, {', '.join(_MODES)})")
+    ours, a, b = _MODES[mode]
+    missing = [s for s in (a, b) if f"{feature}.{s}" not in stats]
+    if missing:
+        raise ConfigError(f"{hf_dir}/{pipeline}.json: {mode} for {feature} needs the statistics {missing}")
+    va, vb = (stats[f"{feature}.{s}"].reshape(-1).tolist() for s in (a, b))
+    if len(va) != dim or len(vb) != dim:
+        raise ConfigError(f"{hf_dir}: {feature} statistics have {len(va)} values, the feature has {dim}")
+    fields = ("mean", "std") if ours == "mean_std" else ("low", "high")
+    return {"mode": ours, fields[0]: va, fields[1]: vb, "eps": eps}
+
+
+def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
+    """``base`` with everything the pi0 checkpoint in ``hf_dir`` fixes (see the module doc); buckets, KV
+    dtype, executor and the joint names (``action.state_joints``, which the checkpoint does not name) stay
+    from ``base``."""
+    path, top = read_config(hf_dir)
+    if top.get("type") != "pi0":
+        raise ConfigError(f"{path}: not a LeRobot pi0 config (type {top.get('type')!r})")
+    _, shapes = _shapes(hf_dir)
+    emb = _need(shapes, LM_HEAD, hf_dir) if LM_HEAD in shapes else _need(shapes, VLM + "embed_tokens.weight", hf_dir)
+    vocab, width = emb
+    q_out = _need(shapes, VLM + "layers.0.self_attn.q_proj.weight", hf_dir)[0]
+    kv_out = _need(shapes, VLM + "layers.0.self_attn.k_proj.weight", hf_dir)[0]
+    heads, kv_heads, head_dim = _head_split(base, q_out, kv_out, str(top.get("paligemma_variant", "")), hf_dir)
+    depth = _layers(shapes, VLM)
+    expert_depth = _layers(shapes, EXPERT + "model.")
+    if expert_depth != depth:
+        raise ConfigError(f"{hf_dir}: the action expert has {expert_depth} layers, the language model {depth}; "
+                          f"pi0 pairs them layer by layer")
+    e_width = _need(shapes, "action_in_proj.weight", hf_dir)[0]
+    e_q = _need(shapes, EXPERT + "model.layers.0.self_attn.q_proj.weight", hf_dir)
+    e_k = _need(shapes, EXPERT + "model.layers.0.self_attn.k_proj.weight", hf_dir)
+    if e_q[0] != heads * head_dim or e_k[0] != kv_heads * head_dim:
+        raise ConfigError(f"{hf_dir}: the action expert's attention ({e_q[0]} / {e_k[0]} outputs) does not match "
+                          f"the language model's ({heads} x {head_dim}, {kv_heads} KV heads)")
+    patch = _need(shapes, VISION + "embeddings.patch_embedding.weight", hf_dir)
+    v_width, _, p_h, p_w = patch
+    positions = _need(shapes, VISION + "embeddings.position_embedding.weight", hf_dir)[0]
+    res = top.get("image_resolution") or [224, 224]
+    if len(res) != 2 or res[0] != res[1] or p_h != p_w or (res[0] // p_h) ** 2 != positions:
+        raise ConfigError(f"{path}: image_resolution {res} with {p_h}x{p_w} patches does not give the "
+                          f"{positions} vision positions of the checkpoint")
+    features = top.get("input_features") or {}
+    cameras = [k[len("observation.images."):] for k, f in features.items()
+               if k.startswith("observation.images.") and (f or {}).get("type") == "VISUAL"]
+    if not cameras:
+        raise ConfigError(f"{path}: input_features names no camera (observation.images.<name>)")
+    state_feature = features.get("observation.state") or {}
+    state_true = int((state_feature.get("shape") or [0])[0])
+    action_true = int((((top.get("output_features") or {}).get("action") or {}).get("shape") or [0])[0])
+    max_state = _need(shapes, "state_proj.weight", hf_dir)[1]
+    max_action = _need(shapes, "action_in_proj.weight", hf_dir)[1]
+    if not 0 < action_true <= max_action or not 0 < state_true <= max_state:
+        raise ConfigError(f"{path}: state ({state_true}) and action ({action_true}) dimensions must lie in "
+                          f"1..{max_state} and 1..{max_action}")
+    joints = list(base.action.state_joints) if base.action is not None else []
+    if len(joints) != state_true:
+        raise ConfigError(f"{path}: the checkpoint's state has {state_true} values; list their {state_true} joint "
+                          f"names (sensor_msgs/JointState names, in the training data's order) in the config's "
+                          f"action.state_joints (it has {len(joints)})")
+    tokens = (res[0] // p_h) ** 2
+    max_instr = int(top.get("tokenizer_max_length", 48))
+    prefix = tokens * len(cameras) + max_instr
+    llm = base.llm
+    buckets = [b for b in llm.prefill_buckets if b < prefix] + [prefix]
+    seq = max(llm.max_seq_len, prefix)
+    decode = [b for b in llm.decode_buckets if b < seq] + [seq]
+    cfg = base.with_overrides(
+        mode="vla",
+        vision={"architecture": "vit", "resolution": [res[0], res[1]], "tile_size": [res[0], res[1]],
+                "tokens_per_tile": tokens, "patch_size": p_h, "hidden_dim": v_width,
+                "num_layers": _layers(shapes, VISION + "encoder."),
+                "num_heads": base.vision.num_heads if base.vision and v_width % base.vision.num_heads == 0
+                and base.vision.hidden_dim == v_width else SIGLIP_HEADS,
+                "intermediate_size": _need(shapes, VISION + "encoder.layers.0.mlp.fc1.weight", hf_dir)[0],
+                "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "cameras": cameras},
+        llm={"num_layers": depth, "hidden_dim": width, "num_heads": heads, "num_kv_heads": kv_heads,
+             "head_dim": head_dim, "vocab_size": vocab,
+             "intermediate_size": _need(shapes, VLM + "layers.0.mlp.gate_proj.weight", hf_dir)[0],
+             "architecture": "gemma", "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+             "mrope_section": [], "prefill_attention": "bidirectional", "prefill_buckets": buckets,
+             "decode_buckets": decode, "max_seq_len": seq},
+        action={"head_type": "flow_matching", "action_dim": max_action, "output_dim": action_true,
+                "action_horizon": int(top.get("chunk_size", 50)),
+                "num_denoise_steps": int(top.get("num_inference_steps", 10)),
+                "expert_hidden_dim": e_width,
+                "expert_intermediate_size": _need(shapes, EXPERT + "model.layers.0.mlp.gate_proj.weight", hf_dir)[0],
+                "state_dim": max_state, "state_joints": joints,
+                "norm_q01": [], "norm_q99": [], "norm_mask": [],
+                "state_norm": _norm("STATE", "observation.state", hf_dir, "policy_preprocessor",
+                                    "normalizer_processor", state_true),
+                "action_norm": _norm("ACTION", "action", hf_dir, "policy_postprocessor", "unnormalizer_processor",
+                                     action_true)},
+        tokenizer={"max_instruction_tokens": max_instr, "prompt_template": "{instruction}\n",
+                   "instruction_bos": "<bos>"},
+    )
+    return cfg
+
+
+def _vision_names(key: str) -> str | None:
+    """Checkpoint vision key (without VISION) -> VitVisionEncoder parameter name."""
+    if key == "embeddings.position_embedding.weight":
+        return "embeddings.position_embedding"
+    if key.startswith("encoder.layers."):
+        return "encoder." + key[len("encoder.layers."):]
+    return key
+
+
+def load_lerobot_pi0(hf_dir: str, lm, vision, expert) -> None:
+    """Copy the checkpoint's weights (float32) into the language model (:class:`~.decoder.CausalLM`), the
+    vision encoder and the action expert, each matched strictly by name and shape."""
+    files, _ = _shapes(hf_dir)
+    by_name = {_key(k): k for k in files}
+    targets = {"language model": (lm, {}), "vision encoder": (vision, {}), "action expert": (expert, {})}
+    skipped = (EXPERT + "lm_head.", EXPERT + "model.embed_tokens.")  # unused by pi0 at inference
+    unexpected = []
+    for name, key in by_name.items():
+        if name.startswith(skipped) or name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name.startswith(VLM):
+            targets["language model"][1][key] = "model." + name[len(VLM):]
+        elif name == LM_HEAD:
+            if VLM + "embed_tokens.weight" not in by_name:  # the tied table, saved once under the head's name
+                targets["language model"][1][key] = "model.embed_tokens.weight"
+        elif name.startswith(VISION):
+            targets["vision encoder"][1][key] = _vision_names(name[len(VISION):])
+        elif name.startswith(PROJECTOR):
+            targets["vision encoder"][1][key] = "multi_modal_projector." + name[len(PROJECTOR):]
+        elif name.startswith(EXPERT + "model."):
+            targets["action expert"][1][key] = name[len(EXPERT + "model."):]
+        elif name.split(".")[0] in _PROJECTIONS or name.split(".")[0] in ("time_mlp_in", "time_mlp_out"):
+            # older checkpoints name the action-time MLP time_mlp_* (LeRobot renames them on load)
+            targets["action expert"][1][key] = re.sub(r"^time_mlp_", "action_time_mlp_", name)
+        else:
+            unexpected.append(key)
+    if unexpected:
+        raise ConfigError(f"{hf_dir}: tensors that are not part of pi0: {sorted(unexpected)[:8]}")
+    for what, (module, wanted) in targets.items():
+        params = dict(module.named_parameters(remove_duplicate=False))
+        expected = {n for n in params if not n.startswith(("rope_", "lm_head", "head_t"))
+                    and not n.endswith(("qkv_t", "o_t", "gate_up_t", "down_t"))}
+        if what == "action expert" and getattr(module, "state_proj", None) is None:
+            expected = {n for n in expected if not n.startswith("state_proj")}
+        copy_checked(params, files, wanted, expected, [], hf_dir, f"pi0's {what} of this config",
+                     "build the config from the checkpoint (synflux-build --from-hf does)")

@@ -1,0 +1,67 @@
+"""State normalisation and action un-normalisation of flow-matching VLAs (``action.state_norm``,
+``action.action_norm``, ``action.output_dim``), with LeRobot's normalizer semantics (see
+:class:`~synflux_ros.core.config.NormalizationConfig`).
+
+The order is the reference's: the robot's joint values are normalised first and then zero-padded to the
+model's ``state_dim``; the model's ``action_dim`` outputs are cut to ``output_dim`` first and then
+un-normalised. The arithmetic runs in float32, the dtype LeRobot casts its statistics to.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.config import ActionConfig, NormalizationConfig
+
+
+class Normalizer:
+    """One :class:`NormalizationConfig` as float32 arrays: :meth:`forward` (robot units -> model) and
+    :meth:`inverse` (model -> robot units)."""
+
+    def __init__(self, cfg: NormalizationConfig):
+        f32 = np.float32
+        self.mode = cfg.mode
+        self.eps = f32(cfg.eps)
+        if cfg.mode == "mean_std":
+            self.mean = np.asarray(cfg.mean, f32)
+            self.std = np.asarray(cfg.std, f32)
+        else:
+            self.low = np.asarray(cfg.low, f32)
+            span = np.asarray(cfg.high, f32) - self.low
+            self.span = np.where(span == 0, self.eps, span).astype(f32)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, np.float32)
+        if self.mode == "mean_std":
+            return (x - self.mean) / (self.std + self.eps)
+        return np.float32(2.0) * (x - self.low) / self.span - np.float32(1.0)
+
+    def inverse(self, y: np.ndarray) -> np.ndarray:
+        y = np.asarray(y, np.float32)
+        if self.mode == "mean_std":
+            return y * self.std + self.mean
+        return (y + np.float32(1.0)) * self.span / np.float32(2.0) + self.low
+
+
+class StateActionMaps:
+    """What a flow-matching runtime applies around the model: :meth:`state_in` on the robot state (the
+    ``state_joints`` values, zero-padded to ``state_dim``) and :meth:`actions_out` on the denoised chunk."""
+
+    def __init__(self, act: ActionConfig):
+        self.joints = len(act.state_joints)
+        self.state = Normalizer(act.state_norm) if act.state_norm is not None else None
+        self.actions = Normalizer(act.action_norm) if act.action_norm is not None else None
+        self.out_dim = act.published_dim
+
+    def state_in(self, state: np.ndarray) -> np.ndarray:
+        """Robot-unit state [state_dim] (joints first, zeros after) -> the model's state vector."""
+        state = np.asarray(state, np.float32)
+        if self.state is None:
+            return state
+        out = np.zeros_like(state)
+        out[:self.joints] = self.state.forward(state[:self.joints])
+        return out
+
+    def actions_out(self, actions: np.ndarray) -> np.ndarray:
+        """Model actions [horizon, action_dim] -> published actions [horizon, output_dim] in robot units."""
+        actions = np.asarray(actions, np.float32)[:, :self.out_dim]
+        return actions if self.actions is None else self.actions.inverse(actions)
