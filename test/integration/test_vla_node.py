@@ -22,14 +22,16 @@ LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability
 class Harness:
     """Client side of one vla_node under namespace ``ns``."""
 
-    def __init__(self, node, ns: str, compressed: bool = False, state_joints=()):
+    def __init__(self, node, ns: str, compressed: bool = False, state_joints=(), camera: str = ""):
         """``state_joints``: the node takes the robot state; each published frame is preceded by a JointState
-        of these joints with the frame's stamp (positions from :meth:`state_of`)."""
+        of these joints with the frame's stamp (positions from :meth:`state_of`). ``camera``: frames go to
+        ``<camera>/image`` (the first camera of a model with several) instead of ``image``."""
         self.node = node
         self.state_joints = list(state_joints)
         self.state_pub = node.create_publisher(JointState, f"{ns}/joint_states", 50) if state_joints else None
         self.chunks, self.trajs, self.diags = [], [], []
-        kind, topic = (CompressedImage, f"{ns}/image/compressed") if compressed else (Image, f"{ns}/image")
+        cam = f"{ns}/{camera}" if camera else ns
+        kind, topic = (CompressedImage, f"{cam}/image/compressed") if compressed else (Image, f"{cam}/image")
         self.image_pub = node.create_publisher(kind, topic, qos_profile_sensor_data)
         self.instr_pub = node.create_publisher(String, f"{ns}/instruction", LATCHED)
         node.create_subscription(ActionChunk, f"{ns}/action_chunk", self.chunks.append, 50)
