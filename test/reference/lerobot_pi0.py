@@ -1,0 +1,948 @@
+#!/usr/bin/env python3
+"""LeRobot 0.4.4's π0 (``lerobot.policies.pi0``) as the reference the project's π0 is compared with.
+
+Run it with the interpreter of ``.venv-pi0ref`` (``make pi0ref-venv``): torch 2.13 CPU, stock transformers
+4.53.2 and lerobot 0.4.4 installed without its dependencies (see requirements-pi0ref.txt).
+
+Subcommands
+    check            import LeRobot's π0 here and run a minute model once (the venv's smoke test)
+    make-checkpoint  build a small π0 with random weights and save it as a LeRobot 0.4.4 checkpoint directory
+    run              load such a checkpoint with LeRobot and compute one action chunk from an .npz of inputs
+
+Why a compatibility layer is needed
+    LeRobot 0.4.4's π0 requires ``transformers @ git+…@fix/lerobot_openpi``, a branch that exists only on
+    GitHub: stock transformers 4.53.2 plus openpi's ``transformers_replace`` files. π0 refuses to build unless
+    ``transformers.models.siglip.check`` exists, and it relies on the branch's semantics, which differ from
+    stock 4.53.2 in exactly these places on its inference path:
+
+    * ``GemmaModel.forward`` does not multiply its input embeddings by sqrt(hidden_size) (π0 scales the language
+      embeddings itself and feeds unscaled image and action embeddings), accepts ``adarms_cond`` and, when given
+      a cache with ``use_cache=False``, attends to the cached keys/values followed by the new ones without
+      writing the new ones into the cache: the prefix cache is reused unchanged by every denoising step.
+    * ``PaliGemmaModel.get_image_features`` does not divide the projected image features by
+      sqrt(text hidden_size).
+    * ``GemmaRMSNorm`` called with ``cond=`` returns ``(output, gate)``; ``modeling_gemma._gated_residual``
+      exists. Both are used by π0's joint (training) forward, not by inference.
+    * In bfloat16 the Gemma and SigLIP encoders cast their inputs to bfloat16 first.
+
+    ``install_transformers_shim`` patches these into stock transformers 4.53.2 at run time. When the branch
+    itself is installed (``transformers.models.siglip.check`` is importable) nothing is patched, so the same
+    script also runs LeRobot's π0 on the real branch, which is how the shim was validated.
+
+The small models
+    π0's sizes come only from the variant names in its config ("gemma_2b" for the VLM, "gemma_300m" for the
+    action expert) and a SigLIP-So400m vision config hard-coded in LeRobot, so LeRobot's config.json cannot
+    describe a small model. make-checkpoint therefore writes ``tiny_dims.json`` beside it, and run (like
+    make-checkpoint) patches LeRobot's ``get_gemma_config`` and the vision config from it before building the
+    policy. A checkpoint without tiny_dims.json is loaded at π0's real sizes. The vocabulary stays 257152
+    (hard-coded in LeRobot).
+
+tiny_dims.json
+    {"format": 1, "seed": int, "vocab_size": 257152,
+     "vlm":    {"variant": "gemma_2b",   "width", "depth", "mlp_dim", "num_heads", "num_kv_heads", "head_dim"},
+     "expert": {"variant": "gemma_300m", "width", "depth", "mlp_dim", "num_heads", "num_kv_heads", "head_dim"},
+     "vision": {"hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size",
+                "image_size", "num_image_tokens"}}
+    ("variant" is the name in config.json whose sizes the entry replaces; the vision projection width is
+    vlm.width.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+import types
+import zlib
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+# Nothing here may reach the Hugging Face Hub: checkpoints are local directories and the tokenizer is not loaded.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DIMS_FILE = "tiny_dims.json"
+VOCAB_SIZE = 257152  # hard-coded in LeRobot's PaliGemmaWithExpertModel
+PATCH_SIZE = 14  # SigLIP So400m/14
+TOKENIZER_STEP = "tokenizer_processor"
+# The Gemma tokenizer pads with id 0; LeRobot tokenises with padding="max_length", padding_side="right".
+PAD_TOKEN_ID = 0
+
+# --------------------------------------------------------------------------------------------------------------
+# torchvision placeholder
+#
+# lerobot imports torchvision at module level on the way to π0 (lerobot.datasets.utils, lerobot.datasets.transforms,
+# lerobot.processor.hil_processor) but π0's path never calls it. The only torchvision built for torch 2.13 on the
+# registry is a CUDA build whose operators cannot load against the CPU torch, so when no torchvision is installed
+# the imports are served with empty modules. Any attribute is a class (LeRobot subclasses v2.Transform at import
+# time) that raises as soon as it is instantiated, so an unexpected use fails loudly instead of silently.
+
+
+class _TorchvisionPlaceholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "torchvision" or fullname.startswith("torchvision."):
+            return importlib.util.spec_from_loader(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = partial(_placeholder_attribute, module)
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def _placeholder_attribute(module: types.ModuleType, name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    qualname = f"{module.__name__}.{name}"
+
+    def unavailable(*_args, **_kwargs):
+        raise RuntimeError(f"{qualname} was used, but torchvision is not installed in the π0 reference environment")
+
+    placeholder = type(name, (), {"__init__": unavailable, "__module__": module.__name__})
+    setattr(module, name, placeholder)
+    return placeholder
+
+
+def install_torchvision_placeholder() -> bool:
+    if importlib.util.find_spec("torchvision") is not None:
+        return False
+    sys.meta_path.insert(0, _TorchvisionPlaceholder())
+    return True
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The transformers shim: the fix/lerobot_openpi branch's π0 semantics on stock transformers 4.53.2.
+
+SHIM_TRANSFORMERS_VERSION = "4.53.2"
+CHECK_MODULE = "transformers.models.siglip.check"  # π0 imports it to verify the branch is installed
+_NO_COND = object()  # GemmaRMSNorm called without cond= (stock callers) returns a tensor, not a tuple
+
+
+class _ReadOnlyCache:
+    """What a Gemma attention layer sees of the prefix cache during a denoising step.
+
+    Stock GemmaAttention always calls ``past_key_value.update(k, v, layer_idx, ...)`` and attends to what it
+    returns. The branch instead concatenates the cached keys/values with the new ones and leaves the cache alone
+    when use_cache=False; this view gives the layers that result without storing anything.
+    """
+
+    def __init__(self, cache):
+        self._cache = cache
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        import torch
+
+        cached_keys, cached_values = self._cache[layer_idx]
+        return torch.cat([cached_keys, key_states], dim=2), torch.cat([cached_values, value_states], dim=2)
+
+    def __getitem__(self, layer_idx):
+        return self._cache[layer_idx]
+
+    def __len__(self):
+        return len(self._cache)
+
+    def get_seq_length(self, layer_idx=0):
+        return self._cache.get_seq_length(layer_idx)
+
+
+def _rms_norm_forward(self, x, cond=_NO_COND):
+    """GemmaRMSNorm as on the branch: the (1 + w) scale in float32, and ``(out, gate)`` when called with cond=.
+
+    In float32 the arithmetic equals stock 4.53.2; the difference is the return type. Only cond=None (π0) is
+    supported: π0.5's adaptive norm has parameters the stock module does not have.
+    """
+    import torch
+
+    if cond is not _NO_COND and cond is not None:
+        raise NotImplementedError("adaptive RMSNorm (π0.5) is not provided by the π0 reference shim")
+    variance = torch.mean(torch.square(x.float()), dim=-1, keepdim=True)
+    out = (x * torch.rsqrt(variance + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+    return out if cond is _NO_COND else (out, None)
+
+
+def _gated_residual(x, y, gate):
+    """The branch's residual helper (π0's joint forward calls it through modeling_gemma); π0 has no gate."""
+    if x is None or y is None:
+        return y if x is None else x
+    return x + y if gate is None else x + y * gate
+
+
+def _gemma_model_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    use_cache=None,
+    output_attentions=None,
+    output_hidden_states=None,
+    cache_position=None,
+    adarms_cond=None,
+    **kwargs,
+):
+    """GemmaModel.forward with the branch's semantics (see the module docstring).
+
+    The decoder layers, rotary embedding and final norm are the stock modules; what differs from stock is that
+    the embeddings are not scaled, the mask given by π0 (4-D, additive) reaches the layers unchanged, and a
+    cache passed with use_cache=False is read but not written.
+    """
+    import torch
+    from transformers.cache_utils import DynamicCache
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    if adarms_cond is not None or getattr(self.config, "use_adarms", False):
+        raise NotImplementedError("adaptive RMSNorm (π0.5) is not provided by the π0 reference shim")
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    cfg = self.config
+    output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
+    output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
+    use_cache = cfg.use_cache if use_cache is None else use_cache
+    if self.gradient_checkpointing and self.training:
+        use_cache = False
+
+    if inputs_embeds is None:
+        inputs_embeds = self.embed_tokens(input_ids)
+    if use_cache and past_key_values is None:
+        past_key_values = DynamicCache()
+    if cache_position is None:
+        seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        cache_position = torch.arange(seen, seen + inputs_embeds.shape[1], device=inputs_embeds.device)
+    if position_ids is None:
+        position_ids = cache_position.unsqueeze(0)
+    # A 4-D mask (all π0 passes) is returned as it is; anything else gets stock's causal mask.
+    mask = create_causal_mask(
+        config=cfg,
+        input_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        cache_position=cache_position,
+        past_key_values=past_key_values,
+        position_ids=position_ids,
+    )
+    layer_cache = past_key_values
+    if past_key_values is not None and not use_cache:
+        layer_cache = _ReadOnlyCache(past_key_values)
+
+    hidden = inputs_embeds  # not multiplied by sqrt(hidden_size)
+    if len(self.layers) and self.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16:
+        hidden = hidden.to(torch.bfloat16)
+    position_embeddings = self.rotary_emb(hidden, position_ids)
+
+    all_hidden = () if output_hidden_states else None
+    all_attn = () if output_attentions else None
+    for layer in self.layers[: cfg.num_hidden_layers]:
+        if output_hidden_states:
+            all_hidden += (hidden,)
+        out = layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_value=layer_cache,
+            output_attentions=output_attentions,
+            use_cache=use_cache,
+            cache_position=cache_position,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden = out[0]
+        if output_attentions:
+            all_attn += (out[1],)
+    hidden = self.norm(hidden)
+    if output_hidden_states:
+        all_hidden += (hidden,)
+    return BaseModelOutputWithPast(
+        last_hidden_state=hidden,
+        past_key_values=past_key_values if use_cache else None,
+        hidden_states=all_hidden,
+        attentions=all_attn,
+    )
+
+
+def _image_features_unscaled(self, pixel_values):
+    """PaliGemmaModel.get_image_features without stock's division by sqrt(text hidden_size)."""
+    return self.multi_modal_projector(self.vision_tower(pixel_values).last_hidden_state)
+
+
+def _wrap_siglip_encoder_forward(stock_forward):
+    """The branch casts SigLIP's embeddings (kept float32 by π0's bfloat16 mode) to bfloat16 before the encoder."""
+    import torch
+
+    def forward(self, inputs_embeds, *args, **kwargs):
+        if len(self.layers) and self.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16:
+            inputs_embeds = inputs_embeds.to(torch.bfloat16)
+        return stock_forward(self, inputs_embeds, *args, **kwargs)
+
+    return forward
+
+
+def branch_installed() -> bool:
+    """True when transformers is the fix/lerobot_openpi branch (or openpi's files copied over 4.53.2)."""
+    if CHECK_MODULE in sys.modules:
+        return not getattr(sys.modules[CHECK_MODULE], "_pi0_reference_shim", False)
+    return importlib.util.find_spec(CHECK_MODULE) is not None
+
+
+def install_transformers_shim(mode: str = "auto") -> str:
+    """Give stock transformers the branch's π0 semantics. Returns which semantics are in force.
+
+    mode "auto": patch unless the branch is installed; "on": patch (stock transformers required); "off": leave
+    transformers alone (LeRobot's π0 then refuses stock transformers).
+    """
+    import transformers
+
+    if mode == "off":
+        return "untouched"
+    if branch_installed():
+        if mode == "on":
+            raise RuntimeError("the patched transformers branch is installed; the shim is for stock transformers")
+        return "branch"
+    if transformers.__version__ != SHIM_TRANSFORMERS_VERSION:
+        raise RuntimeError(
+            f"the π0 reference shim is written against transformers {SHIM_TRANSFORMERS_VERSION}, "
+            f"found {transformers.__version__}"
+        )
+    from transformers.models.gemma import modeling_gemma
+    from transformers.models.paligemma import modeling_paligemma
+    from transformers.models.siglip import modeling_siglip
+
+    if getattr(sys.modules.get(CHECK_MODULE), "_pi0_reference_shim", False):
+        return "shim"  # installed before
+
+    check = types.ModuleType(CHECK_MODULE)
+    check.__doc__ = "Stands in for the branch's module, which π0 imports to verify the installation."
+    check.__spec__ = importlib.machinery.ModuleSpec(check.__name__, None)
+    check._pi0_reference_shim = True
+    check.check_whether_transformers_replace_is_installed_correctly = lambda: True
+    sys.modules[check.__name__] = check
+    transformers.models.siglip.check = check
+
+    modeling_gemma.GemmaRMSNorm.forward = _rms_norm_forward
+    modeling_gemma._gated_residual = _gated_residual
+    modeling_gemma.GemmaModel.forward = _gemma_model_forward
+    modeling_paligemma.PaliGemmaModel.get_image_features = _image_features_unscaled
+    modeling_siglip.SiglipEncoder.forward = _wrap_siglip_encoder_forward(modeling_siglip.SiglipEncoder.forward)
+    return "shim"
+
+
+def prepare_lerobot(shim_mode: str) -> str:
+    """Everything needed before LeRobot's π0 modules are imported; returns the semantics in force."""
+    install_torchvision_placeholder()
+    return install_transformers_shim(shim_mode)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Small sizes
+
+
+def apply_model_dims(dims: dict) -> None:
+    """Make LeRobot build π0 at the sizes of ``dims`` (the tiny_dims.json format) instead of the real ones.
+
+    LeRobot looks up ``get_gemma_config`` and ``PaliGemmaForConditionalGeneration`` in its module at call time,
+    so replacing both there is enough: the first maps the two variant names to the small Gemma sizes, the second
+    rewrites the vision config that PaliGemmaWithExpertModel hard-codes to SigLIP So400m.
+    """
+    from lerobot.policies.pi0 import modeling_pi0
+
+    gemma = {}
+    for part in ("vlm", "expert"):
+        d = dims[part]
+        gemma[d["variant"]] = modeling_pi0.GemmaConfig(
+            width=d["width"],
+            depth=d["depth"],
+            mlp_dim=d["mlp_dim"],
+            num_heads=d["num_heads"],
+            num_kv_heads=d["num_kv_heads"],
+            head_dim=d["head_dim"],
+        )
+
+    def get_gemma_config(variant):
+        if variant not in gemma:
+            raise ValueError(f"{DIMS_FILE} has no sizes for variant {variant!r}")
+        return gemma[variant]
+
+    paligemma_cls = getattr(modeling_pi0, "_stock_paligemma_cls", modeling_pi0.PaliGemmaForConditionalGeneration)
+    modeling_pi0._stock_paligemma_cls = paligemma_cls
+    vision = dims["vision"]
+
+    def build_paligemma(config):
+        vc = config.vision_config
+        vc.hidden_size = vision["hidden_size"]
+        vc.num_hidden_layers = vision["num_hidden_layers"]
+        vc.num_attention_heads = vision["num_attention_heads"]
+        vc.intermediate_size = vision["intermediate_size"]
+        vc.patch_size = vision["patch_size"]
+        vc.projection_dim = dims["vlm"]["width"]
+        config.projection_dim = dims["vlm"]["width"]
+        config.text_config.num_image_tokens = (vc.image_size // vc.patch_size) ** 2
+        return paligemma_cls(config=config)
+
+    modeling_pi0.get_gemma_config = get_gemma_config
+    modeling_pi0.PaliGemmaForConditionalGeneration = build_paligemma
+
+
+def read_dims(checkpoint: Path) -> dict | None:
+    path = checkpoint / DIMS_FILE
+    if not path.exists():
+        return None
+    dims = json.loads(path.read_text())
+    if dims.get("format") != 1:
+        raise ValueError(f"{path}: unknown format {dims.get('format')!r}")
+    return dims
+
+
+# --------------------------------------------------------------------------------------------------------------
+# make-checkpoint
+
+CHECKPOINT_DEFAULTS = {
+    "seed": 0,
+    "vlm_width": 64,
+    "depth": 2,
+    "vlm_mlp_dim": 128,
+    "expert_width": 48,
+    "expert_mlp_dim": 96,
+    "num_heads": 8,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "vision_width": 32,
+    "vision_depth": 2,
+    "vision_heads": 4,
+    "vision_mlp_dim": 64,
+    "image_size": 56,
+    "cameras": ["base"],
+    "state_dim": 8,
+    "action_dim": 6,
+    "max_state_dim": 32,
+    "max_action_dim": 32,
+    "chunk_size": 10,
+    "n_action_steps": None,  # None: chunk_size
+    "num_inference_steps": 10,
+    "state_norm": "MEAN_STD",
+    "action_norm": "MEAN_STD",
+    "dtype": "float32",
+}
+NORM_MODES = ("MEAN_STD", "MIN_MAX", "QUANTILES", "QUANTILE10", "IDENTITY")
+
+
+def checkpoint_options(args) -> dict:
+    """Defaults, then the --options JSON (inline or @file), then explicit flags."""
+    opts = dict(CHECKPOINT_DEFAULTS)
+    if args.options:
+        text = Path(args.options[1:]).read_text() if args.options.startswith("@") else args.options
+        given = json.loads(text)
+        unknown = sorted(set(given) - set(opts))
+        if unknown:
+            raise SystemExit(f"unknown options: {', '.join(unknown)}")
+        opts.update(given)
+    for key in CHECKPOINT_DEFAULTS:
+        value = getattr(args, key, None)
+        if value is not None:
+            opts[key] = value
+    if isinstance(opts["cameras"], str):
+        opts["cameras"] = [c for c in opts["cameras"].split(",") if c]
+    if opts["n_action_steps"] is None:
+        opts["n_action_steps"] = opts["chunk_size"]
+    validate_options(opts)
+    return opts
+
+
+def validate_options(o: dict) -> None:
+    problems = []
+    if o["image_size"] % PATCH_SIZE:
+        problems.append(f"image_size must be a multiple of {PATCH_SIZE}")
+    if o["vision_width"] % o["vision_heads"]:
+        problems.append("vision_width must be a multiple of vision_heads")
+    if o["num_heads"] % o["num_kv_heads"]:
+        problems.append("num_heads must be a multiple of num_kv_heads")
+    cams = o["cameras"]
+    if not cams or len(set(cams)) != len(cams) or not all(c.replace("_", "").isalnum() for c in cams):
+        problems.append("cameras must be one or more distinct names of letters, digits and _")
+    if not 0 < o["state_dim"] <= o["max_state_dim"]:
+        problems.append("state_dim must be in 1..max_state_dim")
+    if not 0 < o["action_dim"] <= o["max_action_dim"]:
+        problems.append("action_dim must be in 1..max_action_dim")
+    if not 0 < o["n_action_steps"] <= o["chunk_size"]:
+        problems.append("n_action_steps must be in 1..chunk_size")
+    for key in ("state_norm", "action_norm"):
+        if o[key] not in NORM_MODES:
+            problems.append(f"{key} must be one of {', '.join(NORM_MODES)}")
+    if o["dtype"] not in ("float32", "bfloat16"):
+        problems.append("dtype must be float32 or bfloat16")
+    if problems:
+        raise SystemExit("; ".join(problems))
+
+
+def dims_from_options(o: dict) -> dict:
+    def gemma(variant, width, mlp_dim):
+        return {
+            "variant": variant,
+            "width": width,
+            "depth": o["depth"],  # the VLM and the expert share attention layer by layer
+            "mlp_dim": mlp_dim,
+            "num_heads": o["num_heads"],
+            "num_kv_heads": o["num_kv_heads"],
+            "head_dim": o["head_dim"],
+        }
+
+    return {
+        "format": 1,
+        "seed": o["seed"],
+        "vocab_size": VOCAB_SIZE,
+        "vlm": gemma("gemma_2b", o["vlm_width"], o["vlm_mlp_dim"]),
+        "expert": gemma("gemma_300m", o["expert_width"], o["expert_mlp_dim"]),
+        "vision": {
+            "hidden_size": o["vision_width"],
+            "num_hidden_layers": o["vision_depth"],
+            "num_attention_heads": o["vision_heads"],
+            "intermediate_size": o["vision_mlp_dim"],
+            "patch_size": PATCH_SIZE,
+            "image_size": o["image_size"],
+            "num_image_tokens": (o["image_size"] // PATCH_SIZE) ** 2,
+        },
+    }
+
+
+def randomize_weights(policy, seed: int) -> None:
+    """Overwrite every parameter with seeded random values that keep activations of order one.
+
+    Each tensor draws from its own generator, seeded from the seed and the parameter's name, so the weights do not
+    depend on module construction order or on the transformers build. Norm weights are random too: Gemma's RMSNorm
+    scales by (1 + w), which zero weights would not exercise; biases are nonzero.
+    """
+    import torch
+    from torch import nn
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    done = set()
+    for module_name, module in policy.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in done:  # PaliGemma ties lm_head to embed_tokens
+                continue
+            done.add(id(param))
+            name = f"{module_name}.{param_name}"
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if isinstance(module, GemmaRMSNorm):
+                value = 0.3 * noise
+            elif isinstance(module, nn.LayerNorm):
+                value = 1.0 + 0.3 * noise if param_name == "weight" else 0.1 * noise
+            elif param_name == "bias":
+                value = 0.1 * noise
+            elif isinstance(module, nn.Embedding) and "position_embedding" in module_name:
+                value = 0.5 * noise
+            elif isinstance(module, nn.Embedding):
+                value = noise / param.shape[1] ** 0.5  # π0 multiplies language embeddings by sqrt(width)
+            else:  # Linear and Conv2d weights: [out, in, ...]
+                value = noise / (param[0].numel() ** 0.5)
+            with torch.no_grad():
+                param.copy_(value.to(param.dtype))
+
+
+def make_stats(rng: np.random.Generator, dim: int, count: int = 20000) -> dict:
+    """Plausible dataset statistics for one feature: min < q01 < q10 < q50 < q90 < q99 < max, std > 0."""
+    center = rng.normal(0.0, 0.5, dim)
+    spread = rng.uniform(0.2, 1.5, dim)
+
+    def side(lo, hi):
+        return spread * rng.uniform(lo, hi, dim)
+
+    stats = {
+        "mean": center + 0.05 * spread * rng.normal(size=dim),
+        "std": spread,
+        "min": center - side(2.6, 3.5),
+        "max": center + side(2.6, 3.5),
+        "q01": center - side(2.0, 2.4),
+        "q99": center + side(2.0, 2.4),
+        "q10": center - side(1.1, 1.4),
+        "q90": center + side(1.1, 1.4),
+        "q50": center + 0.05 * spread * rng.normal(size=dim),
+    }
+    stats = {k: v.astype(np.float32) for k, v in stats.items()}
+    stats["count"] = np.array([count], dtype=np.int64)
+    return stats
+
+
+@contextlib.contextmanager
+def tokenizer_not_loaded():
+    """Keep LeRobot's TokenizerProcessorStep from fetching the PaliGemma tokenizer from the Hub.
+
+    make_pi0_pre_post_processors builds TokenizerProcessorStep(tokenizer_name="google/paligemma-3b-pt-224"), which
+    loads the tokenizer when it is constructed. Saving the pipeline only records the name, so the step gets a
+    tokenizer that refuses to be used, and the saved policy_preprocessor.json is the one LeRobot writes.
+    """
+    from lerobot.processor import tokenizer_processor
+
+    class _NoTokenizer:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError(f"tokenizer {self.name!r} is not available offline")
+
+    class _Offline:
+        @staticmethod
+        def from_pretrained(name, *args, **kwargs):
+            return _NoTokenizer(name)
+
+    saved = tokenizer_processor.AutoTokenizer
+    tokenizer_processor.AutoTokenizer = _Offline
+    try:
+        yield
+    finally:
+        tokenizer_processor.AutoTokenizer = saved
+
+
+def make_checkpoint(args) -> dict:
+    import torch
+
+    opts = checkpoint_options(args)
+    semantics = prepare_lerobot(args.transformers_shim)
+    from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
+    from lerobot.policies.pi0.configuration_pi0 import PI0Config
+    from lerobot.policies.pi0.modeling_pi0 import PI0Policy
+    from lerobot.policies.pi0.processor_pi0 import make_pi0_pre_post_processors
+
+    dims = dims_from_options(opts)
+    apply_model_dims(dims)
+    size = opts["image_size"]
+    input_features = {
+        f"observation.images.{cam}": PolicyFeature(type=FeatureType.VISUAL, shape=(3, size, size))
+        for cam in opts["cameras"]
+    }
+    input_features["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(opts["state_dim"],))
+    config = PI0Config(
+        paligemma_variant=dims["vlm"]["variant"],
+        action_expert_variant=dims["expert"]["variant"],
+        dtype=opts["dtype"],
+        chunk_size=opts["chunk_size"],
+        n_action_steps=opts["n_action_steps"],
+        max_state_dim=opts["max_state_dim"],
+        max_action_dim=opts["max_action_dim"],
+        num_inference_steps=opts["num_inference_steps"],
+        image_resolution=(size, size),
+        input_features=input_features,
+        output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(opts["action_dim"],))},
+        normalization_mapping={
+            "VISUAL": NormalizationMode.IDENTITY,
+            "STATE": NormalizationMode(opts["state_norm"]),
+            "ACTION": NormalizationMode(opts["action_norm"]),
+        },
+        device="cpu",
+    )
+    torch.manual_seed(opts["seed"])
+    policy = PI0Policy(config)
+    randomize_weights(policy, opts["seed"])
+
+    rng = np.random.default_rng(opts["seed"])
+    stats = {
+        "observation.state": make_stats(rng, opts["state_dim"]),
+        "action": make_stats(rng, opts["action_dim"]),
+    }
+    with tokenizer_not_loaded():
+        preprocessor, postprocessor = make_pi0_pre_post_processors(config, dataset_stats=stats)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    policy.save_pretrained(out)
+    preprocessor.save_pretrained(out)
+    postprocessor.save_pretrained(out)
+    (out / DIMS_FILE).write_text(json.dumps(dims, indent=2) + "\n")
+    return {"checkpoint": str(out), "semantics": semantics, "files": sorted(p.name for p in out.iterdir())}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# run
+
+
+class PretokenizedPrompt:
+    """A tokenizer for TokenizerProcessorStep that returns ids tokenised beforehand.
+
+    The PaliGemma tokenizer is on the Hub and the project tokenises prompts itself, so the run inputs carry the
+    ids; this object pads them the way LeRobot's call to the tokenizer asks for (padding="max_length", right
+    side, pad id 0, truncation), which is the only thing LeRobot does with the tokenizer's output.
+    """
+
+    def __init__(self, ids: np.ndarray):
+        self.ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+
+    def __call__(self, text, max_length, truncation=True, padding="max_length", padding_side="right", **_):
+        import torch
+
+        texts = [text] if isinstance(text, str) else list(text)
+        ids = self.ids[:max_length] if truncation else self.ids
+        if padding != "max_length" or len(ids) > max_length:
+            raise ValueError("π0 pads prompts to max_length; the given ids do not fit")
+        pad = [PAD_TOKEN_ID] * (max_length - len(ids))
+        mask = [1] * len(ids)
+        if padding_side == "right":
+            row, row_mask = ids + pad, mask + [0] * len(pad)
+        else:
+            row, row_mask = pad + ids, [0] * len(pad) + mask
+        return {
+            "input_ids": torch.tensor([row] * len(texts), dtype=torch.long),
+            "attention_mask": torch.tensor([row_mask] * len(texts), dtype=torch.long),
+        }
+
+
+def load_reference(checkpoint: Path, lang_tokens: np.ndarray):
+    """The policy and its pre/post processors, loaded by LeRobot from the checkpoint directory.
+
+    The preprocessor is rebuilt from policy_preprocessor.json with its saved normaliser state; the tokenizer step
+    stays in place but is handed PretokenizedPrompt instead of loading the PaliGemma tokenizer.
+    """
+    import torch
+    from lerobot.policies.pi0.modeling_pi0 import PI0Policy
+    from lerobot.processor import PolicyProcessorPipeline
+    from lerobot.processor.converters import (
+        batch_to_transition,
+        policy_action_to_transition,
+        transition_to_batch,
+        transition_to_policy_action,
+    )
+    from safetensors.torch import load_file
+
+    dims = read_dims(checkpoint)
+    if dims is not None:
+        apply_model_dims(dims)
+    policy = PI0Policy.from_pretrained(checkpoint)
+    policy.eval()
+    verify_weights(policy, load_file(checkpoint / "model.safetensors"))
+
+    steps = json.loads((checkpoint / "policy_preprocessor.json").read_text())["steps"]
+    overrides = {}
+    if any(step.get("registry_name") == TOKENIZER_STEP for step in steps):
+        overrides[TOKENIZER_STEP] = {"tokenizer": PretokenizedPrompt(lang_tokens)}
+    preprocessor = PolicyProcessorPipeline.from_pretrained(
+        checkpoint,
+        config_filename="policy_preprocessor.json",
+        overrides=overrides,
+        to_transition=batch_to_transition,
+        to_output=transition_to_batch,
+    )
+    postprocessor = PolicyProcessorPipeline.from_pretrained(
+        checkpoint,
+        config_filename="policy_postprocessor.json",
+        to_transition=policy_action_to_transition,
+        to_output=transition_to_policy_action,
+    )
+    torch.set_grad_enabled(False)
+    return policy, preprocessor, postprocessor
+
+
+def verify_weights(policy, saved: dict) -> None:
+    """Fail unless every saved tensor is in the policy unchanged.
+
+    PI0Policy.from_pretrained loads with strict=True and only prints a warning when that raises, which it does for
+    LeRobot's own checkpoints: save_model drops embed_tokens, the tied twin of lm_head. The tensors are still
+    copied, but a silent partial load must not pass for a reference, so the result is checked here.
+    """
+    import torch
+
+    state = policy.state_dict()
+    wrong = [k for k, v in saved.items() if k not in state or not torch.equal(state[k], v.to(state[k].dtype))]
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} saved tensors did not load, e.g. {wrong[:3]}")
+    pali = policy.model.paligemma_with_expert.paligemma
+    if pali.lm_head.weight.data_ptr() != pali.model.language_model.embed_tokens.weight.data_ptr():
+        raise RuntimeError("lm_head and embed_tokens are no longer tied")
+
+
+def read_inputs(path: Path, config) -> dict:
+    data = np.load(path)
+    images = {}
+    for key in config.image_features:
+        if key in data.files:
+            img = data[key]
+            if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+                raise ValueError(f"{key}: expected uint8 HxWx3, got {img.dtype} {img.shape}")
+            images[key] = img
+    if not images:
+        raise ValueError(f"{path} has none of the cameras {list(config.image_features)}")
+    extra = sorted(set(data.files) - set(images) - {"lang_tokens", "state", "noise"})
+    if extra:
+        raise ValueError(f"{path}: unexpected arrays {extra}")
+    state = data["state"].astype(np.float32).reshape(-1)
+    if state.shape[0] != config.input_features["observation.state"].shape[0]:
+        raise ValueError(f"state has {state.shape[0]} values, the checkpoint expects "
+                         f"{config.input_features['observation.state'].shape[0]}")
+    noise = data["noise"].astype(np.float32)
+    if noise.shape != (config.chunk_size, config.max_action_dim):
+        raise ValueError(f"noise must be [{config.chunk_size}, {config.max_action_dim}], got {list(noise.shape)}")
+    return {"images": images, "lang_tokens": data["lang_tokens"].astype(np.int64), "state": state, "noise": noise}
+
+
+def run(args) -> dict:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    semantics = prepare_lerobot(args.transformers_shim)
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.utils import prepare_observation_for_inference
+
+    checkpoint = Path(args.checkpoint)
+    config = PreTrainedConfig.from_pretrained(checkpoint)
+    if config.type != "pi0":
+        raise SystemExit(f"{checkpoint} holds a {config.type!r} policy, not pi0")
+    inputs = read_inputs(Path(args.inputs), config)
+    policy, preprocessor, postprocessor = load_reference(checkpoint, inputs["lang_tokens"])
+
+    # What lerobot-record / predict_action do with a robot observation: uint8 HWC -> float [0,1] CHW with a batch
+    # dimension, then the preprocessor (batching, the tokenizer step, the normaliser).
+    observation = {key: img.copy() for key, img in inputs["images"].items()}
+    observation["observation.state"] = inputs["state"].copy()
+    noise = torch.from_numpy(inputs["noise"])[None]
+    with torch.inference_mode():
+        observation = prepare_observation_for_inference(observation, torch.device("cpu"), task="", robot_type="")
+        batch = preprocessor(observation)
+        normalized = policy.predict_action_chunk(batch, noise=noise.clone())
+        actions = postprocessor(normalized.clone())
+
+        timing = None
+        if args.time:
+            times = []
+            for _ in range(args.time):
+                start = time.perf_counter()
+                policy.predict_action_chunk(batch, noise=noise.clone())
+                times.append((time.perf_counter() - start) * 1e3)
+            timing = {
+                "calls": args.time,
+                "threads": torch.get_num_threads(),
+                "median_ms": statistics.median(times),
+                "min_ms": min(times),
+                "max_ms": max(times),
+            }
+
+    result = {"semantics": semantics, "actions_shape": list(actions.shape[1:])}
+    if args.out:
+        np.savez(
+            args.out,
+            actions=actions[0].numpy().astype(np.float32),
+            actions_normalized=normalized[0].numpy().astype(np.float32),
+            state_normalized=batch["observation.state"][0].numpy().astype(np.float32),
+            lang_tokens=batch["observation.language.tokens"][0].numpy(),
+            lang_mask=batch["observation.language.attention_mask"][0].numpy(),
+        )
+        result["out"] = str(args.out)
+    if timing:
+        result.update(timing)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------
+# check
+
+
+def check(args) -> dict:
+    """Import LeRobot's π0 here and run a minute random model once, end to end."""
+    import tempfile
+
+    import lerobot
+    import torch
+    import transformers
+
+    semantics = prepare_lerobot(args.transformers_shim)
+    minute = {
+        "vlm_width": 16, "depth": 1, "vlm_mlp_dim": 32, "expert_width": 16, "expert_mlp_dim": 32, "head_dim": 8,
+        "vision_width": 16, "vision_depth": 1, "vision_heads": 2, "vision_mlp_dim": 32, "image_size": 28,
+        "chunk_size": 4, "num_inference_steps": 2, "state_dim": 3, "action_dim": 2,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        shim = args.transformers_shim
+        make_checkpoint(argparse.Namespace(out=tmp, options=json.dumps(minute), transformers_shim=shim))
+        rng = np.random.default_rng(0)
+        np.savez(
+            tmp / "in.npz",
+            **{"observation.images.base": rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)},
+            lang_tokens=np.array([2, 100, 200], dtype=np.int64),
+            state=rng.normal(size=3).astype(np.float32),
+            noise=rng.normal(size=(4, 32)).astype(np.float32),
+        )
+        run(argparse.Namespace(checkpoint=tmp, inputs=tmp / "in.npz", out=tmp / "out.npz", time=0, threads=0,
+                               transformers_shim=shim))
+        actions = np.load(tmp / "out.npz")["actions"]
+    if actions.shape != (4, 2) or not np.isfinite(actions).all():
+        raise SystemExit(f"π0 reference check failed: actions {actions.shape}")
+    return {
+        "pi0_reference": "ok",
+        "semantics": semantics,
+        "lerobot": lerobot.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--transformers-shim",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="patch the branch's π0 semantics into stock transformers (auto: unless the branch is installed)",
+    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("check", parents=[common], help="smoke test of the environment")
+
+    mk = sub.add_parser("make-checkpoint", parents=[common], help="save a small random π0 as a LeRobot checkpoint")
+    mk.add_argument("--out", required=True, help="checkpoint directory to write")
+    mk.add_argument("--options", help="JSON object of the options below (underscored names), or @file.json")
+    flags = {
+        "seed": int, "vlm_width": int, "depth": int, "vlm_mlp_dim": int, "expert_width": int, "expert_mlp_dim": int,
+        "num_heads": int, "num_kv_heads": int, "head_dim": int, "vision_width": int, "vision_depth": int,
+        "vision_heads": int, "vision_mlp_dim": int, "image_size": int, "cameras": str, "state_dim": int,
+        "action_dim": int, "max_state_dim": int, "max_action_dim": int, "chunk_size": int, "n_action_steps": int,
+        "num_inference_steps": int, "state_norm": str, "action_norm": str, "dtype": str,
+    }
+    notes = {
+        "cameras": "comma-separated; features observation.images.<name>",
+        "n_action_steps": "default chunk_size",
+        "state_norm": "one of " + ", ".join(NORM_MODES),
+        "action_norm": "one of " + ", ".join(NORM_MODES),
+        "dtype": "float32 or bfloat16",
+    }
+    for name, kind in flags.items():
+        default = CHECKPOINT_DEFAULTS[name]
+        shown = ",".join(default) if isinstance(default, list) else default
+        text = f"default {shown}" if default is not None else ""
+        text = "; ".join(t for t in (text, notes.get(name, "")) if t)
+        mk.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+
+    rn = sub.add_parser("run", parents=[common], help="compute one action chunk with LeRobot's π0")
+    rn.add_argument("--checkpoint", required=True, help="LeRobot π0 checkpoint directory")
+    rn.add_argument("--inputs", required=True, help=".npz: observation.images.<cam> uint8 HxWx3, lang_tokens int64 "
+                                                    "[n], state float32 [state dim], noise float32 [chunk, 32]")
+    rn.add_argument("--out", help=".npz to write: actions [chunk, action dim] float32, actions_normalized, "
+                                  "state_normalized, lang_tokens, lang_mask")
+    rn.add_argument("--time", type=int, default=0, metavar="N", help="also time N calls of predict_action_chunk")
+    rn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+    args = parser.parse_args(argv)
+    command = {"check": check, "make-checkpoint": make_checkpoint, "run": run}[args.command]
+    # LeRobot prints progress to stdout; the script's stdout carries only its result, one JSON line.
+    results = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        result = command(args)
+    results.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
