@@ -145,9 +145,10 @@ def _norm(kind: str, feature: str, hf_dir: str, pipeline: str, step: str, dim: i
 
 
 def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
-    """``base`` with everything the pi0 checkpoint in ``hf_dir`` fixes (see the module doc); buckets, KV
-    dtype, executor and the joint names (``action.state_joints``, which the checkpoint does not name) stay
-    from ``base``."""
+    """``base`` with everything the pi0 checkpoint in ``hf_dir`` fixes (see the module doc) and buckets of the
+    prefix's size (cameras' tokens + ``tokenizer_max_length``: one prefill bucket, one action-expert span, the
+    KV cache); KV dtype, executor and the joint names (``action.state_joints``, which the checkpoint does not
+    name) stay from ``base``."""
     path, top = read_config(hf_dir)
     if top.get("type") != "pi0":
         raise ConfigError(f"{path}: not a LeRobot pi0 config (type {top.get('type')!r})")
@@ -195,11 +196,9 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
                           f"action.state_joints (it has {len(joints)})")
     tokens = (res[0] // p_h) ** 2
     max_instr = int(top.get("tokenizer_max_length", 48))
+    # The prefix (cameras and the longest instruction) is the whole context: one prefill bucket, and the action
+    # expert's attention span, of its size.
     prefix = tokens * len(cameras) + max_instr
-    llm = base.llm
-    buckets = [b for b in llm.prefill_buckets if b < prefix] + [prefix]
-    seq = max(llm.max_seq_len, prefix)
-    decode = [b for b in llm.decode_buckets if b < seq] + [seq]
     cfg = base.with_overrides(
         mode="vla",
         vision={"architecture": "vit", "resolution": [res[0], res[1]], "tile_size": [res[0], res[1]],
@@ -213,8 +212,8 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
              "head_dim": head_dim, "vocab_size": vocab,
              "intermediate_size": _need(shapes, VLM + "layers.0.mlp.gate_proj.weight", hf_dir)[0],
              "architecture": "gemma", "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-             "mrope_section": [], "prefill_attention": "bidirectional", "prefill_buckets": buckets,
-             "decode_buckets": decode, "max_seq_len": seq},
+             "mrope_section": [], "prefill_attention": "bidirectional", "prefill_buckets": [prefix],
+             "decode_buckets": [prefix], "max_seq_len": prefix},
         action={"head_type": "flow_matching", "action_dim": max_action, "output_dim": action_true,
                 "action_horizon": int(top.get("chunk_size", 50)),
                 "num_denoise_steps": int(top.get("num_inference_steps", 10)),
