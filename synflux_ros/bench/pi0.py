@@ -1,0 +1,196 @@
+"""π0 action-chunk latency through ``vla_node`` (onnxruntime, CPU here) next to LeRobot 0.4.4 on the same weights.
+
+    python -m synflux_ros.bench.pi0 --ref-python .venv-pi0ref/bin/python --ref-script test/reference/lerobot_pi0.py \\
+        [--work build/bench] [--threads 2] [--chunks 20] [--cameras base,wrist]
+
+A small π0 with random weights (``--size small``: 224x224 images, 256 tokens per camera; PaliGemma-shaped Gemma
+256 wide, 4 layers, 8 heads of 32 with one KV head; action expert 128 wide; SigLIP-shaped tower 192 wide, 4
+blocks; ``--size tiny``: the parity test's widths; both chunk 50, 10 Euler steps) is made and saved by LeRobot itself (``make pi0ref-venv``), imported with ``synflux-build
+--from-hf`` and served by ``vla_node``. Frames (one image per camera and a joint state) are sent one at a time,
+each after the previous chunk arrived, so the figures are latencies, not throughput. Each ActionChunk carries
+its stage times: vision (all cameras), backbone (the prefix prefill), head (all denoising steps and the
+un-normalisation; one step is head / steps) and receipt-to-publish latency.
+
+LeRobot's time is ``PI0Policy.predict_action_chunk`` on the same checkpoint with the same torch thread count
+(median of as many calls, after one warm-up; its processor steps run around it, as they do before and after
+``select_action``), from ``test/reference/lerobot_pi0.py run --time``. The target is synflux's
+receipt-to-publish latency <= 0.5x LeRobot's time per chunk. CPU timing on a shared machine, not device timing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import yaml
+
+SIZES = {
+    # 224x224 images (256 tokens per camera), PaliGemma-shaped Gemma 256 wide: compute-bound on a CPU
+    "small": {"vlm_width": 256, "depth": 4, "vlm_mlp_dim": 1024, "expert_width": 128, "expert_mlp_dim": 512,
+              "num_heads": 8, "num_kv_heads": 1, "head_dim": 32, "vision_width": 192, "vision_depth": 4,
+              "vision_heads": 4, "vision_mlp_dim": 768, "image_size": 224, "state_dim": 8, "action_dim": 7,
+              "chunk_size": 50, "num_inference_steps": 10, "seed": 0},
+    # the parity test's model (56x56 images, 16 tokens; Gemma 64 wide, 2 layers): per-call overhead dominates
+    "tiny": {"vlm_width": 64, "depth": 2, "vlm_mlp_dim": 128, "expert_width": 48, "expert_mlp_dim": 96,
+             "num_heads": 8, "num_kv_heads": 1, "head_dim": 16, "vision_width": 32, "vision_depth": 2,
+             "vision_heads": 4, "vision_mlp_dim": 64, "image_size": 56, "state_dim": 8, "action_dim": 7,
+             "chunk_size": 50, "num_inference_steps": 10, "seed": 0},
+}
+JOINTS = [f"joint_{i}" for i in range(8)]
+INSTRUCTION = "pick up the red block and put it in the bowl"
+TARGET = 0.5
+
+
+def _reference(args, *argv: str) -> dict:
+    proc = subprocess.run([args.ref_python, args.ref_script, *argv], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    if proc.returncode:
+        raise RuntimeError(f"LeRobot reference {argv[0]} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def base_config(path: str, d: dict) -> str:
+    """What the import keeps from the config: the joint names and the executor (the rest comes from the checkpoint;
+    the sizes here only make the base config valid)."""
+    side, tokens = d["image_size"], (d["image_size"] // 14) ** 2
+    raw = {"name": "pi0-bench", "mode": "vla",
+           "vision": {"resolution": [side, side], "tile_size": [side, side], "tokens_per_tile": tokens,
+                      "patch_size": 14, "hidden_dim": d["vision_width"], "num_layers": d["vision_depth"],
+                      "num_heads": d["vision_heads"], "intermediate_size": d["vision_mlp_dim"]},
+           "llm": {"num_layers": d["depth"], "hidden_dim": d["vlm_width"], "num_heads": d["num_heads"],
+                   "num_kv_heads": 1, "head_dim": d["head_dim"], "vocab_size": 257152, "prefill_buckets": [512],
+                   "decode_buckets": [1024], "max_seq_len": 1024, "architecture": "gemma"},
+           "action": {"head_type": "flow_matching", "action_dim": 32, "action_horizon": d["chunk_size"],
+                      "state_dim": 32, "state_joints": JOINTS, "state_max_age": 0.5},
+           "executor": {"backend": "onnxruntime"}}
+    with open(path, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(raw, fh)
+    return path
+
+
+def prepare(args) -> tuple[str, str]:
+    """(checkpoint dir, node config path): the LeRobot checkpoint and its synflux graph set, made once."""
+    tag = f"pi0-bench-{args.size}-{'-'.join(args.cameras)}"
+    ckpt = os.path.join(args.work, tag + "-lerobot")
+    if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
+        _reference(args, "make-checkpoint", "--out", ckpt, "--cameras", ",".join(args.cameras),
+                   "--options", json.dumps(SIZES[args.size]))
+    graphs = os.path.join(args.work, tag + "-graphs")
+    if not os.path.isfile(os.path.join(graphs, "manifest.json")):
+        from ..build.export import main as build
+        if build(["--config", base_config(os.path.join(args.work, tag + "-base.yaml"), SIZES[args.size]), "--out", graphs,
+                  "--from-hf", ckpt]):
+            raise RuntimeError("synflux-build failed")
+    with open(os.path.join(graphs, "config.yaml"), encoding="utf-8") as fh:
+        raw = yaml.safe_load(fh)
+    raw["executor"]["graph_dir"] = graphs
+    options = raw["executor"].setdefault("options", {})
+    options["intra_op_num_threads"] = args.threads
+    # Worker threads spin between the many small kernels of an action-expert step instead of sleeping, as
+    # torch's OpenMP threads do in LeRobot (2 threads, one step of the small model: 5.7 ms without, 3.1 with).
+    options["allow_spinning"] = args.spinning
+    # The checkpoint ships no tokenizer (LeRobot's is downloaded from the Hub): the byte-level one stands in
+    # (its ids are not PaliGemma's, the instruction's length is about the same), so no <bos> special exists.
+    raw["tokenizer"]["instruction_bos"] = ""
+    node_cfg = os.path.join(args.work, tag + "-node.yaml")
+    with open(node_cfg, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(raw, fh)
+    return ckpt, node_cfg
+
+
+def synflux_chunks(args, node_cfg: str) -> list:
+    """ActionChunks for ``args.chunks`` frames (after 3 warm-up ones), each sent after the previous chunk."""
+    from rclpy.qos import qos_profile_sensor_data
+    from sensor_msgs.msg import Image, JointState
+
+    from ..msg import ActionChunk
+    from ..nodes.testing import NodeProcess, client_node, ros_env, spin_until
+
+    env = ros_env()
+    rng = np.random.default_rng(0)
+    side = SIZES[args.size]["image_size"]
+    images = [rng.integers(0, 256, (side, side, 3), np.uint8) for _ in args.cameras]
+    with client_node("bench_pi0", env) as node, \
+            NodeProcess("vla_node", {"config": node_cfg, "default_instruction": INSTRUCTION}, env=env,
+                        remaps={"__ns": "/bench_pi0"}) as proc:
+        if not proc.wait_output("configured", 120):
+            raise RuntimeError(proc.output()[-3000:])
+        chunks = []
+        node.create_subscription(ActionChunk, "/bench_pi0/action_chunk", chunks.append, 50)
+        pubs = [node.create_publisher(Image, f"/bench_pi0/{c}/image", qos_profile_sensor_data) for c in args.cameras]
+        state_pub = node.create_publisher(JointState, "/bench_pi0/joint_states", 50)
+        for pub in [*pubs, state_pub]:
+            if not spin_until(node, lambda: pub.get_subscription_count() > 0, 60.0):
+                raise RuntimeError("vla_node did not subscribe")
+        got, sec = [], 100
+        while len(got) < args.chunks + 3:
+            sec += 1
+            stamp = (sec, 0)
+            js = JointState(name=JOINTS, position=[0.1] * len(JOINTS))
+            js.header.stamp.sec, js.header.stamp.nanosec = stamp
+            state_pub.publish(js)
+            for pub, rgb in list(zip(pubs, images))[::-1]:  # the first camera last: its frame triggers inference
+                msg = Image(height=side, width=side, encoding="rgb8", step=3 * side, data=rgb.tobytes())
+                msg.header.stamp.sec, msg.header.stamp.nanosec = stamp
+                pub.publish(msg)
+                time.sleep(0.01)
+            if spin_until(node, lambda: any(c.header.stamp.sec == sec for c in chunks), 10.0):
+                got.append(next(c for c in chunks if c.header.stamp.sec == sec))
+    return got[3:]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ref-python", required=True, help="python of the LeRobot reference venv (make pi0ref-venv)")
+    ap.add_argument("--ref-script", required=True, help="test/reference/lerobot_pi0.py")
+    ap.add_argument("--work", default="build/bench")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunks", type=int, default=20)
+    ap.add_argument("--cameras", default="base", help="comma-separated camera names (1 or 2)")
+    ap.add_argument("--size", default="small", choices=sorted(SIZES))
+    ap.add_argument("--no-spinning", dest="spinning", action="store_false",
+                    help="onnxruntime's threads sleep between kernels (its default) instead of spinning")
+    args = ap.parse_args(argv)
+    args.cameras = [c for c in args.cameras.split(",") if c]
+    args.work = os.path.abspath(args.work)
+    os.makedirs(args.work, exist_ok=True)
+    if not os.path.isfile(args.ref_python):
+        print(f"[pi0] skipped: {args.ref_python} not found (make pi0ref-venv)", file=sys.stderr)
+        return 1
+    ckpt, node_cfg = prepare(args)
+    chunks = synflux_chunks(args, node_cfg)
+    d = SIZES[args.size]
+    rng = np.random.default_rng(0)
+    inputs = os.path.join(args.work, f"pi0-bench-{args.size}-inputs.npz")
+    np.savez(inputs, lang_tokens=np.frombuffer(INSTRUCTION.encode() + b"\n", np.uint8).astype(np.int64),
+             state=np.full(len(JOINTS), 0.1, np.float32),
+             noise=rng.standard_normal((d["chunk_size"], 32)).astype(np.float32),
+             **{f"observation.images.{c}": rng.integers(0, 256, (d["image_size"], d["image_size"], 3), np.uint8)
+                for c in args.cameras})
+    ref = _reference(args, "run", "--checkpoint", ckpt, "--inputs", inputs, "--time", str(args.chunks),
+                     "--threads", str(args.threads))
+    steps = d["num_inference_steps"]
+    med = {k: statistics.median(getattr(c, k) for c in chunks)
+           for k in ("vision_ms", "backbone_ms", "head_ms", "latency_ms")}
+    total, lerobot = med["latency_ms"], float(ref["median_ms"])
+    side = d["image_size"]
+    spin = "spinning" if args.spinning else "not spinning"
+    print(f"\n[pi0 {args.size}] Gemma {d['vlm_width']}x{d['depth']}, expert {d['expert_width']}, {len(args.cameras)} "
+          f"camera(s) of {side}x{side} ({(side // 14) ** 2} tokens each), chunk {d['chunk_size']}, {steps} steps; "
+          f"{args.threads} threads ({spin}), median of {len(chunks)} chunks (CPU timing, not device timing)")
+    print(f"    vla_node on onnxruntime   vision {med['vision_ms']:7.1f} ms   prefix {med['backbone_ms']:7.1f} ms   "
+          f"denoise {med['head_ms']:7.1f} ms ({med['head_ms'] / steps:5.2f} ms/step)   receipt->publish "
+          f"{total:7.1f} ms")
+    print(f"    LeRobot predict_action_chunk {lerobot:7.1f} ms (min {ref['min_ms']:.1f}, max {ref['max_ms']:.1f})")
+    ratio = total / lerobot
+    print(f"    synflux / LeRobot per chunk: {ratio:.2f}x (target <= {TARGET}x) {'PASS' if ratio <= TARGET else 'FAIL'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
