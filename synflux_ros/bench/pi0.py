@@ -91,8 +91,9 @@ def prepare(args) -> tuple[str, str]:
     raw["executor"]["graph_dir"] = graphs
     options = raw["executor"].setdefault("options", {})
     options["intra_op_num_threads"] = args.threads
-    # Worker threads spin between the many small kernels of an action-expert step instead of sleeping, as
-    # torch's OpenMP threads do in LeRobot (2 threads, one step of the small model: 5.7 ms without, 3.1 with).
+    # Spinning worker threads (as torch's OpenMP ones do) halve an action-expert step on its own (2 threads, the
+    # small model: 5.7 -> 3.1 ms), but in the node each graph has a session with its own pool, and the pools that
+    # spin after their call take the cores from the next graph's: a whole chunk got 1.2-1.5x slower. Off by default.
     options["allow_spinning"] = args.spinning
     # The checkpoint ships no tokenizer (LeRobot's is downloaded from the Hub): the byte-level one stands in
     # (its ids are not PaliGemma's, the instruction's length is about the same), so no <bos> special exists.
@@ -134,12 +135,13 @@ def synflux_chunks(args, node_cfg: str) -> list:
             js = JointState(name=JOINTS, position=[0.1] * len(JOINTS))
             js.header.stamp.sec, js.header.stamp.nanosec = stamp
             state_pub.publish(js)
+            time.sleep(0.02)  # the state before the frame: the node matches states to frames as they arrive
             for pub, rgb in list(zip(pubs, images))[::-1]:  # the first camera last: its frame triggers inference
                 msg = Image(height=side, width=side, encoding="rgb8", step=3 * side, data=rgb.tobytes())
                 msg.header.stamp.sec, msg.header.stamp.nanosec = stamp
                 pub.publish(msg)
                 time.sleep(0.01)
-            if spin_until(node, lambda: any(c.header.stamp.sec == sec for c in chunks), 10.0):
+            if spin_until(node, lambda: any(c.header.stamp.sec == sec for c in chunks), 3.0):
                 got.append(next(c for c in chunks if c.header.stamp.sec == sec))
     return got[3:]
 
@@ -153,8 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=20)
     ap.add_argument("--cameras", default="base", help="comma-separated camera names (1 or 2)")
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
-    ap.add_argument("--no-spinning", dest="spinning", action="store_false",
-                    help="onnxruntime's threads sleep between kernels (its default) instead of spinning")
+    ap.add_argument("--spinning", action="store_true",
+                    help="onnxruntime's threads spin between kernels instead of sleeping (its default)")
     args = ap.parse_args(argv)
     args.cameras = [c for c in args.cameras.split(",") if c]
     args.work = os.path.abspath(args.work)
