@@ -24,7 +24,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 import yaml
@@ -106,44 +105,18 @@ def prepare(args) -> tuple[str, str]:
 
 def synflux_chunks(args, node_cfg: str) -> list:
     """ActionChunks for ``args.chunks`` frames (after 3 warm-up ones), each sent after the previous chunk."""
-    from rclpy.qos import qos_profile_sensor_data
-    from sensor_msgs.msg import Image, JointState
-
-    from ..msg import ActionChunk
-    from ..nodes.testing import NodeProcess, client_node, ros_env, spin_until
+    from ..nodes.testing import NodeProcess, chunks_one_at_a_time, client_node, ros_env
 
     env = ros_env()
     rng = np.random.default_rng(0)
     side = SIZES[args.size]["image_size"]
-    images = [rng.integers(0, 256, (side, side, 3), np.uint8) for _ in args.cameras]
+    images = {c: rng.integers(0, 256, (side, side, 3), np.uint8) for c in args.cameras}
     with client_node("bench_pi0", env) as node, \
             NodeProcess("vla_node", {"config": node_cfg, "default_instruction": INSTRUCTION}, env=env,
                         remaps={"__ns": "/bench_pi0"}) as proc:
         if not proc.wait_output("configured", 120):
             raise RuntimeError(proc.output()[-3000:])
-        chunks = []
-        node.create_subscription(ActionChunk, "/bench_pi0/action_chunk", chunks.append, 50)
-        pubs = [node.create_publisher(Image, f"/bench_pi0/{c}/image", qos_profile_sensor_data) for c in args.cameras]
-        state_pub = node.create_publisher(JointState, "/bench_pi0/joint_states", 50)
-        for pub in [*pubs, state_pub]:
-            if not spin_until(node, lambda: pub.get_subscription_count() > 0, 60.0):
-                raise RuntimeError("vla_node did not subscribe")
-        got, sec = [], 100
-        while len(got) < args.chunks + 3:
-            sec += 1
-            stamp = (sec, 0)
-            js = JointState(name=JOINTS, position=[0.1] * len(JOINTS))
-            js.header.stamp.sec, js.header.stamp.nanosec = stamp
-            state_pub.publish(js)
-            time.sleep(0.02)  # the state before the frame: the node matches states to frames as they arrive
-            for pub, rgb in list(zip(pubs, images))[::-1]:  # the first camera last: its frame triggers inference
-                msg = Image(height=side, width=side, encoding="rgb8", step=3 * side, data=rgb.tobytes())
-                msg.header.stamp.sec, msg.header.stamp.nanosec = stamp
-                pub.publish(msg)
-                time.sleep(0.01)
-            if spin_until(node, lambda: any(c.header.stamp.sec == sec for c in chunks), 3.0):
-                got.append(next(c for c in chunks if c.header.stamp.sec == sec))
-    return got[3:]
+        return chunks_one_at_a_time(node, "/bench_pi0", images, JOINTS, args.chunks)
 
 
 def main(argv=None) -> int:

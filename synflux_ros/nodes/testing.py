@@ -20,7 +20,7 @@ import numpy as np
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.qos import qos_profile_sensor_data
-from sensor_msgs.msg import Image
+from sensor_msgs.msg import Image, JointState
 
 from ..msg import ActionChunk
 from .common import PACKAGE, share_dir
@@ -231,3 +231,40 @@ def stream_camera(node, ns: str, rate_hz: float, seconds: float, warmup: int = 1
         node.destroy_publisher(pub)
         node.destroy_subscription(sub)
     return chunks, times, wire
+
+
+def chunks_one_at_a_time(node, ns: str, images: dict, joints, count: int, warmup: int = 3,
+                         timeout: float = 3.0) -> list:
+    """Frames to a vla_node under ``ns``, one at a time: a JointState of ``joints`` (positions 0.1), then each
+    camera's image (``images``: camera name -> HxWx3 uint8 in config order, on ``<ns>/<camera>/image``; the
+    first camera last, as its frame triggers inference), all with one stamp; the next frame goes after this
+    one's chunk arrived, or after ``timeout`` s (best-effort messages can be lost). Returns the ``count``
+    ActionChunks after the first ``warmup``."""
+    chunks = []
+    sub = node.create_subscription(ActionChunk, f"{ns}/action_chunk", chunks.append, 50)
+    pubs = {c: node.create_publisher(Image, f"{ns}/{c}/image", qos_profile_sensor_data) for c in images}
+    state_pub = node.create_publisher(JointState, f"{ns}/joint_states", 50)
+    try:
+        for pub in [*pubs.values(), state_pub]:
+            if not spin_until(node, lambda: pub.get_subscription_count() > 0, 60.0):
+                raise RuntimeError(f"vla_node did not subscribe to {pub.topic_name} within 60 s")
+        got, sec = [], 100
+        while len(got) < count + warmup:
+            sec += 1
+            state = JointState(name=list(joints), position=[0.1] * len(joints))
+            state.header.stamp.sec = sec
+            state_pub.publish(state)
+            time.sleep(0.02)  # the state before the frame: the node matches states to frames as frames arrive
+            for cam, rgb in list(images.items())[::-1]:
+                h, w = rgb.shape[:2]
+                msg = Image(height=h, width=w, encoding="rgb8", step=3 * w, data=rgb.tobytes())
+                msg.header.stamp.sec = sec
+                pubs[cam].publish(msg)
+                time.sleep(0.01)
+            if spin_until(node, lambda: any(c.header.stamp.sec == sec for c in chunks), timeout):
+                got.append(next(c for c in chunks if c.header.stamp.sec == sec))
+    finally:
+        node.destroy_subscription(sub)
+        for pub in [*pubs.values(), state_pub]:
+            node.destroy_publisher(pub)
+    return got[warmup:]
