@@ -268,3 +268,19 @@ def chunks_one_at_a_time(node, ns: str, images: dict, joints, count: int, warmup
         for pub in [*pubs.values(), state_pub]:
             node.destroy_publisher(pub)
     return got[warmup:]
+
+
+def chunk_for_frame(node, chunks: list, publish, stamp: int, timeout: float = 20.0, wait: float = 1.0):
+    """Call ``publish(stamp)`` (a frame stamped ``stamp`` ns and whatever goes with it) until ``chunks`` (filled
+    by a subscription of ``node``) holds the ActionChunk of that frame; best-effort messages can be lost, so
+    each retry, after ``wait`` s, uses a stamp 1 us later. Returns the chunk; AssertionError after ``timeout``."""
+    def stamp_of(c):
+        return c.header.stamp.sec * 10**9 + c.header.stamp.nanosec
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        publish(stamp)
+        if spin_until(node, lambda: any(stamp_of(c) == stamp for c in chunks), wait):
+            return next(c for c in chunks if stamp_of(c) == stamp)
+        stamp += 1000
+    raise AssertionError(f"no chunk for the frame stamped {stamp}")

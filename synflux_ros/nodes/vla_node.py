@@ -127,10 +127,7 @@ class VLANode(SynfluxNode):
             self._cameras = CameraImages(cameras, cfg.vision.camera_max_skew, topic="{}/" + suffix)
         for i, name in enumerate(cameras or [None]):
             topic = f"{name}/{suffix}" if name else suffix
-            if i == 0:
-                callback = self._on_compressed if compressed else self._on_image
-            else:
-                callback = self._other_camera(name, compressed)
+            callback = self._on_image if i == 0 else self._other_camera(name)
             self._subs.append(self.create_subscription(CompressedImage if compressed else Image, topic, callback,
                                                        qos_profile_sensor_data, callback_group=inputs))
         if cfg.action.state_dim:
@@ -234,30 +231,28 @@ class VLANode(SynfluxNode):
             self._last_input_error = f"joint_states: {exc}"
             self.get_logger().warning(f"joint state rejected: {exc}", throttle_duration_sec=2.0)
 
-    def _other_camera(self, name: str, compressed: bool):
+    def _decode(self, msg):
+        """An Image or CompressedImage message -> HxWx3 uint8 RGB; ImageError says why one is refused."""
+        limit = self.cfg.vision.max_input_pixels
+        if isinstance(msg, CompressedImage):
+            return decode_compressed(msg.format, msg.data, max_pixels=limit)
+        return decode_raw(msg.encoding, msg.height, msg.width, msg.step, msg.data, msg.is_bigendian,
+                          max_pixels=limit)
+
+    def _other_camera(self, name: str):
         """Callback storing the images of a camera after the first (they are used by its frames)."""
         def store(msg):
             self._count("camera_images")
             try:
-                if compressed:
-                    rgb = decode_compressed(msg.format, msg.data, max_pixels=self.cfg.vision.max_input_pixels)
-                else:
-                    rgb = decode_raw(msg.encoding, msg.height, msg.width, msg.step, msg.data, msg.is_bigendian,
-                                     max_pixels=self.cfg.vision.max_input_pixels)
-                self._cameras.add(name, msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9, rgb)
+                self._cameras.add(name, msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9, self._decode(msg))
             except (ImageError, ValueError) as exc:
                 self._count("camera_images_rejected")
                 self._last_input_error = f"{name} image: {exc}"
                 self.get_logger().warning(f"rejected {name} image: {exc}", throttle_duration_sec=2.0)
         return store
 
-    def _on_image(self, msg: Image):
-        self._submit(msg.header, lambda: decode_raw(msg.encoding, msg.height, msg.width, msg.step, msg.data,
-                                                    msg.is_bigendian, max_pixels=self.cfg.vision.max_input_pixels))
-
-    def _on_compressed(self, msg: CompressedImage):
-        self._submit(msg.header, lambda: decode_compressed(msg.format, msg.data,
-                                                           max_pixels=self.cfg.vision.max_input_pixels))
+    def _on_image(self, msg):
+        self._submit(msg.header, lambda: self._decode(msg))
 
     def _on_instruction(self, msg: String):
         if self.runtime is None or msg.data.strip() == self.runtime.instruction:

@@ -85,7 +85,6 @@ class RobotStateBuffer:
             raise ValueError("RobotStateBuffer needs action.state_dim > 0")
         self.joints = tuple(action.state_joints)
         self.dim = action.state_dim
-        self.max_age = float(action.state_max_age)
         self._buffer = StampedBuffer(action.state_max_age, capacity, "joint state", "'joint_states'",
                                      "action.state_max_age")
 
@@ -94,8 +93,6 @@ class RobotStateBuffer:
         names, positions = list(names), list(positions)
         if len(positions) != len(names):
             raise ValueError(f"{len(names)} joint names but {len(positions)} positions")
-        if not math.isfinite(stamp):
-            raise ValueError(f"stamp {stamp!r} is not finite")
         index = {n: i for i, n in enumerate(names)}
         missing = [j for j in self.joints if j not in index]
         if missing:

@@ -10,9 +10,9 @@ import pytest
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import Image
 
-from synflux_ros.nodes.testing import rgb_image, spin_until
+from synflux_ros.nodes.testing import chunk_for_frame, rgb_image, spin_until
 
-from test_vla_node import Harness, stamp_ns
+from test_vla_node import Harness
 
 SECOND = 10**9
 MS = 10**6
@@ -33,16 +33,12 @@ def cameras(start_node, client, make_config):
 def chunk_for(h: Harness, stamp: int, wrist_seed: int, timeout: float = 20.0) -> np.ndarray:
     """A wrist image 10 ms before a front frame stamped ``stamp`` (again with later stamps while best-effort
     messages are lost) until that frame's chunk arrives; returns its actions."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        h.wrist_pub.publish(rgb_image(240, 320, wrist_seed, stamp - 10 * MS))
+    def publish(t):
+        h.wrist_pub.publish(rgb_image(240, 320, wrist_seed, t - 10 * MS))
         time.sleep(0.02)
-        h.image_pub.publish(rgb_image(448, 448, 0, stamp))
-        if spin_until(h.node, lambda: any(stamp_ns(c.header) == stamp for c in h.chunks), 1.0):
-            c = next(c for c in h.chunks if stamp_ns(c.header) == stamp)
-            return np.array(c.actions).reshape(c.horizon, c.action_dim)
-        stamp += 1000
-    raise AssertionError(f"no chunk for the frame stamped {stamp}")
+        h.image_pub.publish(rgb_image(448, 448, 0, t))
+    c = chunk_for_frame(h.node, h.chunks, publish, stamp, timeout)
+    return np.array(c.actions).reshape(c.horizon, c.action_dim)
 
 
 def test_a_frame_without_every_cameras_image_is_counted_and_skipped(cameras):

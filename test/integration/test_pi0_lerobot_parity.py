@@ -32,7 +32,7 @@ from synflux_ros.build import export as build_tool  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.msg import ActionChunk  # noqa: E402
 from synflux_ros.nodes import testing  # noqa: E402
-from synflux_ros.nodes.testing import spin_until  # noqa: E402
+from synflux_ros.nodes.testing import chunk_for_frame, spin_until  # noqa: E402
 from synflux_ros.pieces.tokenizer import load_tokenizer  # noqa: E402
 
 from checkpoints import write_tokenizer  # noqa: E402
@@ -120,14 +120,8 @@ def publish_frame(s: dict, stamp: int, images: dict, state) -> None:
 
 def chunk_for(s: dict, stamp: int, images: dict, state, timeout: float = 60.0):
     """Publish the frame (again with later stamps while best-effort messages are lost) until its chunk comes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        publish_frame(s, stamp, images, state)
-        if spin_until(s["node"], lambda: any(c.header.stamp.sec * 10**9 + c.header.stamp.nanosec == stamp
-                                             for c in s["chunks"]), 2.0):
-            return next(c for c in s["chunks"] if c.header.stamp.sec * 10**9 + c.header.stamp.nanosec == stamp)
-        stamp += 1000
-    raise AssertionError(f"no chunk for the frame stamped {stamp}")
+    return chunk_for_frame(s["node"], s["chunks"], lambda t: publish_frame(s, t, images, state), stamp, timeout,
+                           wait=2.0)
 
 
 def lerobot_actions(s: dict, images: dict, state, noise: np.ndarray, name: str) -> np.ndarray:

@@ -3,14 +3,13 @@ camera frame by header stamp; frames without a fresh state are counted and skipp
 with the reason, and the state reaches the action expert (mock executor: its target moves with the state)."""
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
 
-from synflux_ros.nodes.testing import rgb_image, spin_until
+from synflux_ros.nodes.testing import chunk_for_frame, rgb_image
 
-from test_vla_node import Harness, stamp_ns
+from test_vla_node import Harness
 
 JOINTS = ["shoulder", "elbow", "wrist"]
 SECOND = 10**9
@@ -28,15 +27,11 @@ def robot(start_node, client, make_config):
 def chunk_for(h: Harness, stamp: int, positions, seed: int = 0, timeout: float = 20.0):
     """Publish a joint state 5 ms before a frame stamped ``stamp`` (again with later stamps while frames or
     states are lost on the best-effort topics) until that frame's chunk arrives; returns its actions."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        h.publish_state(stamp - 5_000_000, positions)
-        h.image_pub.publish(rgb_image(448, 448, seed, stamp))
-        if spin_until(h.node, lambda: any(stamp_ns(c.header) == stamp for c in h.chunks), 1.0):
-            c = next(c for c in h.chunks if stamp_ns(c.header) == stamp)
-            return np.array(c.actions).reshape(c.horizon, c.action_dim)
-        stamp += 1000
-    raise AssertionError(f"no chunk for the frame stamped {stamp}")
+    def publish(t):
+        h.publish_state(t - 5_000_000, positions)
+        h.image_pub.publish(rgb_image(448, 448, seed, t))
+    c = chunk_for_frame(h.node, h.chunks, publish, stamp, timeout)
+    return np.array(c.actions).reshape(c.horizon, c.action_dim)
 
 
 def test_frames_without_a_fresh_state_are_counted_and_skipped(robot):
