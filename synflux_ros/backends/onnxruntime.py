@@ -58,6 +58,8 @@ Options (``executor.options`` in the model config)
 ``providers``                list, see above
 ``intra_op_num_threads``     0 = ORT's default (one per physical core)
 ``inter_op_num_threads``     0 = ORT's default
+``thread_pool``              ``session`` (default): every graph's session has its own intra-op pool;
+                             ``shared``: all sessions of the process run on one pool (see "Threads" below)
 ``graph_optimization_level`` ``disable`` | ``basic`` | ``extended`` | ``all`` (default): runtime-specific
                              fused ops come from ORT's own optimiser; the exported graphs stay standard ONNX
 ``optimized_model_dir``      save the ORT-optimised graphs there and load those next time: a graph set of
@@ -85,6 +87,21 @@ Options (``executor.options`` in the model config)
                              (``session.qdq_matmulnbits_accuracy_level``): 0 or 1 = fp32 activations (the
                              result of the dequantized weights up to float rounding), 4 = activations
                              quantized to int8 per block (ORT's default; faster, less exact)
+
+Threads
+-------
+By default every graph's session has its own intra-op thread pool, not spinning (``allow_spinning``
+false): pools that spin after their call would take the cores from the next graph's pool (a decode step
+after a prefill, the action expert after the prefix), which made whole pi0 chunks 1.2-1.5x slower.
+``thread_pool: shared`` runs every session of the process on one pool of ``intra_op_num_threads`` (and
+``inter_op_num_threads``) threads, created by the first executor that loads with it. No pool then waits
+on another, and its workers spin between kernels and calls as torch's do: measured on the 2-core VM, a
+small pi0's vision + prefix + 10 action-expert steps in 50-53 ms against 63 ms with a pool per session.
+The cost is CPU: onnxruntime's Python API creates this pool with spinning on (``allow_spinning`` cannot
+turn it off), and between calls a worker keeps a core busy (a whole 30 ms gap between frames was spent
+spinning). The pool belongs to the process: onnxruntime refuses sessions with a pool of their own once
+it exists, so every onnxruntime executor of the process must then use ``thread_pool: shared`` with the
+same thread counts (an executor that does not is refused at load, naming the pool in use).
 
 Quantized graph sets
 --------------------
@@ -138,12 +155,36 @@ _ONNX_STORAGE = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int
 
 _OPTIONS = ("providers", "intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
             "optimized_model_dir", "share_weights", "prepack", "mmap_weights", "allow_spinning",
-            "matmulnbits_accuracy_level", "fusions")
+            "matmulnbits_accuracy_level", "fusions", "thread_pool")
+_THREAD_POOLS = ("session", "shared")
 _IGNORED_OPTIONS = ("latency_ms",)  # the mock's simulated latency; the factory passes it to every backend
 
 _CACHE_KEY = "ort_optimized"
 _QUANTIZED_DISABLED_OPTIMIZERS = ["MatMulAddFusion"]
 """ORT optimisers turned off for quantized graph sets (see ``_create_session``)."""
+
+
+_process_pool: tuple[int, int] | None = None
+"""(intra, inter) threads of this process's shared onnxruntime pool once an executor created it."""
+
+
+def _join_process_pool(ort, intra: int, inter: int) -> None:
+    """Create the process's shared pool (``thread_pool: shared``) or check that the one in use matches."""
+    global _process_pool
+    if _process_pool is None:
+        from onnxruntime.capi import _pybind_state
+        setter = getattr(_pybind_state, "set_global_thread_pool_sizes", None)
+        if setter is None:
+            raise RuntimeError(f"onnxruntime executor: thread_pool: shared needs an onnxruntime whose Python API "
+                               f"creates the process thread pool (set_global_thread_pool_sizes); "
+                               f"{ort.__version__} has none: use thread_pool: session")
+        setter(intra, inter)
+        _process_pool = (intra, inter)
+    elif _process_pool != (intra, inter):
+        raise ValueError(f"onnxruntime executor: this process already runs onnxruntime on a shared thread pool of "
+                         f"{_process_pool[0]} intra-op / {_process_pool[1]} inter-op threads (0 = ORT's default); "
+                         f"thread_pool: shared with {intra} / {inter} cannot resize it: give every executor of the "
+                         f"process the same intra_op_num_threads and inter_op_num_threads")
 
 
 def _quantized_set(graph_dir: str) -> bool:
@@ -222,10 +263,18 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         self.graph_optimization_level = level
         self.share_weights = self._bool_option("share_weights", True)
         self.mmap_weights = self._bool_option("mmap_weights", False)
-        # Every graph has its own intra-op thread pool. Spinning pools of graphs that just ran (a prefill)
+        # With a pool per graph (thread_pool: session), spinning pools of graphs that just ran (a prefill)
         # keep the cores busy while the next graph (a decode) needs them: measured 2x slower decode steps
         # after a prefill on a 2-core machine. Off by default; turn on where cores are plentiful.
         self.allow_spinning = self._bool_option("allow_spinning", False)
+        self.thread_pool = opts.get("thread_pool", "session")
+        if self.thread_pool not in _THREAD_POOLS:
+            raise ValueError(f"onnxruntime executor: thread_pool {self.thread_pool!r} is not allowed "
+                             f"(choices: {', '.join(_THREAD_POOLS)})")
+        if self.thread_pool == "shared" and opts.get("allow_spinning") is False:
+            raise ValueError("onnxruntime executor: thread_pool: shared always spins (onnxruntime's Python API "
+                             "creates the process pool with spinning on); remove allow_spinning: false, or use "
+                             "thread_pool: session")
         level_nbits = opts.get("matmulnbits_accuracy_level")
         if level_nbits is not None and (isinstance(level_nbits, bool) or level_nbits not in (0, 1, 2, 3, 4)):
             raise ValueError(f"onnxruntime executor: matmulnbits_accuracy_level must be 0..4, got {level_nbits!r}")
@@ -295,6 +344,12 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
     def load(self) -> "OnnxRuntimeExecutor":
         if self._loaded:
             return self
+        if self.thread_pool == "shared":
+            _join_process_pool(self._ort, self.intra_op_num_threads, self.inter_op_num_threads)
+        elif _process_pool is not None:
+            raise ValueError(f"onnxruntime executor: this process already runs onnxruntime on a shared thread pool "
+                             f"(thread_pool: shared, {_process_pool[0]} intra-op threads) and onnxruntime refuses "
+                             f"sessions with a pool of their own after it: set thread_pool: shared here too")
         cached = self._cached_graph_set()
         if cached:
             self._load_dir, self._from_cache = cached, True
@@ -383,14 +438,17 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         ort = self._ort
         so = ort.SessionOptions()
         so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
-        if self.intra_op_num_threads:
-            so.intra_op_num_threads = self.intra_op_num_threads
-        if self.inter_op_num_threads:
-            so.inter_op_num_threads = self.inter_op_num_threads
+        if self.thread_pool == "shared":
+            so.use_per_session_threads = False  # the process pool, sized by _join_process_pool
+        else:
+            if self.intra_op_num_threads:
+                so.intra_op_num_threads = self.intra_op_num_threads
+            if self.inter_op_num_threads:
+                so.inter_op_num_threads = self.inter_op_num_threads
+            so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.allow_spinning else "0")
+            so.add_session_config_entry("session.inter_op.allow_spinning", "1" if self.allow_spinning else "0")
         if not prepack:
             so.add_session_config_entry("session.disable_prepacking", "1")
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.allow_spinning else "0")
-        so.add_session_config_entry("session.inter_op.allow_spinning", "1" if self.allow_spinning else "0")
         if self.matmulnbits_accuracy_level is not None:
             so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
                                         str(self.matmulnbits_accuracy_level))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import yaml
 
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs onnxruntime")
@@ -45,3 +46,34 @@ def test_vlm_node_on_onnxruntime_reuse_matches_recompute(graph_sets, start_node,
         ra, rb = ok(a.chat("s", **turn)), ok(b.chat("s", **turn))
         assert ra.reply == rb.reply and ra.generated_tokens == rb.generated_tokens, f"turn {i + 1}"
         assert (ra.cached_tokens > 0) == (i > 0) and rb.cached_tokens == 0
+
+
+def _on_shared_pool(graph_config, tmp_path) -> str:
+    """The graph set's config with every session of the node's process on one onnxruntime thread pool."""
+    raw = yaml.safe_load(graph_config.read_text())
+    raw["executor"].setdefault("options", {}).update({"thread_pool": "shared", "intra_op_num_threads": 2})
+    path = tmp_path / graph_config.parent.name / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_nodes_on_a_shared_thread_pool(graph_sets, start_node, client, tmp_path):
+    """executor.options.thread_pool: shared: vla_node's three stage threads run their graphs on the one pool of
+    the process, and vlm_node on it replies as on per-session pools, token for token."""
+    vla = _on_shared_pool(graph_sets["vla_demo_orin"], tmp_path)
+    p = start_node("vla_node", {"config": vla, "graph_dir": str(graph_sets["vla_demo_orin"].parent)},
+                   namespace="/ort_pool")
+    h = Harness(client, "/ort_pool")
+    h.wait_connected()
+    h.publish_until_chunks(3, lambda s, t: rgb_image(448, 448, s, t))
+    assert all(np.all(np.isfinite(c.actions)) for c in h.chunks)
+    assert p.alive()
+    vlm = _on_shared_pool(graph_sets["vlm_demo"], tmp_path)
+    start_node("vlm_node", {"config": vlm, "graph_dir": str(graph_sets["vlm_demo"].parent)}, namespace="/ort_pool_chat")
+    start_node("vlm_node", {"config": str(graph_sets["vlm_demo"])}, namespace="/ort_own_pools")
+    a, b = ChatClient(client, "/ort_pool_chat"), ChatClient(client, "/ort_own_pools")
+    for i, turn in enumerate([dict(prompt="Describe the table.", images=[rgb_image(96, 128, 2)]),
+                              dict(prompt="And the cup?")]):
+        ra, rb = ok(a.chat("s", **turn)), ok(b.chat("s", **turn))
+        assert ra.reply == rb.reply and ra.generated_tokens == rb.generated_tokens > 0, f"turn {i + 1}"

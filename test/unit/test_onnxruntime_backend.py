@@ -248,8 +248,57 @@ def test_bad_manifest_and_options(tmp_path, gset):
         build_executor("onnxruntime", metas, str(out_dir), {"graph_optimization_level": "max"})
     with pytest.raises(ValueError, match=r"intra_op_num_threads"):
         build_executor("onnxruntime", metas, str(out_dir), {"intra_op_num_threads": -1})
+    with pytest.raises(ValueError, match=r"thread_pool 'global' is not allowed \(choices: session, shared\)"):
+        build_executor("onnxruntime", metas, str(out_dir), {"thread_pool": "global"})
+    with pytest.raises(ValueError, match=r"thread_pool: shared always spins.*remove allow_spinning: false"):
+        build_executor("onnxruntime", metas, str(out_dir), {"thread_pool": "shared", "allow_spinning": False})
     # the factory passes the mock's latency_ms to every backend; it is not an error here
     build_executor("onnxruntime", metas, str(out_dir), {"latency_ms": {"prefill": 1.0}})
+
+
+_SHARED_POOL_CHECK = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import test_onnxruntime_backend as t
+    from synflux_ros.core import graphset
+    out_dir = sys.argv[1]
+    metas = t.graph_metas_of(out_dir)
+    result = {}
+    ex, kv = t.loaded(out_dir, metas, thread_pool="shared", intra_op_num_threads=2)
+    f = t.feeds(8, 7, 3, kv)
+    ref_logits, ref_kv = t.reference(t._weights(), f["inputs_embeds"], 7, 3, np.zeros(kv.shape, np.float32))
+    out = ex.run("prefill_8", f)
+    result["logits_err"] = float(np.abs(out["logits"] - ref_logits).max())
+    result["kv_err"] = float(np.abs(out["new_kv"] - ref_kv).max())
+    ex2, kv2 = t.loaded(out_dir, metas, thread_pool="shared", intra_op_num_threads=2)
+    result["second_equal"] = bool(np.array_equal(ex2.run("prefill_8", t.feeds(8, 7, 3, kv2))["logits"], out["logits"]))
+    for name, options in (("resize", {"thread_pool": "shared", "intra_op_num_threads": 1}), ("own_pool", {})):
+        try:
+            t.loaded(out_dir, metas, **options)
+            result[name] = "loaded"
+        except ValueError as exc:
+            result[name] = str(exc)
+    print(json.dumps(result))
+""")
+
+
+def graph_metas_of(graph_dir):
+    return graphset.graph_metas(str(graph_dir), graphset.read_manifest(str(graph_dir)))
+
+
+def test_a_shared_thread_pool_serves_every_executor_of_the_process(gset):
+    """thread_pool: shared (one onnxruntime pool for the whole process) computes what per-session pools do, is
+    shared by a second executor, and refuses an executor with other thread counts or a pool of its own. In a
+    process of its own: the pool outlives every executor."""
+    out_dir, _, _, _ = gset
+    proc = subprocess.run([sys.executable, "-c", _SHARED_POOL_CHECK, str(out_dir)], capture_output=True, text=True,
+                          cwd=str(Path(__file__).parent), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["logits_err"] < 1e-4 and r["kv_err"] < 1e-5, r
+    assert r["second_equal"]
+    assert "shared thread pool of 2 intra-op" in r["resize"] and "cannot resize it" in r["resize"], r
+    assert "set thread_pool: shared here too" in r["own_pool"], r
 
 
 def test_registry_entry(monkeypatch):
