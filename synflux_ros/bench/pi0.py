@@ -14,7 +14,9 @@ un-normalisation; one step is head / steps) and receipt-to-publish latency.
 LeRobot's time is ``PI0Policy.predict_action_chunk`` on the same checkpoint with the same torch thread count
 (median of as many calls, after one warm-up; its processor steps run around it, as they do before and after
 ``select_action``), from ``test/reference/lerobot_pi0.py run --time``. The target is synflux's
-receipt-to-publish latency <= 0.5x LeRobot's time per chunk. CPU timing on a shared machine, not device timing.
+receipt-to-publish latency <= 0.5x LeRobot's time per chunk. vla_node runs once per onnxruntime thread pool
+setting of ``--pools`` (a pool per graph, the default; one shared spinning pool), in turn, each against the
+same LeRobot figure. CPU timing on a shared machine, not device timing.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ SIZES = {
 JOINTS = [f"joint_{i}" for i in range(8)]
 INSTRUCTION = "pick up the red block and put it in the bowl"
 TARGET = 0.5
+POOLS = ("session", "shared")
 
 
 def _reference(args, *argv: str) -> dict:
@@ -72,8 +75,9 @@ def base_config(path: str, d: dict) -> str:
     return path
 
 
-def prepare(args) -> tuple[str, str]:
-    """(checkpoint dir, node config path): the LeRobot checkpoint and its synflux graph set, made once."""
+def prepare(args, pool: str) -> tuple[str, str]:
+    """(checkpoint dir, node config path for onnxruntime thread pool ``pool``): the LeRobot checkpoint and its
+    synflux graph set, made once."""
     tag = f"pi0-bench-{args.size}-{'-'.join(args.cameras)}"
     ckpt = os.path.join(args.work, tag + "-lerobot")
     if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
@@ -90,14 +94,16 @@ def prepare(args) -> tuple[str, str]:
     raw["executor"]["graph_dir"] = graphs
     options = raw["executor"].setdefault("options", {})
     options["intra_op_num_threads"] = args.threads
-    # Spinning worker threads (as torch's OpenMP ones do) halve an action-expert step on its own (2 threads, the
-    # small model: 5.7 -> 3.1 ms), but in the node each graph has a session with its own pool, and the pools that
-    # spin after their call take the cores from the next graph's: a whole chunk got 1.2-1.5x slower. Off by default.
-    options["allow_spinning"] = args.spinning
+    options["thread_pool"] = pool
+    if pool == "session":
+        # Spinning worker threads (as torch's OpenMP ones do) halve an action-expert step on its own (2 threads,
+        # the small model: 5.7 -> 3.1 ms), but with a pool per graph the pools that spin after their call take the
+        # cores from the next graph's: a whole chunk got 1.2-1.5x slower. Off by default; the shared pool spins.
+        options["allow_spinning"] = args.spinning
     # The checkpoint ships no tokenizer (LeRobot's is downloaded from the Hub): the byte-level one stands in
     # (its ids are not PaliGemma's, the instruction's length is about the same), so no <bos> special exists.
     raw["tokenizer"]["instruction_bos"] = ""
-    node_cfg = os.path.join(args.work, tag + "-node.yaml")
+    node_cfg = os.path.join(args.work, f"{tag}-node-{pool}.yaml")
     with open(node_cfg, "w", encoding="utf-8") as fh:
         yaml.safe_dump(raw, fh)
     return ckpt, node_cfg
@@ -129,7 +135,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cameras", default="base", help="comma-separated camera names (1 or 2)")
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--spinning", action="store_true",
-                    help="onnxruntime's threads spin between kernels instead of sleeping (its default)")
+                    help="with a pool per graph, onnxruntime's threads spin between kernels instead of sleeping")
+    ap.add_argument("--pools", default=",".join(POOLS),
+                    help="onnxruntime thread_pool settings to time, in turn (session: a pool per graph, the "
+                         "default; shared: one spinning pool for the process)")
     args = ap.parse_args(argv)
     args.cameras = [c for c in args.cameras.split(",") if c]
     args.work = os.path.abspath(args.work)
@@ -137,8 +146,13 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.ref_python):
         print(f"[pi0] skipped: {args.ref_python} not found (make pi0ref-venv)", file=sys.stderr)
         return 1
-    ckpt, node_cfg = prepare(args)
-    chunks = synflux_chunks(args, node_cfg)
+    args.pools = [p for p in args.pools.split(",") if p]
+    if not args.pools or set(args.pools) - set(POOLS):
+        ap.error(f"--pools: choose from {', '.join(POOLS)}")
+    runs = {}
+    for pool in args.pools:
+        ckpt, node_cfg = prepare(args, pool)
+        runs[pool] = synflux_chunks(args, node_cfg)
     d = SIZES[args.size]
     rng = np.random.default_rng(0)
     inputs = os.path.join(args.work, f"pi0-bench-{args.size}-inputs.npz")
@@ -150,20 +164,22 @@ def main(argv=None) -> int:
     ref = _reference(args, "run", "--checkpoint", ckpt, "--inputs", inputs, "--time", str(args.chunks),
                      "--threads", str(args.threads))
     steps = d["num_inference_steps"]
-    med = {k: statistics.median(getattr(c, k) for c in chunks)
-           for k in ("vision_ms", "backbone_ms", "head_ms", "latency_ms")}
-    total, lerobot = med["latency_ms"], float(ref["median_ms"])
+    lerobot = float(ref["median_ms"])
     side = d["image_size"]
-    spin = "spinning" if args.spinning else "not spinning"
     print(f"\n[pi0 {args.size}] Gemma {d['vlm_width']}x{d['depth']}, expert {d['expert_width']}, {len(args.cameras)} "
           f"camera(s) of {side}x{side} ({(side // 14) ** 2} tokens each), chunk {d['chunk_size']}, {steps} steps; "
-          f"{args.threads} threads ({spin}), median of {len(chunks)} chunks (CPU timing, not device timing)")
-    print(f"    vla_node on onnxruntime   vision {med['vision_ms']:7.1f} ms   prefix {med['backbone_ms']:7.1f} ms   "
-          f"denoise {med['head_ms']:7.1f} ms ({med['head_ms'] / steps:5.2f} ms/step)   receipt->publish "
-          f"{total:7.1f} ms")
+          f"{args.threads} threads, median of {args.chunks} chunks (CPU timing, not device timing)")
     print(f"    LeRobot predict_action_chunk {lerobot:7.1f} ms (min {ref['min_ms']:.1f}, max {ref['max_ms']:.1f})")
-    ratio = total / lerobot
-    print(f"    synflux / LeRobot per chunk: {ratio:.2f}x (target <= {TARGET}x) {'PASS' if ratio <= TARGET else 'FAIL'}")
+    for pool, chunks in runs.items():
+        med = {k: statistics.median(getattr(c, k) for c in chunks)
+               for k in ("vision_ms", "backbone_ms", "head_ms", "latency_ms")}
+        label = "shared pool (spinning)" if pool == "shared" else \
+            f"pool per graph ({'spinning' if args.spinning else 'not spinning'})"
+        ratio = med["latency_ms"] / lerobot
+        print(f"    vla_node on onnxruntime, {label}: vision {med['vision_ms']:6.1f} ms   prefix "
+              f"{med['backbone_ms']:6.1f} ms   denoise {med['head_ms']:6.1f} ms ({med['head_ms'] / steps:5.2f} ms/step)"
+              f"   receipt->publish {med['latency_ms']:6.1f} ms   = {ratio:.2f}x LeRobot (target <= {TARGET}x) "
+              f"{'PASS' if ratio <= TARGET else 'FAIL'}")
     return 0
 
 
