@@ -168,10 +168,17 @@ _process_pool: tuple[int, int] | None = None
 """(intra, inter) threads of this process's shared onnxruntime pool once an executor created it."""
 
 
-def _join_process_pool(ort, intra: int, inter: int) -> None:
-    """Create the process's shared pool (``thread_pool: shared``) or check that the one in use matches."""
+def _join_process_pool(ort, shared: bool, intra: int, inter: int) -> None:
+    """Create the process's shared pool (``thread_pool: shared``) or check that the one in use matches; an
+    executor with a pool per session is refused once the shared pool exists (onnxruntime would refuse its
+    sessions)."""
     global _process_pool
-    if _process_pool is None:
+    if not shared:
+        if _process_pool is not None:
+            raise ValueError(f"onnxruntime executor: this process already runs onnxruntime on a shared thread pool "
+                             f"(thread_pool: shared, {_process_pool[0]} intra-op threads) and onnxruntime refuses "
+                             f"sessions with a pool of their own after it: set thread_pool: shared here too")
+    elif _process_pool is None:
         from onnxruntime.capi import _pybind_state
         setter = getattr(_pybind_state, "set_global_thread_pool_sizes", None)
         if setter is None:
@@ -344,12 +351,8 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
     def load(self) -> "OnnxRuntimeExecutor":
         if self._loaded:
             return self
-        if self.thread_pool == "shared":
-            _join_process_pool(self._ort, self.intra_op_num_threads, self.inter_op_num_threads)
-        elif _process_pool is not None:
-            raise ValueError(f"onnxruntime executor: this process already runs onnxruntime on a shared thread pool "
-                             f"(thread_pool: shared, {_process_pool[0]} intra-op threads) and onnxruntime refuses "
-                             f"sessions with a pool of their own after it: set thread_pool: shared here too")
+        _join_process_pool(self._ort, self.thread_pool == "shared", self.intra_op_num_threads,
+                           self.inter_op_num_threads)
         cached = self._cached_graph_set()
         if cached:
             self._load_dir, self._from_cache = cached, True

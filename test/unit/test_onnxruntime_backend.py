@@ -262,7 +262,7 @@ _SHARED_POOL_CHECK = textwrap.dedent("""
     import test_onnxruntime_backend as t
     from synflux_ros.core import graphset
     out_dir = sys.argv[1]
-    metas = t.graph_metas_of(out_dir)
+    metas = graphset.graph_metas(out_dir, graphset.read_manifest(out_dir))
     result = {}
     ex, kv = t.loaded(out_dir, metas, thread_pool="shared", intra_op_num_threads=2)
     f = t.feeds(8, 7, 3, kv)
@@ -280,10 +280,6 @@ _SHARED_POOL_CHECK = textwrap.dedent("""
             result[name] = str(exc)
     print(json.dumps(result))
 """)
-
-
-def graph_metas_of(graph_dir):
-    return graphset.graph_metas(str(graph_dir), graphset.read_manifest(str(graph_dir)))
 
 
 def test_a_shared_thread_pool_serves_every_executor_of_the_process(gset):
