@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 import numpy as np
 import rclpy
@@ -190,15 +191,53 @@ def spin_until(node, predicate, timeout: float, executor=None) -> bool:
             ex.remove_node(node)
 
 
-def call_service(node, client, request, timeout: float):
-    """Call a service and wait for the answer (raises TimeoutError)."""
+# Fast DDS (rmw_fastrtps) drops a service response when, 100 ms after the request arrived, the server has
+# not yet matched the client's response reader ("failed to send response (timeout): client will not
+# receive response"). wait_for_service only says that the client has discovered the server; under load the
+# server can discover a new client's response reader later than its request writer. A client that has
+# been answered once is matched, so only its first request is at risk.
+RESEND_S = 2.0
+_answered_clients = weakref.WeakSet()
+
+
+def lifecycle_probe():
+    """A ChangeState request every lifecycle node refuses without changing state (an unknown label)."""
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState
+    return ChangeState.Request(transition=Transition(label="synflux_no_such_transition"))
+
+
+def call_service(node, client, request, timeout: float, *, idempotent: bool = False, probe=None):
+    """Call a service and wait for the answer (raises TimeoutError after ``timeout`` s in all).
+
+    A response lost to late discovery (see above) is not waited for in vain: an ``idempotent`` request is
+    sent again every RESEND_S until answered. For a request that changes state, pass ``probe``, a request
+    the server answers without changing anything (:func:`lifecycle_probe`): before this client's first
+    request it is sent, and resent, until one is answered; after that the server has matched the client.
+    """
+    deadline = time.monotonic() + timeout
     if not client.wait_for_service(timeout_sec=timeout):
         raise TimeoutError(f"service {client.srv_name} not available within {timeout} s")
-    future = client.call_async(request)
-    rclpy.spin_until_future_complete(node, future, timeout_sec=timeout)
-    if not future.done():
+    if probe is not None and client not in _answered_clients:
+        if _answer(node, client, probe, deadline, resend=True) is None:
+            raise TimeoutError(f"service {client.srv_name} did not answer a probe within {timeout} s")
+    response = _answer(node, client, request, deadline, resend=idempotent)
+    if response is None:
         raise TimeoutError(f"service {client.srv_name} did not answer within {timeout} s")
-    return future.result()
+    return response
+
+
+def _answer(node, client, request, deadline: float, resend: bool):
+    while True:
+        future = client.call_async(request)
+        left = deadline - time.monotonic()
+        rclpy.spin_until_future_complete(node, future, timeout_sec=max(min(left, RESEND_S) if resend else left, 0))
+        if future.done():
+            _answered_clients.add(client)
+            return future.result()
+        client.remove_pending_request(future)
+        if time.monotonic() >= deadline:
+            return None
 
 
 def stream_camera(node, ns: str, rate_hz: float, seconds: float, warmup: int = 10, size: int = 448):

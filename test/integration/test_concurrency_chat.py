@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from synflux_ros.nodes.testing import call_service, rgb_image
+from synflux_ros.nodes.testing import call_service, lifecycle_probe, rgb_image
 from synflux_ros.srv import Chat, EndSession
 
 from test_vlm_node import ChatClient, ok
@@ -339,7 +339,8 @@ def test_cleanup_waits_for_the_turn_in_flight(start_node, make_config, client):
     change = client.create_client(ChangeState, "/cleanup/vlm_node/change_state")
 
     def transition(tid):
-        r = call_service(client, change, ChangeState.Request(transition=Transition(id=tid)), TIMEOUT)
+        r = call_service(client, change, ChangeState.Request(transition=Transition(id=tid)), TIMEOUT,
+                         probe=lifecycle_probe())
         assert r.success, tid
     (caller,) = [ThreadClient("/cleanup")]
     try:

@@ -266,14 +266,15 @@ def test_configure_after_a_failed_configure(start_node, client):
     from lifecycle_msgs.srv import ChangeState
     from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
     from rcl_interfaces.srv import SetParameters
-    from synflux_ros.nodes.testing import call_service
+    from synflux_ros.nodes.testing import call_service, lifecycle_probe
     start_node("vla_node", {"autostart": False, "config": "/nonexistent/model.yaml"}, namespace="/retry")
     change = client.create_client(ChangeState, "/retry/vla_node/change_state")
     set_params = client.create_client(SetParameters, "/retry/vla_node/set_parameters")
     configure = ChangeState.Request(transition=Transition(id=Transition.TRANSITION_CONFIGURE))
-    assert not call_service(client, change, configure, 30).success
+    assert not call_service(client, change, configure, 30, probe=lifecycle_probe()).success
     value = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value="vla_demo_orin.yaml")
-    res = call_service(client, set_params, SetParameters.Request(parameters=[Parameter(name="config", value=value)]), 30)
+    res = call_service(client, set_params, SetParameters.Request(parameters=[Parameter(name="config", value=value)]), 30,
+                       idempotent=True)
     assert res.results[0].successful
     assert call_service(client, change, configure, 30).success
     activate = ChangeState.Request(transition=Transition(id=Transition.TRANSITION_ACTIVATE))

@@ -6,7 +6,7 @@ import uuid
 import pytest
 
 from synflux_ros.nodes import testing
-from synflux_ros.nodes.testing import call_service, rgb_image
+from synflux_ros.nodes.testing import call_service, lifecycle_probe, rgb_image
 from synflux_ros.srv import Chat, EndSession
 
 TIMEOUT = 60.0  # a safety net against a hang, not a speed requirement (the tests share 2 cores)
@@ -191,10 +191,11 @@ def test_lifecycle_transitions(start_node, client):
     change = client.create_client(ChangeState, "/managed/vlm_node/change_state")
 
     def state():
-        return call_service(client, get_state, GetState.Request(), TIMEOUT).current_state.label
+        return call_service(client, get_state, GetState.Request(), TIMEOUT, idempotent=True).current_state.label
 
     def transition(tid):
-        assert call_service(client, change, ChangeState.Request(transition=Transition(id=tid)), TIMEOUT).success
+        request = ChangeState.Request(transition=Transition(id=tid))
+        assert call_service(client, change, request, TIMEOUT, probe=lifecycle_probe()).success
 
     assert state() == "unconfigured"
     transition(Transition.TRANSITION_CONFIGURE)
