@@ -116,6 +116,7 @@ def make_cudart():
 # ---------------------------------------------------------------------------------------------- tensorrt
 
 def make_tensorrt(cudart):
+    import onnx
     import onnxruntime as ort
 
     trt = types.ModuleType("tensorrt")
@@ -139,7 +140,12 @@ def make_tensorrt(cudart):
             so.intra_op_num_threads = 1
             self.session = ort.InferenceSession(desc["onnx"], so, providers=["CPUExecutionProvider"])
             self.profiles = desc["profiles"]  # [{input: shape}]
-            self.inputs = {i.name: i for i in self.session.get_inputs()}
+            # TensorRT may leave a network input that no layer reads out of the engine (a flow-matching VLA's
+            # llm graph does not read the last layer's past_kv views): the stand-in leaves it out, so a
+            # runtime that binds it anyway fails here
+            read = {name for node in onnx.load(desc["onnx"], load_external_data=False).graph.node for name in node.input}
+            self.unread = {i.name: i for i in self.session.get_inputs() if i.name not in read}
+            self.inputs = {i.name: i for i in self.session.get_inputs() if i.name in read}
             self.outputs = {o.name: o for o in self.session.get_outputs()}
             self.names = list(self.inputs) + list(self.outputs)
             self.num_optimization_profiles = max(len(self.profiles), 1)
@@ -206,6 +212,7 @@ def make_tensorrt(cudart):
             assert self.memory is not None, "activation memory was not supplied"
             feeds = {n: self._array(n, self._shape(p, n), ORT_DTYPE[p.type]).copy()
                      for n, p in self.engine.inputs.items()}
+            feeds.update({n: np.zeros(p.shape, ORT_DTYPE[p.type]) for n, p in self.engine.unread.items()})
             outs = self.engine.session.run(None, feeds)
             for (name, port), value in zip(self.engine.outputs.items(), outs):
                 self._array(name, value.shape, ORT_DTYPE[port.type])[...] = value

@@ -215,8 +215,9 @@ def _run_prefill(ex: MockExecutor, meta, ins, outs):
     new = ex._kv_entries(ins["inputs_embeds"][0, :n], np.arange(cp, cp + n), past.shape, past.dtype)
     outs["new_kv"][...] = 0
     outs["new_kv"][:, :, :, :n] = new
-    u = ex._prefix_readout(past, cp, new)
-    outs["logits"][0] = ex._wave(outs["logits"].shape[1], u)
+    if "logits" in outs:  # a flow-matching VLA's prefill returns new_kv alone
+        u = ex._prefix_readout(past, cp, new)
+        outs["logits"][0] = ex._wave(outs["logits"].shape[1], u)
 
 
 def _run_decode(ex: MockExecutor, meta, ins, outs):

@@ -233,7 +233,13 @@ class TensorRTExecutor(Executor):
                 raise TensorRTError(f"tensorrt executor: engine {step.engine!r} has no profile for {graph!r} (has "
                                     f"{built}); rebuild with: "
                                     f"{rebuild_command(self.graph_dir, self.precision, self.dla_core)}")
-            steps.append(dataclasses.replace(step, profile=built.index(graph)))
+            # TensorRT drops a network input that no layer reads (a flow-matching VLA's prefill does not read
+            # the last layer's past_kv views); the engine has no tensor to bind for it
+            engine = self._engines[step.engine].engine
+            names = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
+            binds = tuple((tensor, bind) for tensor, bind in step.bindings
+                          if tensor in names or bind.source != "input")
+            steps.append(dataclasses.replace(step, profile=built.index(graph), bindings=binds))
         return dataclasses.replace(route, steps=tuple(steps))
 
     def _stale_graphs(self, manifest: dict, side: dict) -> list[str]:

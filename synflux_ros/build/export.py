@@ -198,8 +198,31 @@ def export_graph(module, meta: GraphMeta, workdir: str):
                           input_names=[n for n, _, _ in onnx_inputs(meta)],
                           output_names=[t.name for t in meta.outputs], do_constant_folding=True)
     model = onnx.load(path, load_external_data=True)
+    restore_unused_inputs(model, onnx_inputs(meta))
     check_model_io(model, meta)
     return model
+
+
+def restore_unused_inputs(model, declared) -> list[str]:
+    """Put back the ``declared`` inputs (``(name, shape, dtype)``, shape dims ints or symbolic names) that
+    the exporter dropped because nothing reads them, in the declared order; returns their names.
+
+    A flow-matching VLA's prefill computes the new cache entries alone, so the last layer's attention, the
+    only reader of that layer's ``past_kv`` views, is dead code. The graph still takes every view of the
+    contract: the same bindings serve every graph set, and a backend is handed one input list per kind."""
+    import numpy as np
+    from onnx import helper
+    have = {v.name: v for v in model.graph.input}
+    missing = [d for d in declared if d[0] not in have]
+    if not missing:
+        return []
+    ordered = [have[name] if name in have else
+               helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), list(shape))
+               for name, shape, dtype in declared]
+    rest = [v for v in model.graph.input if v.name not in {d[0] for d in declared}]  # initializers listed as inputs
+    del model.graph.input[:]
+    model.graph.input.extend(ordered + rest)
+    return [d[0] for d in missing]
 
 
 def check_model_io(model, meta: GraphMeta) -> None:

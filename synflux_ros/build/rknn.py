@@ -76,7 +76,9 @@ toolkit does); the toolkit's whole log is kept in ``DIR/rknn/<target>/compile.lo
 Source rewrite: a ``past_kv.<l>.<k|v>`` input that a graph reads without slicing it (the decode graph
 whose span is the whole cache) is passed through an ``Identity`` node first. Without it rknn-toolkit2
 2.5.0 computes that graph wrongly (measured in the simulator: cosine 0.66 against onnxruntime on the
-logits of decode at full span; with the Identity 0.99999). Such graphs are compiled from a rewritten
+logits of decode at full span; with the Identity 0.99999). A view that nothing reads (a flow-matching
+VLA's prefill does not read its last layer's) is left out of the inputs: the toolkit refuses an input no
+node reads, and the sidecar's ``inputs`` list only those fed. Such graphs are compiled from a rewritten
 copy, ``<graph>.rknn.onnx`` beside the original (same weights file); the others from ``<graph>.onnx``.
 """
 from __future__ import annotations
@@ -414,9 +416,10 @@ def read_sidecar(out: str, target: str) -> dict:
     return data if isinstance(data, dict) and data.get("format") == FORMAT else {}
 
 
-def prepare_source(out: str, name: str, onnx_file: str) -> str:
-    """The ONNX file (relative to ``out``) to compile ``name`` from: ``onnx_file`` itself, or a copy whose
-    unsliced ``past_kv`` views go through an Identity node (see the module docstring)."""
+def prepare_source(out: str, name: str, onnx_file: str) -> tuple[str, list[str]]:
+    """The ONNX file (relative to ``out``) to compile ``name`` from, and the inputs it leaves out:
+    ``onnx_file`` itself, or a copy whose unsliced ``past_kv`` views go through an Identity node and which
+    takes no view that nothing reads (see the module docstring)."""
     import onnx
     from onnx import helper
 
@@ -427,13 +430,17 @@ def prepare_source(out: str, name: str, onnx_file: str) -> str:
     for node in graph.node:
         for x in node.input:
             consumers.setdefault(x, set()).add(node.op_type)
-    views = [i.name for i in graph.input
-             if any(i.name.startswith(v + ".") for v in graphset.VIEW_INPUTS) and consumers.get(i.name, set()) - {"Slice"}]
+    is_view = [i for i in graph.input if any(i.name.startswith(v + ".") for v in graphset.VIEW_INPUTS)]
+    views = [i.name for i in is_view if consumers.get(i.name, set()) - {"Slice"}]
+    unread = [i.name for i in is_view if i.name not in consumers]
     rewritten = f"{name}.rknn.onnx"
-    if not views:
+    if not views and not unread:
         if os.path.isfile(os.path.join(out, rewritten)):
             os.remove(os.path.join(out, rewritten))
-        return onnx_file
+        return onnx_file, []
+    kept = [i for i in graph.input if i.name not in unread]
+    del graph.input[:]
+    graph.input.extend(kept)
     taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
     first = []
     for view in views:
@@ -450,7 +457,7 @@ def prepare_source(out: str, name: str, onnx_file: str) -> str:
     graph.node.extend(nodes)
     onnx.save(model, os.path.join(out, rewritten + ".partial"))
     os.replace(os.path.join(out, rewritten + ".partial"), os.path.join(out, rewritten))
-    return rewritten
+    return rewritten, unread
 
 
 def compile_graph_set(out: str, manifest: dict, target: str, quantize: str = "fp16", force: bool = False,
@@ -497,8 +504,8 @@ def compile_graph_set(out: str, manifest: dict, target: str, quantize: str = "fp
     if stale:
         jobs, info = [], {}
         for name, key, g in stale:
-            source = prepare_source(out, name, g.get("file") or f"{name}.onnx")
-            ins = model_inputs(metas[name])
+            source, unread = prepare_source(out, name, g.get("file") or f"{name}.onnx")
+            ins = [x for x in model_inputs(metas[name]) if x[0] not in unread]
             outs = [t.name for t in metas[name].outputs]
             job = {"name": name, "onnx": os.path.abspath(os.path.join(out, source)),
                    "out": os.path.abspath(os.path.join(tdir, f"{name}.rknn")),

@@ -10,6 +10,7 @@ and ``D`` (cache positions attended, the length of the shape-only input ``attent
                    past_kv.<l>.<j> [KV,S,Dh] kv (2 L views), attention_span [D] f32
                                                                             -> logits [1,V] f32,
                                                                                new_kv [L,2,KV,T,Dh] kv
+                   (a flow-matching VLA, which reads no logits: new_kv alone)
     action_expert  noisy_actions [1,h,a] f32, time_embedding [1,E] f32, prefix_len [1] i64,
                    past_kv.<l>.<j> [KV,S,Dh] kv, attention_span [D] f32 (, state [1,s] f32)
                                                                             -> velocity [1,h,a] f32
@@ -35,8 +36,8 @@ import warnings
 from ..backends.tensorrt_plan import PROFILED_KINDS, SPAN_DTYPE, SPAN_INPUT
 from ..core import graphset, graphset_writer
 from ..core.config import ModelConfig
-from ..core.graphs import graph_set, time_embedding_dim
-from .export import OPSET, BuildError, example_tensors
+from ..core.graphs import graph_set, reads_logits, time_embedding_dim
+from .export import OPSET, BuildError, example_tensors, restore_unused_inputs
 
 DYNAMIC_DIMS = ("T", "D")
 STANDARD_DOMAINS = ("", "ai.onnx")
@@ -69,7 +70,8 @@ def profiled_io(cfg: ModelConfig, kind: str) -> tuple[list[tuple[str, tuple, str
     if kind == "llm":
         ins = [("inputs_embeds", (1, "T", H), "float32"), ("num_tokens", (1,), "int64"),
                ("cache_position", (1,), "int64"), *_kv_views(cfg), span]
-        return ins, [("logits", (1, V), "float32"), ("new_kv", (L, 2, KV, "T", Dh), llm.kv_dtype)]
+        logits = [("logits", (1, V), "float32")] if reads_logits(cfg) else []
+        return ins, [*logits, ("new_kv", (L, 2, KV, "T", Dh), llm.kv_dtype)]
     if kind == "action_expert":
         ha = (1, act.action_horizon, act.action_dim)
         ins = [("noisy_actions", ha, "float32"), ("time_embedding", (1, time_embedding_dim(cfg)), "float32"), ("prefix_len", (1,), "int64"),
@@ -112,7 +114,7 @@ def _module(cfg: ModelConfig, kind: str, modules):
     if kind == "embed":
         return ProfiledEmbed(lm).eval()
     if kind == "llm":
-        return FlatViews(ProfiledLLM(lm, cfg.llm.kv_dtype), 3, L).eval()
+        return FlatViews(ProfiledLLM(lm, cfg.llm.kv_dtype, logits=reads_logits(cfg)), 3, L).eval()
     expert = next((m.expert for m in mods.values() if hasattr(m, "expert")), None)
     if expert is None:
         raise BuildError("no action_expert module to take the action expert of the 'action_expert' graph from")
@@ -147,8 +149,10 @@ def export_profiled_graph(cfg: ModelConfig, kind: str, modules, workdir: str):
         torch.onnx.export(module, _example(cfg, kind, t, d), path, dynamo=False, opset_version=OPSET,
                           input_names=[n for n, _, _ in ins], output_names=[n for n, _, _ in outs],
                           dynamic_axes=_dynamic_axes(cfg, kind), do_constant_folding=True)
-    onnx.checker.check_model(path)  # by path: external data (beyond 2 GB) is found beside the file
     model = onnx.load(path, load_external_data=False)
+    if restore_unused_inputs(model, ins):  # a flow-matching VLA's llm graph reads no last-layer past_kv
+        onnx.save(model, path)
+    onnx.checker.check_model(path)  # by path: external data (beyond 2 GB) is found beside the file
     check_profiled_io(model, cfg, kind)
     return model
 

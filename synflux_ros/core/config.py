@@ -124,7 +124,9 @@ class LLMConfig:
     head_dim: int = _spec(0, min=0, doc="0 = hidden_dim / num_heads")
     vocab_size: int = _spec(min=1)
     prefill_buckets: tuple[int, ...] = _spec(min=1, doc="new-token counts of the prefill graphs")
-    decode_buckets: tuple[int, ...] = _spec(min=1, doc="attention spans of the decode graphs")
+    decode_buckets: tuple[int, ...] = _spec(
+        min=1, doc="attention spans of the decode graphs (a flow-matching VLA: of its action expert graphs; it has "
+                   "no decode graphs)")
     max_seq_len: int = _spec(min=1, doc="KV-cache positions per session")
     kv_dtype: str = _spec("float32", choices=DTYPES)
     token_id_dtype: str = _spec("int64", choices=TOKEN_ID_DTYPES,

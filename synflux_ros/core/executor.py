@@ -99,6 +99,9 @@ class GraphMeta:
                 return t
         raise KeyError(f"graph {self.name!r} has no output {name!r}")
 
+    def has_output(self, name: str) -> bool:
+        return any(t.name == name for t in self.outputs)
+
     def to_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "group": self.group, "file": self.file,
                 "inputs": [t.to_dict() for t in self.inputs],

@@ -29,6 +29,17 @@ after decoder layer k (zero rows for text tokens)::
 expert's width), computed on the host in float64: its highest frequency turns t by ~1571 rad per unit, so
 a device that computed it from an fp16 t would be radians off (the QNN HTP was: velocity cosine 0.95).
 
+A flow-matching VLA (pi0) reads no logits: its action expert attends to the prefix's KV cache only. Its
+graph set has no ``decode_<d>`` graphs (``llm.decode_buckets`` are the action expert's spans) and its
+``prefill_<p>`` returns ``new_kv`` alone (:func:`reads_logits`), so the LM head, for pi0 a 257152-row matrix,
+is neither stored nor read, and nothing after the last layer's key/value projections is computed::
+
+    prefill_<p>         inputs_embeds, num_tokens, cache_position, past_kv -> new_kv   (flow-matching VLA)
+
+Its graph still takes every ``past_kv`` view, the last layer's included, which nothing in it reads (the
+build puts back the inputs the exporter drops), so one binding serves every graph set; a TensorRT engine
+may leave such an input out, and the tensorrt backend binds only the tensors an engine has.
+
 ``ids`` is ``llm.token_id_dtype``: int64 by default, int32 for devices that index in int32 (the qnn
 backend); counts and positions stay int64.
 
@@ -109,6 +120,13 @@ def mrope_positions(tokens, grid: tuple[int, int] | None, start: int = 0) -> tup
     return out, nxt
 
 
+def reads_logits(cfg: ModelConfig) -> bool:
+    """Whether the model reads the LLM's logits: every model but a flow-matching VLA (whose head reads only
+    the prefix's KV cache). Without them the graph set has no decode graphs and prefill returns new_kv
+    alone."""
+    return not (cfg.mode == "vla" and cfg.action is not None and cfg.action.head_type == "flow_matching")
+
+
 def select_bucket(buckets, needed: int) -> int:
     """Smallest bucket >= needed."""
     for b in buckets:
@@ -129,6 +147,8 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
     graphs = []
     K = vis.num_deepstack if vis is not None else 0
     mrope = bool(llm.mrope_section)
+    text_head = reads_logits(cfg)
+    logits = (TensorSpec("logits", (1, V), F32),) if text_head else ()
     if vis is not None:  # text-only chat models have no vision encoder
         deepstack_out = (TensorSpec("deepstack_embeds", (K, vis.num_tokens, H), F32),) if K else ()
         graphs.append(GraphMeta(
@@ -147,9 +167,9 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
              TensorSpec("cache_position", (1,), I64), kv,
              *((TensorSpec("position_ids", (3, p), I64),) if mrope else ()),
              *((TensorSpec("deepstack_embeds", (K, p, H), F32),) if K else ())),
-            (TensorSpec("logits", (1, V), F32), TensorSpec("new_kv", (L, 2, KV, p, Dh), llm.kv_dtype)),
+            (*logits, TensorSpec("new_kv", (L, 2, KV, p, Dh), llm.kv_dtype)),
             group="prefill", file=f"prefill_{p}.onnx", attrs={"bucket": p}))
-    for d in llm.decode_buckets:
+    for d in (llm.decode_buckets if text_head else ()):
         graphs.append(GraphMeta(
             f"decode_{d}", "decode",
             (TensorSpec("input_ids", (1, 1), ids), TensorSpec("cache_position", (1,), I64), kv,

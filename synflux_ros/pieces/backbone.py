@@ -63,8 +63,9 @@ class LLMBackbone:
         return out
 
     def prefill(self, slot: DeviceTensor, start: int, embeds: np.ndarray, positions: np.ndarray | None = None,
-                deepstack: np.ndarray | None = None) -> np.ndarray:
-        """Append ``embeds`` [n, H] at cache position ``start``; return the last token's logits [V].
+                deepstack: np.ndarray | None = None) -> np.ndarray | None:
+        """Append ``embeds`` [n, H] at cache position ``start``; return the last token's logits [V] (None for
+        a model whose prefill computes none, a flow-matching VLA: ``core.graphs.reads_logits``).
         Multimodal-rope models take the tokens' rotary ``positions`` [3, n] (default: text positions, the
         cache positions on every axis) and, with DeepStack, the maps ``deepstack`` [K, n, H] (default: zeros,
         as for text tokens)."""
@@ -101,7 +102,7 @@ class LLMBackbone:
                 feeds["deepstack_embeds"] = ds
             out = self.ex.run(f"prefill_{b}", feeds)
             self.ex.write(slot, np.s_[:, :, :, pos:pos + m], out["new_kv"][:, :, :, :m])
-            logits = out["logits"][0]
+            logits = out["logits"][0] if "logits" in out else None
         return logits
 
     def decode(self, slot: DeviceTensor, pos: int, token: int, rope_pos: int | None = None) -> np.ndarray:

@@ -129,7 +129,7 @@ def drop_field(path):
 @needs_onnx_build
 @pytest.mark.parametrize("name,damage,needle", [
     ("prefill_96.onnx", truncate, "prefill_96.onnx"),
-    ("decode_160.onnx", garble, "decode_160.onnx"),
+    ("action_expert_160.onnx", garble, "action_expert_160.onnx"),
     ("weights.bin", truncate, "weights.bin"),
     ("manifest.json", drop_field, "manifest.json: graphs[1] ('embed_96') has no field 'inputs'"),
 ])

@@ -37,6 +37,9 @@ NODES = ("vla_node", "vlm_node")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 VLA_LATENCY_MS = {"vision_encoder": 10.0, "prefill": 30.0, "action_expert": 2.0}
 SLOW_LOAD_VOCAB = 131072
+"""The chat model's head: a large matrix that every prefill and decode graph reads, prepacked at load."""
+SLOW_LOAD_MLP = 163840
+"""A flow-matching VLA reads no logits (no head in its graphs): its prefix MLP is made large instead."""
 
 
 def stop_with(proc, sig) -> float:
@@ -138,7 +141,7 @@ def test_vlm_node_stops_while_a_turn_is_generated(sig, start_node, client, make_
 
 @pytest.fixture(scope="module")
 def slow_graph_sets(tmp_path_factory):
-    """Graph sets of the demo configs with a large vocabulary, built once for the module."""
+    """Graph sets of the demo configs with large weight matrices, built once for the module."""
     pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs onnxruntime")
     pytest.importorskip("onnx", reason="optimized_model_dir needs onnx")
@@ -148,7 +151,10 @@ def slow_graph_sets(tmp_path_factory):
     for node, base in (("vla_node", "vla_demo_orin.yaml"), ("vlm_node", "vlm_demo.yaml")):
         with open(config_path(base), encoding="utf-8") as fh:
             raw = yaml.safe_load(fh)
-        raw["llm"]["vocab_size"] = SLOW_LOAD_VOCAB
+        if node == "vla_node":
+            raw["llm"]["intermediate_size"] = SLOW_LOAD_MLP
+        else:
+            raw["llm"]["vocab_size"] = SLOW_LOAD_VOCAB
         src = root / base
         src.write_text(yaml.safe_dump(raw))
         build(load_config(str(src)), str(root / node))

@@ -317,7 +317,10 @@ def test_factory_uses_the_config_graph_set_and_manifest(tmp_path):
     cfg = load_config(str(CONFIG_DIR / "vla_demo_orin.yaml"))
     names = [g.name for g in load_graph_metas(cfg)]
     assert names == [g.name for g in graph_set(cfg)]
-    assert {"vision_encoder", "embed_96", "prefill_160", "decode_256", "action_expert_160"} <= set(names)
+    assert {"vision_encoder", "embed_96", "prefill_160", "action_expert_160"} <= set(names)
+    # a flow-matching VLA reads no logits: no decode graphs, prefill returns the new cache entries alone
+    assert not any(n.startswith("decode_") for n in names)
+    assert [t.name for t in graph_set(cfg)[names.index("prefill_160")].outputs] == ["new_kv"]
 
     graphs = graph_set(cfg)
 
@@ -332,7 +335,7 @@ def test_factory_uses_the_config_graph_set_and_manifest(tmp_path):
     with pytest.raises(ConfigError, match="no graph 'vision_encoder'"):
         load_graph_metas(with_dir)
 
-    other = graph_set(cfg.with_overrides(llm={"vocab_size": 600}))
+    other = graph_set(cfg.with_overrides(llm={"hidden_dim": cfg.llm.hidden_dim * 2}))
     manifest([g.to_dict() for g in other])
     with pytest.raises(ConfigError, match="other shapes"):
         load_graph_metas(with_dir)

@@ -157,7 +157,7 @@ def test_prefill_rows_see_every_valid_row_with_a_bidirectional_prefix_and_only_e
         x[0, :embeds.shape[0]] = embeds
         kv = torch.zeros(cfg.llm.kv_shape)
         with torch.no_grad():
-            _, new_kv = module(x, torch.tensor([n]), torch.tensor([0]), kv)
+            new_kv = module(x, torch.tensor([n]), torch.tensor([0]), kv)[-1]  # pi0's prefill: new_kv alone
         return new_kv[:, :, :, 0]  # every layer's K/V of row 0
 
     gen = torch.Generator().manual_seed(0)

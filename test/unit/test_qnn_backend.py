@@ -81,9 +81,9 @@ def test_every_graph_and_the_model_match_onnxruntime(graph_sets, name):
 def test_every_node_runs_on_qnn_and_outputs_land_in_the_bound_buffers(graph_sets):
     gdir = graph_sets["vla_demo_orin"]
     cfg = config(gdir, "qnn", **QNN)
-    names = ("embed_96", "decode_160", "action_expert_160")
+    names = ("embed_96", "prefill_96", "action_expert_160")
     ex = build_executor("qnn", metas(gdir, *names), gdir, QNN).load()
-    assert ex.device_of("decode_160") == "qnn:htp"
+    assert ex.device_of("prefill_96") == "qnn:htp"
     kv = ex.alloc_tensor("kv", cfg.llm.kv_shape, cfg.llm.kv_dtype)
     for i, name in enumerate(names):
         meta = ex.graphs[name]

@@ -161,7 +161,7 @@ def test_exported_graphs_gather_rotary_tables_and_compute_no_angles(pi0, tmp_pat
 
 def test_tables_equal_the_positions_values_and_are_stored_once(pi0, tmp_path):
     cfg, gm = pi0
-    lm = gm.modules[f"decode_{cfg.llm.decode_buckets[0]}"].lm
+    lm = gm.modules[f"prefill_{cfg.llm.prefill_buckets[0]}"].lm
     expert = gm.modules[f"action_expert_{cfg.llm.decode_buckets[0]}"].expert
     inv = rope_inv_freq(cfg.llm.head_dim, cfg.llm.rope_theta)
     expert_rows = cfg.llm.max_seq_len + cfg.action.action_horizon + (1 if cfg.action.state_dim else 0)

@@ -20,27 +20,32 @@ def metas(name: str):
     return cfg, graph_set(cfg)
 
 
-def test_one_engine_per_kind_with_a_static_profile_per_bucket():
-    cfg, ms = metas("vla_demo_orin.yaml")
+@pytest.mark.parametrize("name", ["vla_demo_orin.yaml", "vla_openvla.yaml"])
+def test_one_engine_per_kind_with_a_static_profile_per_bucket(name):
+    cfg, ms = metas(name)
     llm = cfg.llm
+    flow = cfg.action.head_type == "flow_matching"
+    # a flow-matching VLA reads no logits: no decode graphs (its decode buckets are the expert's spans)
+    decodes = [] if flow else list(llm.decode_buckets)
+    assert [m.attrs["bucket"] for m in ms if m.kind == "decode"] == decodes
     engines = {e.name: e for e in plan.plan_engines(ms)}
-    assert list(engines) == ["vision_encoder", "embed", "llm", "action_expert"]
+    assert list(engines) == ["vision_encoder", "embed", "llm"] + (["action_expert"] if flow else [])
     assert engines["vision_encoder"].onnx == "vision_encoder.onnx"
     assert [p.graph for p in engines["vision_encoder"].profiles] == ["vision_encoder"]
     embed = engines["embed"]
-    assert [p.graph for p in embed.profiles] == [f"embed_{p}" for p in llm.prefill_buckets] + ["embed_1"]
-    assert [p.shape("input_ids") for p in embed.profiles] == [(1, p) for p in llm.prefill_buckets] + [(1, 1)]
+    assert [p.graph for p in embed.profiles] == [f"embed_{p}" for p in llm.prefill_buckets] + ["embed_1"] * bool(decodes)
+    assert [p.shape("input_ids") for p in embed.profiles] == [(1, p) for p in llm.prefill_buckets] + [(1, 1)] * bool(decodes)
     eng = engines["llm"]
     assert eng.onnx == "tensorrt/onnx/llm.onnx"
-    assert [p.graph for p in eng.profiles] == ([f"prefill_{p}" for p in llm.prefill_buckets]
-                                              + [f"decode_{d}" for d in llm.decode_buckets])
+    assert [p.graph for p in eng.profiles] == [f"prefill_{p}" for p in llm.prefill_buckets] + [f"decode_{d}" for d in decodes]
     for p, prof in zip(llm.prefill_buckets, eng.profiles):
         assert prof.shape("inputs_embeds") == (1, p, llm.hidden_dim)
         assert prof.shape(plan.SPAN_INPUT) == (llm.max_seq_len,)  # prefill attends to the whole slot
-    for d, prof in zip(llm.decode_buckets, eng.profiles[len(llm.prefill_buckets):]):
+    for d, prof in zip(decodes, eng.profiles[len(llm.prefill_buckets):]):
         assert prof.shape("inputs_embeds") == (1, 1, llm.hidden_dim)
         assert prof.shape(plan.SPAN_INPUT) == (d,)
-    assert [p.shape(plan.SPAN_INPUT) for p in engines["action_expert"].profiles] == [(d,) for d in llm.decode_buckets]
+    if flow:
+        assert [p.shape(plan.SPAN_INPUT) for p in engines["action_expert"].profiles] == [(d,) for d in llm.decode_buckets]
     assert plan.span_elements(list(engines.values())) == llm.max_seq_len
 
 
@@ -63,7 +68,7 @@ def test_dla_kinds_are_static_engines_per_graph():
 
 
 def test_every_graph_has_a_route_and_decode_is_embed_then_llm():
-    cfg, ms = metas("vla_demo_orin.yaml")
+    cfg, ms = metas("vla_openvla.yaml")
     engines = plan.plan_engines(ms)
     routes = plan.plan_routes(ms, engines)
     assert set(routes) == {m.name for m in ms}
@@ -87,6 +92,13 @@ def test_every_graph_has_a_route_and_decode_is_embed_then_llm():
     L = cfg.llm.num_layers
     views = sorted(n for n in second if n.startswith("past_kv."))
     assert views == sorted(f"past_kv.{layer}.{j}" for layer in range(L) for j in (0, 1))
+    # a flow-matching VLA's prefill: new_kv alone, every view still bound (the engine may have dropped the
+    # last layer's, which nothing reads; the runtime binds the tensors the engine has)
+    cfg, ms = metas("vla_demo_orin.yaml")
+    routes = plan.plan_routes(ms, plan.plan_engines(ms))
+    pre = dict(routes[f"prefill_{cfg.llm.prefill_buckets[0]}"].steps[0].bindings)
+    assert "logits" not in pre and pre["new_kv"] == plan.Bind("output", "new_kv")
+    assert sum(n.startswith("past_kv.") for n in pre) == 2 * cfg.llm.num_layers
 
 
 def test_kv_view_offsets_are_the_views_of_the_slot():

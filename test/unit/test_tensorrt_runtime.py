@@ -25,6 +25,7 @@ from synflux_ros.build.export import build  # noqa: E402
 from synflux_ros.build.tensorrt import export_profiled  # noqa: E402
 from synflux_ros.core import graphset  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
+from synflux_ros.core.graphs import reads_logits  # noqa: E402
 from synflux_ros.runtimes.stack import create_executor  # noqa: E402
 from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime  # noqa: E402
 
@@ -74,7 +75,9 @@ def failures(rows):
 def test_stand_in_every_graph_and_the_whole_model_match_onnxruntime(fake_device, graphs):
     rows = validate(graphs, "tensorrt")
     assert rows and not failures(rows), failures(rows)
-    assert any(r.check.startswith("decode_") for r in rows)
+    # every LLM graph of the set is compared: decode steps, or a flow-matching VLA's prefill (it has no decode)
+    llm = "decode_" if reads_logits(load_config(os.path.join(graphs, "config.yaml"))) else "prefill_"
+    assert any(r.check.startswith(llm) for r in rows)
 
 
 def test_stand_in_decode_steps_replay_as_cuda_graphs(fake_device, graphs):
@@ -131,8 +134,8 @@ def test_stand_in_device_memory_counts_engines_and_the_pool(fake_device, graphs)
         assert any(n.startswith("tensorrt/activations/llm/") for n in names)
         # one activation buffer per (engine, graph group), not per bucket
         llm_groups = {n.split("/")[3] for n in names if n.startswith("tensorrt/activations/llm/")}
-        assert llm_groups == {"prefill", "decode"}
-        assert ex.device_of("decode_" + str(cfg.llm.decode_buckets[0])) == "tensorrt:cuda0"
+        assert llm_groups == ({"prefill", "decode"} if reads_logits(cfg) else {"prefill"})
+        assert ex.device_of("prefill_" + str(cfg.llm.prefill_buckets[0])) == "tensorrt:cuda0"
     finally:
         ex.close()
 

@@ -140,7 +140,8 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
         elif meta.kind == "embed":
             modules[meta.name] = EmbedGraph(lm, bucket).eval()
         elif meta.kind == "prefill":
-            modules[meta.name] = PrefillGraph(lm, bucket, llm.max_seq_len, llm.kv_dtype).eval()
+            modules[meta.name] = PrefillGraph(lm, bucket, llm.max_seq_len, llm.kv_dtype,
+                                              logits=meta.has_output("logits")).eval()
         elif meta.kind == "decode":
             modules[meta.name] = DecodeGraph(lm, bucket, llm.kv_dtype).eval()
         elif meta.kind == "action_expert":

@@ -448,15 +448,17 @@ class EmbedGraph(nn.Module):
 class PrefillGraph(nn.Module):
     """prefill_<p>: rows i < num_tokens at positions cache_position + i attend to the cache below
     cache_position and to new rows i' <= i (``llm.prefill_attention: bidirectional``: to every valid new
-    row, pi0's prefix); logits of row num_tokens - 1. Padded rows (i >= num_tokens) are seen by no valid
-    row, give no logits and their new_kv rows are zero; their positions may pass the end of the cache
-    (clamped in the rotary lookup)."""
+    row, pi0's prefix); logits of row num_tokens - 1 (not with ``logits=False``: new_kv alone, and the
+    exporter drops what only the logits need, down to the last layer's key/value projections). Padded rows
+    (i >= num_tokens) are seen by no valid row, give no logits and their new_kv rows are zero; their
+    positions may pass the end of the cache (clamped in the rotary lookup)."""
 
-    def __init__(self, lm: CausalLM, bucket: int, max_seq_len: int, kv_dtype: str):
+    def __init__(self, lm: CausalLM, bucket: int, max_seq_len: int, kv_dtype: str, logits: bool = True):
         super().__init__()
         self.lm, self.bucket, self.max_seq_len = lm, bucket, max_seq_len
         self.kv_dtype = torch_dtype(kv_dtype)
         self.bidirectional = lm.llm.prefill_attention == "bidirectional"
+        self.logits = logits
 
     def forward(self, inputs_embeds, num_tokens, cache_position, past_kv, position_ids=None, deepstack_embeds=None):
         p, s = self.bucket, self.max_seq_len
@@ -470,10 +472,11 @@ class PrefillGraph(nn.Module):
         positions = cache_position + rows if position_ids is None else position_ids
         h, new_kv = self.lm.run(inputs_embeds[0], positions, past_kv, allowed, self.kv_dtype,
                                 deepstack=deepstack_embeds)
-        last = torch.index_select(h, 0, num_tokens - 1)
-        logits = self.lm.head(last)
         valid = (rows < num_tokens).to(new_kv.dtype)[None, None, None, :, None]
-        return logits, new_kv * valid
+        if not self.logits:
+            return (new_kv * valid,)
+        last = torch.index_select(h, 0, num_tokens - 1)
+        return self.lm.head(last), new_kv * valid
 
 
 class DecodeGraph(nn.Module):

@@ -51,13 +51,14 @@ class ProfiledLLM(nn.Module):
     Rows i < num_tokens at positions cache_position + i attend to the cache positions j < D that are
     below cache_position and to new rows i' <= i (every valid new row with ``llm.prefill_attention:
     bidirectional``); logits of row num_tokens - 1; new_kv rows >= num_tokens are zero. (T = p, D = S) is ``prefill_<p>``; (T = 1, D = d, num_tokens = 1) on the
-    embedded token is ``decode_<d>``."""
+    embedded token is ``decode_<d>``. With ``logits=False`` (a flow-matching VLA) it returns new_kv alone."""
 
-    def __init__(self, lm: CausalLM, kv_dtype: str):
+    def __init__(self, lm: CausalLM, kv_dtype: str, logits: bool = True):
         super().__init__()
         self.lm = lm
         self.kv_dtype = torch_dtype(kv_dtype)
         self.bidirectional = lm.llm.prefill_attention == "bidirectional"
+        self.logits = logits
 
     def forward(self, inputs_embeds, num_tokens, cache_position, past_kv, attention_span):
         t, d = inputs_embeds.shape[1], attention_span.shape[0]
@@ -69,10 +70,11 @@ class ProfiledLLM(nn.Module):
             new_ok = rows[None, :] <= rows[:, None]
         allowed = torch.cat((past_ok, new_ok), dim=1)
         h, new_kv = self.lm.run(inputs_embeds[0], cache_position + rows, past_kv, allowed, self.kv_dtype, span=d)
-        last = torch.index_select(h, 0, num_tokens - 1)
-        logits = self.lm.head(last)
         valid = (rows < num_tokens).to(new_kv.dtype)[None, None, None, :, None]
-        return logits, new_kv * valid
+        if not self.logits:
+            return (new_kv * valid,)
+        last = torch.index_select(h, 0, num_tokens - 1)
+        return self.lm.head(last), new_kv * valid
 
 
 class ProfiledActionExpert(nn.Module):
