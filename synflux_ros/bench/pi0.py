@@ -84,11 +84,11 @@ def prepare(args, pool: str) -> tuple[str, str]:
         _reference(args, "make-checkpoint", "--out", ckpt, "--cameras", ",".join(args.cameras),
                    "--options", json.dumps(SIZES[args.size]))
     graphs = os.path.join(args.work, tag + "-graphs")
-    if not os.path.isfile(os.path.join(graphs, "manifest.json")):
-        from ..build.export import main as build
-        if build(["--config", base_config(os.path.join(args.work, tag + "-base.yaml"), SIZES[args.size]), "--out", graphs,
-                  "--from-hf", ckpt]):
-            raise RuntimeError("synflux-build failed")
+    # synflux-build brings the graph set up to date: a set built from the same config and sources is kept
+    from ..build.export import main as build
+    if build(["--config", base_config(os.path.join(args.work, tag + "-base.yaml"), SIZES[args.size]), "--out", graphs,
+              "--from-hf", ckpt]):
+        raise RuntimeError("synflux-build failed")
     with open(os.path.join(graphs, "config.yaml"), encoding="utf-8") as fh:
         raw = yaml.safe_load(fh)
     raw["executor"]["graph_dir"] = graphs

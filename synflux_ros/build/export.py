@@ -203,6 +203,19 @@ def export_graph(module, meta: GraphMeta, workdir: str):
     return model
 
 
+def _remove_graph_files(out: str, old: dict, gone: list[str]) -> None:
+    """Delete the files of the last build's graphs ``gone`` from the set (e.g. the decode graphs of a
+    flow-matching VLA built before it had none), once the new manifest no longer names them."""
+    for name in gone:
+        try:
+            path = graphset.member_path(out, str(old[name].get("file") or f"{name}.onnx"), f"graph {name!r}")
+        except graphset.GraphSetError:
+            continue  # a manifest entry pointing outside the directory: not ours to delete
+        if os.path.isfile(path):
+            os.remove(path)
+            _progress(f"  removed {os.path.basename(path)} (no longer in the graph set)")
+
+
 def restore_unused_inputs(model, declared) -> list[str]:
     """Put back the ``declared`` inputs (``(name, shape, dtype)``, shape dims ints or symbolic names) that
     the exporter dropped because nothing reads them, in the declared order; returns their names.
@@ -334,14 +347,17 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
     keys = {m.name: graph_key(cfg, m, weights_of(m), versions) for m in metas}
     stale = [m for m in metas if old.get(m.name, {}).get("key") != keys[m.name]
              or not os.path.isfile(os.path.join(out, old[m.name].get("file", "")))]
+    gone = sorted(set(old) - set(keys))  # graphs of the last build that this config's set no longer has
     _progress(f"synflux-build: {cfg.name} ({len(metas)} graphs, weights {weights}) -> {out}")
     if not stale:
         _progress("  all graphs up to date, nothing to do")
         manifest = graphset.read_manifest(out)
-        if manifest.get("backend") != backend:  # the same graphs, now meant for another backend
+        if manifest.get("backend") != backend or gone:  # the same graphs for another backend, or fewer of them
             manifest["backend"] = backend
+            manifest["graphs"] = [g for g in manifest.get("graphs", []) if g.get("name") in keys]
             graphset_writer.write_manifest(out, manifest)
             _write_effective_config(cfg, out, backend, manifest.get("tokenizer") or "")
+            _remove_graph_files(out, old, gone)
         return manifest
     from .torch_models import build_graph_modules
     gm = build_graph_modules(cfg, seed=seed, hf_dir=hf_dir)
@@ -396,6 +412,7 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
                 "tools": versions, "backend": backend, "graphs": graphs}
     graphset_writer.write_manifest(out, manifest)
     _write_effective_config(cfg, out, backend, tok_file)
+    _remove_graph_files(out, old, gone)
     _progress(f"  wrote {len(exported)} graphs, weights {info['bytes'] / 2**20:.1f} MiB "
               f"in {time.perf_counter() - t_start:.1f} s")
     return manifest

@@ -154,6 +154,13 @@ def test_rebuild_skips_unchanged_graphs(qwen3, tmp_path, capsys):
     _, llm, slot = backbone(out)
     ids = np.arange(30) % VOCAB
     assert np.isfinite(llm.prefill(slot, 0, llm.embed(ids))).all()
+    # the bucket dropped again: nothing is exported, its graphs leave the manifest and the directory
+    assert build_tool.main(["--config", base_yaml(tmp_path), "--out", out, "--from-hf", ckpt]) == 0
+    log = capsys.readouterr().out
+    assert "all graphs up to date" in log and "removed prefill_32.onnx" in log and "removed embed_32.onnx" in log
+    names = {g["name"] for g in json.loads(open(os.path.join(out, "manifest.json")).read())["graphs"]}
+    assert not {"embed_32", "prefill_32"} & names and not os.path.exists(os.path.join(out, "prefill_32.onnx"))
+    assert os.path.isfile(os.path.join(out, f"prefill_{BUCKET}.onnx"))
 
 
 def test_qwen3_vl_image_embeddings_match_transformers(tmp_path):
