@@ -260,7 +260,7 @@ def _rules():
 
             qg = Reshape(q [nh, T, Dh], [KV, G, T, Dh])
             scores = Concat(qg @ past_k^T, qg @ k^T) * scale          # past_k/v [KV, S, Dh], k/v [KV, T, Dh]
-            probs = Softmax(Where(Not(allowed), -inf, scores))
+            probs = Softmax(scores + Where(allowed, 0, -inf))          # decoder.attention_bias
             ctx = probs[..., :S] @ past_v + probs[..., S:] @ v
             out = Reshape(Transpose(Reshape(ctx, [nh, T, Dh]), [1, 0, 2]), [T, nh * Dh])
 
@@ -272,19 +272,19 @@ def _rules():
         def __init__(self):
             super().__init__("CacheAttention")
 
-        def pattern(self, op, q, past_k, past_v, k, v, qg_shape, ax_pk, ax_k, ax_pv, ax_v, scale, mask, neg,
+        def pattern(self, op, q, past_k, past_v, k, v, qg_shape, ax_pk, ax_k, ax_pv, ax_v, scale, bias,
                     p_start, p_end, p_axes, p_steps, n_start, n_end, n_axes, n_steps, ctx_shape, flat_shape):
             qg = op.Reshape(q, qg_shape, _allow_other_attributes=True)
             s_past = op.MatMul(qg, op.Transpose(op.Unsqueeze(past_k, ax_pk), perm=[0, 1, 3, 2]))
             s_new = op.MatMul(qg, op.Transpose(op.Unsqueeze(k, ax_k), perm=[0, 1, 3, 2]))
             scores = op.Mul(op.Concat(s_past, s_new, axis=-1), scale)
-            probs = op.Softmax(op.Where(mask, neg, scores), axis=-1)
+            probs = op.Softmax(op.Add(scores, bias), axis=-1)
             ctx = op.Add(op.MatMul(op.Slice(probs, p_start, p_end, p_axes, p_steps), op.Unsqueeze(past_v, ax_pv)),
                          op.MatMul(op.Slice(probs, n_start, n_end, n_axes, n_steps), op.Unsqueeze(v, ax_v)))
             ctx = op.Reshape(ctx, ctx_shape, _allow_other_attributes=True)
             return op.Reshape(op.Transpose(ctx, perm=[1, 0, 2]), flat_shape, _allow_other_attributes=True)
 
-        def check(self, context, q, past_k, past_v, k, v, qg_shape, ax_pk, ax_k, ax_pv, ax_v, scale, mask, neg,
+        def check(self, context, q, past_k, past_v, k, v, qg_shape, ax_pk, ax_k, ax_pv, ax_v, scale, bias,
                   p_start, p_end, p_axes, p_steps, n_start, n_end, n_axes, n_steps, ctx_shape, flat_shape, **_):
             result = pattern.MatchResult()
             if not _is_float32(q, past_k, past_v, k, v):
@@ -307,10 +307,17 @@ def _rules():
             if _ints(p_start) != [0] or _ints(p_end) != [s] or _ints(n_start) != [s] or \
                     (_ints(n_end) or [0])[0] < s + t:
                 return result.fail("probabilities are not split at the cache length")
-            sc, ng = _const(scale), _const(neg)
-            if sc is None or sc.size != 1 or ng is None or ng.size != 1 or not np.isneginf(ng.reshape(-1)[0]):
-                return result.fail("scale or mask fill is not a constant (-inf fill)")
-            cache_position = _mask_cache_position(mask, s, t)
+            sc = _const(scale)
+            if sc is None or sc.size != 1:
+                return result.fail("scale is not a constant")
+            where = _producer(bias, "Where")
+            if where is None or len(where.inputs) != 3:
+                return result.fail("the scores' mask is not Where(allowed, 0, -inf)")
+            zero, ng = _const(where.inputs[1]), _const(where.inputs[2])
+            if zero is None or zero.size != 1 or zero.reshape(-1)[0] != 0 or ng is None or ng.size != 1 or \
+                    not np.isneginf(ng.reshape(-1)[0]):
+                return result.fail("the scores' mask is not Where(allowed, 0, -inf)")
+            cache_position = _allowed_cache_position(where.inputs[0], s, t)
             if cache_position is None:
                 return result.fail("the mask is not 'position < cache_position, causal among new rows'")
             self._match = (cache_position, float(sc.reshape(-1)[0]), nh, kv, t, dh, s)
@@ -344,22 +351,18 @@ def _rules():
     return ReciprocalOfDivision, SkipRmsNorm, TableRotaryEmbedding, CacheAttention
 
 
-def _mask_cache_position(mask, s: int, t: int):
-    """The int64 [1] graph input ``cache_position`` if ``mask`` (where attention is *not* allowed) is
-    ``Not(allowed)`` (optionally cast to bool) with ``allowed`` [T, S + T] built as the graph modules build
-    it: ``Concat(Less(arange(S)[None], cache_position) (expanded to T rows), tril(ones(T, T)), axis=1)``.
-    None otherwise."""
+def _allowed_cache_position(allowed, s: int, t: int):
+    """The int64 [1] graph input ``cache_position`` if ``allowed`` [T, S + T] (optionally cast to bool) is
+    built as the graph modules build it: ``Concat(Less(arange(S)[None], cache_position) (expanded to T
+    rows), tril(ones(T, T)), axis=1)``. None otherwise."""
     import onnx_ir as ir
 
-    cast = _producer(mask, "Cast")
+    cast = _producer(allowed, "Cast")
     if cast is not None:
         if _attr(cast, "to") != ir.DataType.BOOL:
             return None
-        mask = cast.inputs[0]
-    negation = _producer(mask, "Not")
-    if negation is None:
-        return None
-    concat = _producer(negation.inputs[0], "Concat")
+        allowed = cast.inputs[0]
+    concat = _producer(allowed, "Concat")
     if concat is None or len(concat.inputs) != 2 or _attr(concat, "axis") not in (1, -1):
         return None
     past_ok, causal = concat.inputs

@@ -36,9 +36,12 @@ is neither stored nor read, and nothing after the last layer's key/value project
 
     prefill_<p>         inputs_embeds, num_tokens, cache_position, past_kv -> new_kv   (flow-matching VLA)
 
-Its graph still takes every ``past_kv`` view, the last layer's included, which nothing in it reads (the
-build puts back the inputs the exporter drops), so one binding serves every graph set; a TensorRT engine
-may leave such an input out, and the tensorrt backend binds only the tensors an engine has.
+A bidirectional prefill (``llm.prefill_attention: bidirectional``, pi0's prefix) starts the cache: it runs
+once, at cache_position 0 (the backbone refuses another start), and its rows attend among themselves, to
+no cache entry. A graph still takes every ``past_kv`` view of the contract, also those nothing in it reads
+(the last layer's in a flow-matching VLA's prefill, every one in a bidirectional prefill): the build puts
+back the inputs the exporter drops, so one binding serves every graph set. A TensorRT engine or an RKNN
+model may leave such an input out; those backends feed the inputs their compiled graphs have.
 
 ``ids`` is ``llm.token_id_dtype``: int64 by default, int32 for devices that index in int32 (the qnn
 backend); counts and positions stay int64.
@@ -206,6 +209,8 @@ def seeded_feeds(meta: GraphMeta, cfg: ModelConfig, rng: np.random.Generator, kv
             feeds[name] = np.array([max(1, bucket - bucket // 4)], spec.dtype)
         elif name == "cache_position":  # decode: the last position of its span; prefill: after a history
             pos = bucket - 1 if meta.kind == "decode" else min(S - bucket, S // 4)
+            if meta.kind == "prefill" and cfg.llm.prefill_attention == "bidirectional":
+                pos = 0  # a bidirectional prefix starts the cache
             feeds[name] = np.array([pos], spec.dtype)
         elif name == "position_ids":  # text positions after a history (an image's rows differ per axis)
             n = spec.shape[1]

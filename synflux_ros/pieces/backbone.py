@@ -74,6 +74,10 @@ class LLMBackbone:
             raise ValueError("prefill needs at least one token")
         if start + n > self.max_seq:
             raise ContextOverflowError(f"{start} cached + {n} new tokens exceed the context of {self.max_seq}")
+        if self.bidirectional and start != 0:
+            # The graph attends among the new rows alone (core.graphs): the prefix starts the cache.
+            raise ValueError(f"a bidirectional prefix (llm.prefill_attention) starts the cache: prefill at "
+                             f"position 0, not {start}")
         if self.bidirectional and n > self.prefill_buckets[-1]:
             # The tokens of one call see each other; split over calls, early ones would miss later ones.
             raise ContextOverflowError(f"{n} tokens do not fit the largest prefill bucket "

@@ -172,3 +172,29 @@ def test_prefill_rows_see_every_valid_row_with_a_bidirectional_prefix_and_only_e
     assert (first_row_kv(bidi, a, 5)[1:] - first_row_kv(bidi, b, 5)[1:]).abs().max() > 1e-4
     torch.testing.assert_close(first_row_kv(causal, a, 5), first_row_kv(causal, b, 5))
     torch.testing.assert_close(first_row_kv(bidi, a, 5), first_row_kv(bidi, c, 5))  # padding is never seen
+
+
+def test_a_bidirectional_prefix_starts_the_cache(tmp_path):
+    """The prefill graph of a bidirectional prefix attends among its rows alone: it reads none of the cache
+    views it takes, and the backbone refuses to prefill such a prefix anywhere but at position 0."""
+    from synflux_ros.core.graphs import graph_set
+    from synflux_ros.runtimes.vla import VLARuntime
+    rt = VLARuntime(demo())
+    try:
+        slot = rt.kv_pool.acquire()
+        embeds = np.zeros((4, rt.cfg.llm.hidden_dim), np.float32)
+        with pytest.raises(ValueError, match=r"a bidirectional prefix \(llm.prefill_attention\) starts the cache: "
+                                             r"prefill at position 0, not 3"):
+            rt.backbone.prefill(rt.kv_pool.tensor(slot), 3, embeds)
+        assert rt.backbone.prefill(rt.kv_pool.tensor(slot), 0, embeds) is None  # pi0's prefill: no logits
+    finally:
+        rt.close()
+    pytest.importorskip("torch")
+    from synflux_ros.build import export as build_tool
+    from synflux_ros.build.torch_models import build_graph_modules
+    cfg = demo()
+    meta = next(m for m in graph_set(cfg) if m.kind == "prefill")
+    model = build_tool.export_graph(build_graph_modules(cfg, seed=0).modules[meta.name], meta, str(tmp_path))
+    views = [n for n, _, _ in build_tool.onnx_inputs(meta) if n.startswith("past_kv.")]
+    assert views and [i.name for i in model.graph.input if i.name.startswith("past_kv.")] == views
+    assert not {i for node in model.graph.node for i in node.input} & set(views)

@@ -152,7 +152,8 @@ def test_llm_at_full_span_equals_prefill(built):
     s = built.llm.max_seq_len
     for p in built.llm.prefill_buckets:
         emb = built.rng.standard_normal((1, p, built.llm.hidden_dim)).astype(np.float32)
-        feeds = {"inputs_embeds": emb, "num_tokens": i64(p - 3), "cache_position": i64(5), **built.views()}
+        start = 0 if built.llm.prefill_attention == "bidirectional" else 5  # a bidirectional prefix starts the cache
+        feeds = {"inputs_embeds": emb, "num_tokens": i64(p - 3), "cache_position": i64(start), **built.views()}
         want = built.static[f"prefill_{p}"].run(None, feeds)
         got = built.prof["llm"].run(None, {**feeds, "attention_span": built.span(s)})
         # a flow-matching VLA's prefill returns new_kv alone (reads_logits), in both forms

@@ -28,7 +28,7 @@ from torch.nn import functional as F
 
 from ...core.config import ModelConfig
 from ...core.graphs import time_embedding_dim
-from .decoder import DecoderLayer, RMSNorm, _param, layer_kv, rope_inv_freq, rope_lookup, rope_table
+from .decoder import DecoderLayer, RMSNorm, _param, attention_bias, layer_kv, rope_inv_freq, rope_lookup, rope_table
 
 class ActionExpert(nn.Module):
     """The expert's weights; one instance is shared by every ``ActionExpertGraph`` bucket."""
@@ -79,9 +79,9 @@ class ActionExpert(nn.Module):
         rows = torch.arange(n, dtype=torch.int64)
         cos, sin = rope_lookup(self.rope_cos, self.rope_sin, prefix_len + rows)
         prefix_ok = (torch.arange(span, dtype=torch.int64)[None, :] < prefix_len).expand(n, span)
-        allowed = torch.cat((prefix_ok, own), dim=1)
+        bias = attention_bias(torch.cat((prefix_ok, own), dim=1))
         for i, layer in enumerate(self.layers):
-            x, _, _ = layer(x, cos, sin, *layer_kv(past_kv, i, span), allowed)
+            x, _, _ = layer(x, cos, sin, *layer_kv(past_kv, i, span), bias)
         return self.action_out_proj(self.norm(x[n - h:])).unsqueeze(0)
 
 

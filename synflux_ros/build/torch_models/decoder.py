@@ -199,31 +199,39 @@ def layer_kv(past, layer: int, span: int | None = None) -> tuple[torch.Tensor, t
     return pk, pv
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """Masked attention with grouped-query heads.
 
-    q [nh, T, Dh], k/v [KV, S, Dh], allowed [T, S] bool (True = may attend) -> [nh, T, Dh].
-    Every query row must allow at least one key (callers always allow the token itself).
+    q [nh, T, Dh], k/v [KV, S, Dh], bias [T, S] (:func:`attention_bias`: 0 = may attend, -inf = may not)
+    -> [nh, T, Dh]. Every query row must allow at least one key (callers always allow the token itself).
     """
     nh, t, dh = q.shape
     kv = k.shape[0]
     qg = q.reshape(kv, nh // kv, t, dh)
     scores = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2)) * scale  # [KV, G, T, S]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores + bias, dim=-1)
     return torch.matmul(probs, v.unsqueeze(1)).reshape(nh, t, dh)
 
 
-def attend_past_and_new(q, past_k, past_v, k, v, allowed, scale: float) -> torch.Tensor:
+def attention_bias(allowed: torch.Tensor) -> torch.Tensor:
+    """allowed [T, S + T] bool -> the additive mask every layer adds to its scores: 0 where attention is
+    allowed, -inf elsewhere (float32). Built once per graph. Adding it gives the scores masked_fill would,
+    bit for bit, and onnxruntime runs the per-layer Add + Softmax far faster than a Where broadcast over the
+    heads (measured, [8, 304, 608] scores, 2 threads: 0.35 ms against 5.85 ms)."""
+    return torch.where(allowed, torch.tensor(0.0), torch.tensor(float("-inf")))
+
+
+def attend_past_and_new(q, past_k, past_v, k, v, bias, scale: float) -> torch.Tensor:
     """``attend`` over [past | new] keys without concatenating the key/value tensors: only the (small)
-    score rows are joined, so the graph copies no cache-sized tensor. allowed [T, S + T]."""
+    score rows are joined, so the graph copies no cache-sized tensor. bias [T, S + T]: the
+    :func:`attention_bias` of the allowed positions."""
     nh, t, dh = q.shape
     kv, s = past_k.shape[0], past_k.shape[1]
     qg = q.reshape(kv, nh // kv, t, dh)
     s_past = torch.matmul(qg, past_k.unsqueeze(1).transpose(-1, -2))  # [KV, G, T, S]
     s_new = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2))  # [KV, G, T, T]
     scores = torch.cat((s_past, s_new), dim=-1) * scale
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    probs = torch.softmax(scores + bias, dim=-1)
     ctx = torch.matmul(probs[..., :s], past_v.unsqueeze(1)) + torch.matmul(probs[..., s:], v.unsqueeze(1))
     return ctx.reshape(nh, t, dh)
 
@@ -320,15 +328,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(width, eps, gemma)
         self.post_attention_layernorm = RMSNorm(width, eps, gemma)
 
-    def forward(self, x, cos, sin, past_k, past_v, allowed, kv_dtype: torch.dtype = torch.float32):
-        """x [T, W]; past_k/v [KV, S, Dh] f32; allowed [T, S + T] -> (x, k, v) with k/v [KV, T, Dh] in kv_dtype."""
+    def forward(self, x, cos, sin, past_k, past_v, bias, kv_dtype: torch.dtype = torch.float32):
+        """x [T, W]; past_k/v [KV, S, Dh] f32 (None: no past, the new rows attend among themselves); bias
+        [T, S + T] (:func:`attention_bias`) -> (x, k, v) with k/v [KV, T, Dh] in kv_dtype."""
         q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
         if kv_dtype != torch.float32:
             k, v = k.to(kv_dtype), v.to(kv_dtype)
             k_use, v_use = k.to(torch.float32), v.to(torch.float32)
         else:
             k_use, v_use = k, v
-        ctx = attend_past_and_new(q, past_k, past_v, k_use, v_use, allowed, self.self_attn.scale)
+        if past_k is None:
+            ctx = attend(q, k_use, v_use, bias, self.self_attn.scale)
+        else:
+            ctx = attend_past_and_new(q, past_k, past_v, k_use, v_use, bias, self.self_attn.scale)
         x = x + self.self_attn.output(ctx)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k, v
@@ -388,8 +400,8 @@ class CausalLM(nn.Module):
     def run(self, x: torch.Tensor, positions: torch.Tensor, past, allowed: torch.Tensor,
             kv_dtype: torch.dtype = torch.float32, span: int | None = None, deepstack: torch.Tensor | None = None):
         """x [T, H] at ``positions`` [T] (or [3, T] t/h/w positions with ``llm.mrope_section``); past: the
-        cache (see :func:`layer_kv`); only its first ``span`` positions are read (default all); allowed
-        [T, span + T]. The rotary cos/sin are the rows ``positions`` of the tables (:func:`rope_lookup`); a
+        cache (see :func:`layer_kv`); only its first ``span`` positions are read (default all; 0: none, the new
+        rows attend among themselves); allowed [T, span + T]. The rotary cos/sin are the rows ``positions`` of the tables (:func:`rope_lookup`); a
         position >= max_seq_len (only padded prefill rows get one) reads the last row. ``deepstack`` [K, T, H]:
         map k is added to the hidden states after layer k (Qwen3-VL's DeepStack).
 
@@ -402,9 +414,10 @@ class CausalLM(nn.Module):
         else:
             cos, sin = rope_lookup(self.rope_cos, self.rope_sin, positions)
         new = []
+        bias = attention_bias(allowed)
         for i, layer in enumerate(self.model.layers):
-            pk, pv = layer_kv(past, i, span)
-            x, k, v = layer(x, cos, sin, pk, pv, allowed, kv_dtype)
+            pk, pv = (None, None) if isinstance(span, int) and span == 0 else layer_kv(past, i, span)
+            x, k, v = layer(x, cos, sin, pk, pv, bias, kv_dtype)
             if deepstack is not None and i < deepstack.shape[0]:
                 x = x + deepstack[i]
             new.append(torch.stack((k, v)))
@@ -448,7 +461,8 @@ class EmbedGraph(nn.Module):
 class PrefillGraph(nn.Module):
     """prefill_<p>: rows i < num_tokens at positions cache_position + i attend to the cache below
     cache_position and to new rows i' <= i (``llm.prefill_attention: bidirectional``: to every valid new
-    row, pi0's prefix); logits of row num_tokens - 1 (not with ``logits=False``: new_kv alone, and the
+    row and to no cache entry: pi0's prefix starts the cache, one call at cache_position 0, which the
+    backbone enforces, so the graph computes no scores against the cache); logits of row num_tokens - 1 (not with ``logits=False``: new_kv alone, and the
     exporter drops what only the logits need, down to the last layer's key/value projections). Padded rows
     (i >= num_tokens) are seen by no valid row, give no logits and their new_kv rows are zero; their
     positions may pass the end of the cache (clamped in the rotary lookup)."""
@@ -463,15 +477,16 @@ class PrefillGraph(nn.Module):
     def forward(self, inputs_embeds, num_tokens, cache_position, past_kv, position_ids=None, deepstack_embeds=None):
         p, s = self.bucket, self.max_seq_len
         rows = torch.arange(p, dtype=torch.int64)
-        past_ok = (torch.arange(s, dtype=torch.int64)[None, :] < cache_position).expand(p, s)
-        if self.bidirectional:
-            new_ok = (rows[None, :] < num_tokens).expand(p, p)
-        else:
-            new_ok = rows[None, :] <= rows[:, None]
-        allowed = torch.cat((past_ok, new_ok), dim=1)
         positions = cache_position + rows if position_ids is None else position_ids
-        h, new_kv = self.lm.run(inputs_embeds[0], positions, past_kv, allowed, self.kv_dtype,
-                                deepstack=deepstack_embeds)
+        if self.bidirectional:  # every valid new row, no cache entry (span 0)
+            new_ok = (rows[None, :] < num_tokens).expand(p, p)
+            h, new_kv = self.lm.run(inputs_embeds[0], positions, past_kv, new_ok, self.kv_dtype, span=0,
+                                    deepstack=deepstack_embeds)
+        else:
+            past_ok = (torch.arange(s, dtype=torch.int64)[None, :] < cache_position).expand(p, s)
+            allowed = torch.cat((past_ok, rows[None, :] <= rows[:, None]), dim=1)
+            h, new_kv = self.lm.run(inputs_embeds[0], positions, past_kv, allowed, self.kv_dtype,
+                                    deepstack=deepstack_embeds)
         valid = (rows < num_tokens).to(new_kv.dtype)[None, None, None, :, None]
         if not self.logits:
             return (new_kv * valid,)
