@@ -475,13 +475,14 @@ class RKNNExecutor(HostMemoryHooks, Executor):
             raise GraphSetError(f"rknn executor: {self._sidecar_path}: graph {meta.name!r} has dtype {dtype!r} "
                                 f"({', '.join(DTYPES)} are supported); recompile it with: {rebuild}")
         compiled = [(str(n), tuple(int(d) for d in s)) for n, s in entry.get("inputs", [])]
+        contract = input_plan(meta)
         # a cache view that nothing in the graph reads was left out at compile time (build.rknn.prepare_source)
-        plan = [p for p in input_plan(meta)
+        plan = [p for p in contract
                 if p[0] in {n for n, _ in compiled} or not graphset.VIEW_INPUTS.get(meta.inputs[p[1]].name)]
         if compiled != [(n, shape) for n, _, _, shape, _ in plan] or \
                 list(entry.get("outputs", [])) != [t.name for t in meta.outputs]:
             raise ShapeError(f"rknn executor: {rknn_file} was compiled with inputs {compiled} and outputs "
-                             f"{entry.get('outputs')}, the graph contract has {[(p[0], p[3]) for p in plan]} and "
+                             f"{entry.get('outputs')}, the graph contract has {[(p[0], p[3]) for p in contract]} and "
                              f"{[t.name for t in meta.outputs]}; recompile it with: {rebuild}")
         if self.runtime == "board":
             return _Graph(meta.name, self._load_board(rknn_file, meta), plan, entry)

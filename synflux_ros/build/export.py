@@ -330,12 +330,13 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
     versions = _versions()
     weights = weights_fingerprint(seed, hf_dir)
     metas = graph_set(cfg)
-    old = {}
-    if not force and os.path.isfile(os.path.join(out, graphset.MANIFEST_FILE)):
+    previous = {}  # the last build's graphs: kept when up to date (not with --force), removed when gone
+    if os.path.isfile(os.path.join(out, graphset.MANIFEST_FILE)):
         try:
-            old = {g["name"]: g for g in graphset.read_manifest(out).get("graphs", [])}
+            previous = {g["name"]: g for g in graphset.read_manifest(out).get("graphs", [])}
         except (ValueError, OSError):
-            old = {}
+            previous = {}
+    old = {} if force else previous
     from . import quantize
     quantized = weight_dtype != "float32"
     carry = quantize.load_ggml_blocks(hf_dir) if quantized else None
@@ -347,17 +348,19 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
     keys = {m.name: graph_key(cfg, m, weights_of(m), versions) for m in metas}
     stale = [m for m in metas if old.get(m.name, {}).get("key") != keys[m.name]
              or not os.path.isfile(os.path.join(out, old[m.name].get("file", "")))]
-    gone = sorted(set(old) - set(keys))  # graphs of the last build that this config's set no longer has
+    gone = sorted(set(previous) - set(keys))  # graphs of the last build that this config's set no longer has
     _progress(f"synflux-build: {cfg.name} ({len(metas)} graphs, weights {weights}) -> {out}")
     if not stale:
         _progress("  all graphs up to date, nothing to do")
         manifest = graphset.read_manifest(out)
         if manifest.get("backend") != backend or gone:  # the same graphs for another backend, or fewer of them
             manifest["backend"] = backend
-            manifest["graphs"] = [g for g in manifest.get("graphs", []) if g.get("name") in keys]
+            if gone:  # the config differs in the graphs it no longer has (e.g. a bucket dropped)
+                manifest["graphs"] = [g for g in manifest.get("graphs", []) if g.get("name") in keys]
+                manifest["config"], manifest["config_hash"] = cfg.to_dict(), cfg.graph_hash()
             graphset_writer.write_manifest(out, manifest)
             _write_effective_config(cfg, out, backend, manifest.get("tokenizer") or "")
-            _remove_graph_files(out, old, gone)
+            _remove_graph_files(out, previous, gone)
         return manifest
     from .torch_models import build_graph_modules
     gm = build_graph_modules(cfg, seed=seed, hf_dir=hf_dir)
@@ -412,7 +415,7 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
                 "tools": versions, "backend": backend, "graphs": graphs}
     graphset_writer.write_manifest(out, manifest)
     _write_effective_config(cfg, out, backend, tok_file)
-    _remove_graph_files(out, old, gone)
+    _remove_graph_files(out, previous, gone)
     _progress(f"  wrote {len(exported)} graphs, weights {info['bytes'] / 2**20:.1f} MiB "
               f"in {time.perf_counter() - t_start:.1f} s")
     return manifest

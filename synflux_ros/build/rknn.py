@@ -255,6 +255,13 @@ class Calibration:
                 h.update(np.ascontiguousarray(arr).tobytes())
         self.sha256 = h.hexdigest()
 
+    def without(self, names) -> "Calibration":
+        """The same samples without the inputs ``names`` (those a compiled graph leaves out, see
+        :func:`prepare_source`)."""
+        keep = [i for i, (name, _) in enumerate(self.inputs) if name not in set(names)]
+        return Calibration(self.graph, [self.inputs[i] for i in keep], [[s[i] for i in keep] for s in self.samples],
+                           self.source)
+
     def choices(self) -> dict:
         """What goes into the graph's key besides its ONNX: the toolkit's choices and the data's hash."""
         return {**INT8, "calib_sha256": self.sha256}
@@ -514,6 +521,7 @@ def compile_graph_set(out: str, manifest: dict, target: str, quantize: str = "fp
                           "onnx_key": g.get("key", ""), "inputs": [[n, list(s)] for n, s in ins], "outputs": outs}
             cal = plans.get(name)
             if cal:
+                cal = cal.without(unread)  # one .npy per input the compiled graph takes
                 dataset = write_calibration(tdir, cal)
                 job["quantize"] = {**INT8, "dataset": os.path.abspath(os.path.join(tdir, dataset))}
                 info[name]["dtype"] = "int8"

@@ -236,7 +236,7 @@ def _answer(node, client, request, deadline: float, resend: bool):
             _answered_clients.add(client)
             return future.result()
         client.remove_pending_request(future)
-        if time.monotonic() >= deadline:
+        if not resend or time.monotonic() >= deadline:  # a request that changes state goes out once
             return None
 
 

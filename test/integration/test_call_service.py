@@ -55,8 +55,9 @@ def test_an_idempotent_request_is_sent_again_until_answered(server, client):
     from std_srvs.srv import Trigger
     cli = client.create_client(Trigger, server.name)
     r = testing.call_service(client, cli, Trigger.Request(), 30, idempotent=True)
-    # the first answer was given up on; the request sent again is the one answered
-    assert r.message == "2" and len(server.requests) == 2
+    # the first answer was given up on; a request sent again is the one answered (how many went out
+    # depends on how soon the server gets to them once it is free)
+    assert int(r.message) >= 2 and len(server.requests) >= 2
 
 
 def test_a_request_that_changes_state_is_sent_once(server, client):
@@ -70,10 +71,11 @@ def test_a_probe_goes_first_once_per_client(server, client):
     from std_srvs.srv import Trigger
     cli = client.create_client(Trigger, server.name)
     r = testing.call_service(client, cli, Trigger.Request(), 30, probe=Trigger.Request())
-    # probe 1 kept back, probe 2 answered, then the request itself: sent once
-    assert r.message == "3" and len(server.requests) == 3
+    # probe 1 kept back, a probe sent again answered, then the request itself, sent once: the last one
+    assert int(r.message) >= 3 and r.message == str(len(server.requests))
+    before = len(server.requests)
     r = testing.call_service(client, cli, Trigger.Request(), 30, probe=Trigger.Request())
-    assert r.message == "4", "an answered client is not probed again"
+    assert r.message == str(before + 1) and len(server.requests) == before + 1, "an answered client is not probed again"
 
 
 def test_no_answer_at_all_is_a_timeout_naming_the_service(client, ros_env):

@@ -406,6 +406,31 @@ def test_int8_vision_encoder_on_the_simulator(rknn_sets, tmp_path):
     assert not (tdir / "calib").exists()
 
 
+@needs_simulator
+def test_int8_prefill_that_takes_unread_views_is_calibrated_on_the_inputs_it_takes(rknn_sets, tmp_path):
+    """A flow-matching VLA's prefill takes its last layer's KV views without reading them; its compiled
+    graph leaves them out, and so must each calibration sample (one .npy per compiled input)."""
+    from synflux_ros.bench.validate import seeded_feeds
+    gdir = str(tmp_path / "vla")
+    shutil.copytree(rknn_sets["vla_demo_orin"], gdir)
+    manifest = graphset.read_manifest(gdir)
+    side = rknn_build.compile_graph_set(gdir, manifest, TARGET, "int8:prefill", progress=lambda *_: None)
+    entry = side["graphs"]["prefill_96"]
+    fed = [n for n, _ in entry["inputs"]]
+    assert entry["dtype"] == "int8" and len(fed) < len(rknn_build.model_inputs(metas(gdir, "prefill_96")[0]))
+    lines = Path(gdir, "rknn", TARGET, entry["quantization"]["dataset"]).read_text().splitlines()
+    assert lines and all(len(line.split()) == len(fed) for line in lines), lines[:1]
+    cfg = load_config(os.path.join(gdir, "config.yaml"))
+    meta = metas(gdir, "prefill_96")
+    ex = build_executor("rknn", meta, gdir, {}).load()  # the simulator quantizes it again on those samples
+    try:
+        kv = ex.alloc_tensor("kv", cfg.llm.kv_shape, cfg.llm.kv_dtype)
+        out = ex.run("prefill_96", seeded_feeds(meta[0], cfg, np.random.default_rng(0), kv))
+        assert np.isfinite(out["new_kv"]).all() and np.abs(out["new_kv"]).max() > 0
+    finally:
+        ex.close()
+
+
 # ------------------------------------------------------------------------------------------ board path
 FAKE_RKNNLITE = '''
 """Stand-in of rknn-toolkit-lite2 for tests: RKNNLite runs the ONNX graph a .rknn was compiled from."""

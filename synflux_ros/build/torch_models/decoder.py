@@ -238,7 +238,7 @@ def attend_past_and_new(q, past_k, past_v, k, v, bias, scale: float) -> torch.Te
 
 class Attention(nn.Module):
     """Grouped-query self-attention projections (optional Q/K norms, RoPE); the attention itself is
-    :func:`attend_past_and_new`, called by :class:`DecoderLayer`."""
+    :func:`attend_past_and_new` (:func:`attend` without a past), called by :class:`DecoderLayer`."""
 
     def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
                  eps: float, unit_offset: bool):

@@ -15,8 +15,9 @@ class ActionHead(abc.ABC):
     """Positions the head appends to the context after the prefix (action tokens); they must fit in it."""
 
     @abc.abstractmethod
-    def __call__(self, kv: DeviceTensor, prefix_len: int, logits: np.ndarray, seq: int,
+    def __call__(self, kv: DeviceTensor, prefix_len: int, logits: np.ndarray | None, seq: int,
                  state: np.ndarray | None = None) -> np.ndarray:
-        """``kv`` holds the prefix of ``prefix_len`` positions whose last logits are ``logits``; ``seq``
+        """``kv`` holds the prefix of ``prefix_len`` positions whose last logits are ``logits`` (None for a
+        flow-matching head, whose prefill computes none: ``core.graphs.reads_logits``); ``seq``
         is the frame's sequence number (seeds the flow-matching noise); ``state`` is the robot-state vector
         [action.state_dim] of the frame (heads with a state input only)."""

@@ -35,7 +35,7 @@ class FlowMatchingHead(ActionHead):
     def initial_noise(self, seed: int) -> np.ndarray:
         return np.random.default_rng(seed).standard_normal(self.shape).astype(np.float32)
 
-    def __call__(self, kv: DeviceTensor, prefix_len: int, logits: np.ndarray, seq: int,
+    def __call__(self, kv: DeviceTensor, prefix_len: int, logits: np.ndarray | None, seq: int,
                  state: np.ndarray | None = None) -> np.ndarray:
         return self.denoise(kv, prefix_len, self.initial_noise(self.seed + seq), state)
 
