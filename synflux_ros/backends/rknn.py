@@ -475,10 +475,9 @@ class RKNNExecutor(HostMemoryHooks, Executor):
             raise GraphSetError(f"rknn executor: {self._sidecar_path}: graph {meta.name!r} has dtype {dtype!r} "
                                 f"({', '.join(DTYPES)} are supported); recompile it with: {rebuild}")
         compiled = [(str(n), tuple(int(d) for d in s)) for n, s in entry.get("inputs", [])]
-        contract = input_plan(meta)
+        contract, fed = input_plan(meta), {n for n, _ in compiled}
         # a cache view that nothing in the graph reads was left out at compile time (build.rknn.prepare_source)
-        plan = [p for p in contract
-                if p[0] in {n for n, _ in compiled} or not graphset.VIEW_INPUTS.get(meta.inputs[p[1]].name)]
+        plan = [p for p in contract if p[0] in fed or not graphset.VIEW_INPUTS.get(meta.inputs[p[1]].name)]
         if compiled != [(n, shape) for n, _, _, shape, _ in plan] or \
                 list(entry.get("outputs", [])) != [t.name for t in meta.outputs]:
             raise ShapeError(f"rknn executor: {rknn_file} was compiled with inputs {compiled} and outputs "

@@ -233,8 +233,8 @@ class TensorRTExecutor(Executor):
                 raise TensorRTError(f"tensorrt executor: engine {step.engine!r} has no profile for {graph!r} (has "
                                     f"{built}); rebuild with: "
                                     f"{rebuild_command(self.graph_dir, self.precision, self.dla_core)}")
-            # TensorRT drops a network input that no layer reads (a flow-matching VLA's prefill does not read
-            # the last layer's past_kv views); the engine has no tensor to bind for it
+            # TensorRT may drop a network input that no layer reads (a flow-matching VLA's prefill does not read
+            # the last layer's past_kv views); the engine then has no tensor to bind for it
             engine = self._engines[step.engine].engine
             names = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
             binds = tuple((tensor, bind) for tensor, bind in step.bindings

@@ -221,8 +221,9 @@ def restore_unused_inputs(model, declared) -> list[str]:
     the exporter dropped because nothing reads them, in the declared order; returns their names.
 
     A flow-matching VLA's prefill computes the new cache entries alone, so the last layer's attention, the
-    only reader of that layer's ``past_kv`` views, is dead code. The graph still takes every view of the
-    contract: the same bindings serve every graph set, and a backend is handed one input list per kind."""
+    only reader of that layer's ``past_kv`` views, is dead code; a bidirectional prefill reads no view at all
+    (``core.graphs``). The graph still takes every view of the contract: the same bindings serve every graph
+    set, and a backend is handed one input list per kind."""
     import numpy as np
     from onnx import helper
     have = {v.name: v for v in model.graph.input}

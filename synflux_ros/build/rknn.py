@@ -258,7 +258,8 @@ class Calibration:
     def without(self, names) -> "Calibration":
         """The same samples without the inputs ``names`` (those a compiled graph leaves out, see
         :func:`prepare_source`)."""
-        keep = [i for i, (name, _) in enumerate(self.inputs) if name not in set(names)]
+        names = set(names)
+        keep = [i for i, (name, _) in enumerate(self.inputs) if name not in names]
         return Calibration(self.graph, [self.inputs[i] for i in keep], [[s[i] for i in keep] for s in self.samples],
                            self.source)
 

@@ -129,15 +129,16 @@ def test_compiled_graph_sets_and_skip_unchanged(rknn_sets):
             # synflux_ros/build/rknn.py)
             assert entry["source"] in (f"{graph}.onnx", f"{graph}.rknn.onnx")
             fed = [n for n, _ in entry["inputs"]]
+            declared = [n for n, _ in rknn_build.model_inputs(metas(gdir, graph)[0])]
             if entry["source"] != f"{graph}.onnx":
                 model = onnx.load(os.path.join(gdir, entry["source"]), load_external_data=False)
-                assert [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}] == fed
+                weights = {t.name for t in model.graph.initializer}
+                assert [i.name for i in model.graph.input if i.name not in weights] == fed
                 assert any(n.op_type == "Identity" and n.input[0].startswith("past_kv.") for n in model.graph.node) \
-                    or len(fed) < len(rknn_build.model_inputs(metas(gdir, graph)[0]))
-            if name == "vla_demo_orin" and graph.startswith("prefill_"):  # pi0-style: the last layer's unread
+                    or len(fed) < len(declared)
+            if name == "vla_demo_orin" and graph.startswith("prefill_"):  # a flow-matching VLA: the last layer's unread
                 last = load_config(os.path.join(gdir, "config.yaml")).llm.num_layers - 1
-                assert fed == [n for n, _ in rknn_build.model_inputs(metas(gdir, graph)[0])
-                               if not n.startswith(f"past_kv.{last}.")]
+                assert fed == [n for n in declared if not n.startswith(f"past_kv.{last}.")]
         assert load_config(os.path.join(gdir, "config.yaml")).executor.backend == "rknn"
     # a second run compiles nothing: same ONNX keys, target and toolkit version
     gdir = rknn_sets["vlm_demo"]

@@ -401,8 +401,9 @@ class CausalLM(nn.Module):
             kv_dtype: torch.dtype = torch.float32, span: int | None = None, deepstack: torch.Tensor | None = None):
         """x [T, H] at ``positions`` [T] (or [3, T] t/h/w positions with ``llm.mrope_section``); past: the
         cache (see :func:`layer_kv`); only its first ``span`` positions are read (default all; 0: none, the new
-        rows attend among themselves); allowed [T, span + T]. The rotary cos/sin are the rows ``positions`` of the tables (:func:`rope_lookup`); a
-        position >= max_seq_len (only padded prefill rows get one) reads the last row. ``deepstack`` [K, T, H]:
+        rows attend among themselves); allowed [T, span + T]. The rotary cos/sin are the rows ``positions`` of
+        the tables (:func:`rope_lookup`); a position >= max_seq_len (only padded prefill rows get one) reads
+        the last row. ``deepstack`` [K, T, H]:
         map k is added to the hidden states after layer k (Qwen3-VL's DeepStack).
 
         Returns the last hidden states [T, H] (before the final norm) and new_kv [L, 2, KV, T, Dh].
@@ -422,6 +423,14 @@ class CausalLM(nn.Module):
                 x = x + deepstack[i]
             new.append(torch.stack((k, v)))
         return x, torch.stack(new)
+
+    def prefill_outputs(self, h, new_kv, rows, num_tokens, logits: bool) -> tuple:
+        """What a prefill graph returns from the last hidden states ``h`` [T, H] and ``new_kv``: the logits of
+        row ``num_tokens - 1`` (only with ``logits``) and new_kv with its rows >= num_tokens zeroed."""
+        valid = (rows < num_tokens).to(new_kv.dtype)[None, None, None, :, None]
+        if not logits:
+            return (new_kv * valid,)
+        return self.head(torch.index_select(h, 0, num_tokens - 1)), new_kv * valid
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, H] -> logits [N, V] (final norm, then the head).
@@ -462,8 +471,9 @@ class PrefillGraph(nn.Module):
     """prefill_<p>: rows i < num_tokens at positions cache_position + i attend to the cache below
     cache_position and to new rows i' <= i (``llm.prefill_attention: bidirectional``: to every valid new
     row and to no cache entry: pi0's prefix starts the cache, one call at cache_position 0, which the
-    backbone enforces, so the graph computes no scores against the cache); logits of row num_tokens - 1 (not with ``logits=False``: new_kv alone, and the
-    exporter drops what only the logits need, down to the last layer's key/value projections). Padded rows
+    backbone enforces, so the graph computes no scores against the cache); logits of row num_tokens - 1
+    (not with ``logits=False``: new_kv alone, and the exporter drops what only the logits need, down to the
+    last layer's key/value projections). Padded rows
     (i >= num_tokens) are seen by no valid row, give no logits and their new_kv rows are zero; their
     positions may pass the end of the cache (clamped in the rotary lookup)."""
 
@@ -487,11 +497,7 @@ class PrefillGraph(nn.Module):
             allowed = torch.cat((past_ok, rows[None, :] <= rows[:, None]), dim=1)
             h, new_kv = self.lm.run(inputs_embeds[0], positions, past_kv, allowed, self.kv_dtype,
                                     deepstack=deepstack_embeds)
-        valid = (rows < num_tokens).to(new_kv.dtype)[None, None, None, :, None]
-        if not self.logits:
-            return (new_kv * valid,)
-        last = torch.index_select(h, 0, num_tokens - 1)
-        return self.lm.head(last), new_kv * valid
+        return self.lm.prefill_outputs(h, new_kv, rows, num_tokens, self.logits)
 
 
 class DecodeGraph(nn.Module):

@@ -70,11 +70,7 @@ class ProfiledLLM(nn.Module):
             new_ok = rows[None, :] <= rows[:, None]
         allowed = torch.cat((past_ok, new_ok), dim=1)
         h, new_kv = self.lm.run(inputs_embeds[0], cache_position + rows, past_kv, allowed, self.kv_dtype, span=d)
-        valid = (rows < num_tokens).to(new_kv.dtype)[None, None, None, :, None]
-        if not self.logits:
-            return (new_kv * valid,)
-        last = torch.index_select(h, 0, num_tokens - 1)
-        return self.lm.head(last), new_kv * valid
+        return self.lm.prefill_outputs(h, new_kv, rows, num_tokens, self.logits)
 
 
 class ProfiledActionExpert(nn.Module):
