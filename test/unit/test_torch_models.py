@@ -491,3 +491,26 @@ def test_onnx_export_round_trip(name, tmp_path):
                 rtol = 2e-3 if spec.dtype == "float16" else 0
                 np.testing.assert_allclose(g.astype(np.float32), r.float().numpy(), atol=1e-4, rtol=rtol,
                                            err_msg=f"{name}/{meta.name}/{spec.name}")
+
+
+def test_tanh_gelu_runs_as_one_fused_kernel_in_onnxruntime(tmp_path):
+    """Gemma's MLPs and the SigLIP-style tower use the tanh GELU: the exported graphs spell it as ONNX Runtime's
+    optimiser fuses it (``decoder.gelu_tanh``), so every MLP runs one FastGelu kernel and no Tanh is left; the
+    graphs themselves stay standard ops and compute torch's GELU (the round trip above)."""
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    import onnx
+    cfg = tiny_gemma()
+    gm = build_graph_modules(cfg, seed=5)
+    # (the flow-matching prefix returns only the cache: its last layer's MLP is not exported)
+    mlps = {"vision_encoder": cfg.vision.num_layers, "prefill_32": cfg.llm.num_layers - 1,
+            "action_expert_48": cfg.llm.num_layers}
+    metas = {m.name: m for m in graph_set(cfg)}
+    for name, count in mlps.items():
+        model = build_tool.export_graph(gm.modules[name], metas[name], str(tmp_path))
+        assert not any(n.domain not in ("", "ai.onnx") for n in model.graph.node)
+        so = ort.SessionOptions()
+        so.optimized_model_filepath = str(tmp_path / f"{name}.opt.onnx")
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        ops = [n.op_type for n in onnx.load(so.optimized_model_filepath, load_external_data=False).graph.node]
+        assert (ops.count("FastGelu"), ops.count("Tanh")) == (count, 0), (name, sorted(set(ops)))

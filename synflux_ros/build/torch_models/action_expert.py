@@ -48,6 +48,8 @@ class ActionExpert(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(width, inter, llm.num_heads, llm.num_kv_heads, llm.head_dim, llm.architecture,
                          llm.rms_norm_eps) for _ in range(llm.num_layers))
+        for layer in self.layers:
+            layer.join_past = True  # a prefix of a few hundred keys, joined with the chunk's own each step
         self.norm = RMSNorm(width, llm.rms_norm_eps, llm.architecture == "gemma")
         self.action_out_proj = nn.Linear(width, act.action_dim)
         self.state_dim = act.state_dim

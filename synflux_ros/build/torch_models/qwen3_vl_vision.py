@@ -55,6 +55,7 @@ from torch import nn
 
 from ...core.config import ConfigError, ModelConfig
 from .checkpoint import read_config, read_json, read_tensors, tensor_files
+from .decoder import gelu_tanh
 from .decoder import apply_rope
 
 __all__ = [
@@ -77,8 +78,8 @@ _DEFAULT_TEMPORAL_PATCH = 2
 _LN_EPS = 1e-6
 
 _ACTIVATIONS = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_new": gelu_tanh,
     "gelu": F.gelu,
     "silu": F.silu,
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),

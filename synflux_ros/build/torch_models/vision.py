@@ -11,9 +11,9 @@ import math
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ...core.config import ConfigError, ModelConfig
+from .decoder import gelu_tanh
 
 
 def _factor_pairs(n: int):
@@ -81,7 +81,7 @@ class VisionMLP(nn.Module):
         self.fc2 = nn.Linear(intermediate, width)
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return self.fc2(gelu_tanh(self.fc1(x)))
 
 
 class VisionBlock(nn.Module):
