@@ -475,6 +475,14 @@ def test_onnx_export_round_trip(name, tmp_path):
                 assert (len(matmuls), len(gemms)) == (blocks + 1, 0), (meta.name, len(matmuls), len(gemms))
             else:
                 assert len(matmuls) == blocks, (meta.name, len(matmuls))
+        if meta.kind == "prefill" and not any(m.kind == "decode" for m in graph_set(cfg)):
+            # a backbone that only prefills (flow matching) keeps Q, K, V, gate and up apart: no product is
+            # split; its last layer only gives the cache its keys and values
+            weights = {i.name for i in model.graph.initializer if len(i.dims) == 2}
+            matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+            assert len(matmuls) == 7 * (cfg.llm.num_layers - 1) + 2, (meta.name, len(matmuls))
+            assert not any(n.op_type in ("Slice", "Split") and n.input[0] in {m.output[0] for m in matmuls}
+                           for n in model.graph.node), meta.name
         if cfg.llm.tie_word_embeddings and meta.kind == "decode":
             # the lookup reads the [V, H] embedding, the head one [H, V] table: one copy of each
             v, h = cfg.llm.vocab_size, cfg.llm.hidden_dim

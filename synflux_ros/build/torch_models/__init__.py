@@ -118,9 +118,9 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
         lm.eval()
     else:
         lm = _random(lambda: CausalLM(llm), seed, "decoder")
-    lm.finalize_weights()
-
     metas = graph_set(cfg)
+    # joined projections only where a decode step reads them (see fuse_projections)
+    lm.finalize_weights(join=any(m.kind == "decode" for m in metas))
     modules: dict[str, nn.Module] = {}
     missing: list[str] = []
     expert = None

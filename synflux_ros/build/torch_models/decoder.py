@@ -170,13 +170,17 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.detach().contiguous(), requires_grad=False)
 
 
-def fuse_projections(module: nn.Module) -> nn.Module:
+def fuse_projections(module: nn.Module, join: bool = True) -> nn.Module:
     """Give every attention block and gated MLP in ``module`` its export layout, derived from the final
     weights (call after random init or checkpoint load; the Hugging Face ``[out, in]`` Linear weights stay
     for loading and for the reference forward):
 
-    * Q, K and V projections as one ``[W, (nh + 2 KV) Dh]`` matrix, gate and up as one ``[W, 2 I]`` matrix,
-      so a decode step runs two matrix-vector products per block instead of five;
+    * with ``join`` (models with decode steps): Q, K and V projections as one ``[W, (nh + 2 KV) Dh]`` matrix,
+      gate and up as one ``[W, 2 I]`` matrix, so a decode step runs two matrix-vector products per block
+      instead of five; without (a backbone that only prefills, a flow-matching VLA's): one matrix each, since
+      a product of hundreds of rows gains nothing from the join and pays a copy to split it (ONNX
+      ``Slice``/``Split`` copy; measured on the small pi0: 0.5 ms of its 13 ms prefix). The action expert
+      keeps the join: at its ~50 rows the split costs less than the extra products' launches;
     * every matrix stored ``[in, out]`` and used by a plain ``MatMul``: ONNX Runtime's CPU kernels run a
       one-row product against an ``[in, out]`` constant faster than ``Gemm(transB=1)`` against ``[out, in]``,
       and compilers (TensorRT, NPU toolchains) take either form.
@@ -186,7 +190,7 @@ def fuse_projections(module: nn.Module) -> nn.Module:
     """
     for m in module.modules():
         if isinstance(m, (Attention, GatedMLP)):
-            m.fuse()
+            m.fuse(join)
     return module
 
 
@@ -270,11 +274,16 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv_t: nn.Parameter | None = None
+        self.q_t = self.k_t = self.v_t = None
         self.o_t: nn.Parameter | None = None
 
-    def fuse(self) -> None:
-        """Export layout (see :func:`fuse_projections`): Q, K and V as one [W, (nh + 2 KV) Dh] matrix."""
-        self.qkv_t = _param(torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)).t())
+    def fuse(self, join: bool = True) -> None:
+        """Export layout (see :func:`fuse_projections`): Q, K and V as one [W, (nh + 2 KV) Dh] matrix, or
+        (``join=False``) as three [in, out] matrices."""
+        if join:
+            self.qkv_t = _param(torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)).t())
+        else:
+            self.q_t, self.k_t, self.v_t = (_param(p.weight.t()) for p in (self.q_proj, self.k_proj, self.v_proj))
         self.o_t = _param(self.o_proj.weight.t())
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -284,6 +293,8 @@ class Attention(nn.Module):
             nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             qkv = torch.matmul(x, self.qkv_t)
             q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
+        elif self.q_t is not None:
+            q, k, v = torch.matmul(x, self.q_t), torch.matmul(x, self.k_t), torch.matmul(x, self.v_t)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -312,11 +323,16 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, width, bias=False)
         self.act = act
         self.gate_up_t: nn.Parameter | None = None
+        self.gate_t = self.up_t = None
         self.down_t: nn.Parameter | None = None
 
-    def fuse(self) -> None:
-        """Export layout (see :func:`fuse_projections`): gate and up as one [W, 2 I] matrix."""
-        self.gate_up_t = _param(torch.cat((self.gate_proj.weight, self.up_proj.weight)).t())
+    def fuse(self, join: bool = True) -> None:
+        """Export layout (see :func:`fuse_projections`): gate and up as one [W, 2 I] matrix, or (``join=False``)
+        as two [in, out] matrices."""
+        if join:
+            self.gate_up_t = _param(torch.cat((self.gate_proj.weight, self.up_proj.weight)).t())
+        else:
+            self.gate_t, self.up_t = _param(self.gate_proj.weight.t()), _param(self.up_proj.weight.t())
         self.down_t = _param(self.down_proj.weight.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -324,6 +340,8 @@ class GatedMLP(nn.Module):
             gu = torch.matmul(x, self.gate_up_t)
             inter = gu.shape[-1] // 2
             g, u = gu[..., :inter], gu[..., inter:]
+        elif self.gate_t is not None:
+            g, u = torch.matmul(x, self.gate_t), torch.matmul(x, self.up_t)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
         g = gelu_tanh(g) if self.act == "gelu_tanh" else F.silu(g)
@@ -467,7 +485,7 @@ class CausalLM(nn.Module):
             raise RuntimeError("CausalLM.finalize_weights() must run after the weights are set")
         return torch.matmul(self.model.norm(h), self.head_t)
 
-    def finalize_weights(self) -> None:
+    def finalize_weights(self, join: bool = True) -> None:
         """Derive the export-time tables from the final weights (call after init or checkpoint load):
         the head as one [H, V] matrix, the fused projections of :func:`fuse_projections` and the rotary
         cos/sin of every cache position (:func:`rope_table`). Parameters, so the exporter emits one named
@@ -476,7 +494,7 @@ class CausalLM(nn.Module):
         head = self.model.embed_tokens.weight if self.llm.tie_word_embeddings else self.lm_head.weight
         self.head_t = _param(head.t())
         self.rope_cos, self.rope_sin = (_param(t) for t in rope_table(self.llm.max_seq_len, self.inv_freq))
-        fuse_projections(self)
+        fuse_projections(self, join=join)
 
 
 # ---------------------------------------------------------------------------------------------- graphs

@@ -272,7 +272,7 @@ def load_lerobot_pi0(hf_dir: str, lm, vision, expert) -> None:
     for what, (module, wanted) in targets.items():
         params = dict(module.named_parameters(remove_duplicate=False))
         expected = {n for n in params if not n.startswith(("rope_", "lm_head", "head_t"))
-                    and not n.endswith(("qkv_t", "o_t", "gate_up_t", "down_t"))}
+                    and not n.endswith(("qkv_t", "q_t", "k_t", "v_t", "o_t", "gate_up_t", "gate_t", "up_t", "down_t"))}
         if what == "action expert" and getattr(module, "state_proj", None) is None:
             expected = {n for n in expected if not n.startswith("state_proj")}
         copy_checked(params, files, wanted, expected, [], hf_dir, f"pi0's {what} of this config",
