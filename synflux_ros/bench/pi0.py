@@ -46,6 +46,15 @@ JOINTS = [f"joint_{i}" for i in range(8)]
 INSTRUCTION = "pick up the red block and put it in the bowl"
 TARGET = 0.5
 POOLS = ("session", "shared")
+CPU_OPTIONS = {
+    # The onnxruntime settings for a CPU (README, "The onnxruntime backend"): weights prepacked for ORT's
+    # matrix kernels (saved once under optimized_model_dir and mapped), and RMSNorm, residual + RMSNorm and the
+    # rotary embedding as ORT's fused kernels. Measured in-process on the small model (2 threads, the runtimes
+    # taking turns, two runs): 41.5 ms a chunk without them, 38.3 with prepacking (the products otherwise pack
+    # their weights on every call, the expert's in each of the 10 steps), 36.4 with the fusions too.
+    "prepack": True,
+    "fusions": ["rms_norm", "skip_rms_norm", "rotary"],
+}
 
 
 def _reference(args, *argv: str) -> dict:
@@ -95,6 +104,8 @@ def prepare(args, pool: str) -> tuple[str, str]:
     options = raw["executor"].setdefault("options", {})
     options["intra_op_num_threads"] = args.threads
     options["thread_pool"] = pool
+    options.update(CPU_OPTIONS)
+    options["optimized_model_dir"] = os.path.join(args.work, tag + "-ort")
     if pool == "session":
         # Spinning worker threads (as torch's OpenMP ones do) halve an action-expert step on its own (2 threads,
         # the small model: 5.7 -> 3.1 ms), but with a pool per graph the pools that spin after their call take the
