@@ -52,6 +52,10 @@ _MODES = {"MEAN_STD": ("mean_std", "mean", "std"), "MIN_MAX": ("bounds", "min", 
           "QUANTILES": ("bounds", "q01", "q99"), "QUANTILE10": ("bounds", "q10", "q90")}
 
 
+_EXPORT_LAYOUT = ("qkv_t", "q_t", "k_t", "v_t", "o_t", "gate_up_t", "gate_t", "up_t", "down_t")
+"""Suffixes of the export-layout tensors (``decoder.fuse_projections``), derived after loading, not loaded."""
+
+
 def is_lerobot_pi0(hf_dir: str) -> bool:
     """Whether ``hf_dir`` holds a LeRobot pi0 checkpoint (config.json with ``"type": "pi0"``)."""
     path = os.path.join(hf_dir, "config.json")
@@ -272,7 +276,7 @@ def load_lerobot_pi0(hf_dir: str, lm, vision, expert) -> None:
     for what, (module, wanted) in targets.items():
         params = dict(module.named_parameters(remove_duplicate=False))
         expected = {n for n in params if not n.startswith(("rope_", "lm_head", "head_t"))
-                    and not n.endswith(("qkv_t", "q_t", "k_t", "v_t", "o_t", "gate_up_t", "gate_t", "up_t", "down_t"))}
+                    and not n.endswith(_EXPORT_LAYOUT)}
         if what == "action expert" and getattr(module, "state_proj", None) is None:
             expected = {n for n in expected if not n.startswith("state_proj")}
         copy_checked(params, files, wanted, expected, [], hf_dir, f"pi0's {what} of this config",

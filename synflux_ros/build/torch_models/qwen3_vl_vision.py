@@ -55,8 +55,7 @@ from torch import nn
 
 from ...core.config import ConfigError, ModelConfig
 from .checkpoint import read_config, read_json, read_tensors, tensor_files
-from .decoder import gelu_tanh
-from .decoder import apply_rope
+from .decoder import apply_rope, gelu_tanh
 
 __all__ = [
     "Qwen3VLVision",
