@@ -84,20 +84,28 @@ def base_config(path: str, d: dict) -> str:
     return path
 
 
-def prepare(args, pool: str) -> tuple[str, str]:
-    """(checkpoint dir, node config path for onnxruntime thread pool ``pool``): the LeRobot checkpoint and its
-    synflux graph set, made once."""
-    tag = f"pi0-bench-{args.size}-{'-'.join(args.cameras)}"
-    ckpt = os.path.join(args.work, tag + "-lerobot")
+def _stem(args) -> str:
+    """The path prefix of this size's and cameras' files in the work directory."""
+    return os.path.join(args.work, f"pi0-bench-{args.size}-{'-'.join(args.cameras)}")
+
+
+def prepare(args) -> tuple[str, str]:
+    """(checkpoint dir, graph set dir): the LeRobot checkpoint and its synflux graph set, made once."""
+    stem = _stem(args)
+    ckpt = stem + "-lerobot"
     if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
         _reference(args, "make-checkpoint", "--out", ckpt, "--cameras", ",".join(args.cameras),
                    "--options", json.dumps(SIZES[args.size]))
-    graphs = os.path.join(args.work, tag + "-graphs")
+    graphs = stem + "-graphs"
     # synflux-build brings the graph set up to date: a set built from the same config and sources is kept
     from ..build.export import main as build
-    if build(["--config", base_config(os.path.join(args.work, tag + "-base.yaml"), SIZES[args.size]), "--out", graphs,
-              "--from-hf", ckpt]):
+    if build(["--config", base_config(stem + "-base.yaml", SIZES[args.size]), "--out", graphs, "--from-hf", ckpt]):
         raise RuntimeError("synflux-build failed")
+    return ckpt, graphs
+
+
+def node_config(args, graphs: str, pool: str) -> str:
+    """The node config of the graph set ``graphs`` with onnxruntime thread pool ``pool`` (written beside it)."""
     with open(os.path.join(graphs, "config.yaml"), encoding="utf-8") as fh:
         raw = yaml.safe_load(fh)
     raw["executor"]["graph_dir"] = graphs
@@ -105,7 +113,8 @@ def prepare(args, pool: str) -> tuple[str, str]:
     options["intra_op_num_threads"] = args.threads
     options["thread_pool"] = pool
     options.update(CPU_OPTIONS)
-    options["optimized_model_dir"] = os.path.join(args.work, tag + "-ort")
+    stem = _stem(args)
+    options["optimized_model_dir"] = stem + "-ort"
     if pool == "session":
         # Spinning worker threads (as torch's OpenMP ones do) halve an action-expert step on its own (2 threads,
         # the small model: 5.7 -> 3.1 ms), but with a pool per graph the pools that spin after their call take the
@@ -114,10 +123,10 @@ def prepare(args, pool: str) -> tuple[str, str]:
     # The checkpoint ships no tokenizer (LeRobot's is downloaded from the Hub): the byte-level one stands in
     # (its ids are not PaliGemma's, the instruction's length is about the same), so no <bos> special exists.
     raw["tokenizer"]["instruction_bos"] = ""
-    node_cfg = os.path.join(args.work, f"{tag}-node-{pool}.yaml")
-    with open(node_cfg, "w", encoding="utf-8") as fh:
+    path = f"{stem}-node-{pool}.yaml"
+    with open(path, "w", encoding="utf-8") as fh:
         yaml.safe_dump(raw, fh)
-    return ckpt, node_cfg
+    return path
 
 
 def synflux_chunks(args, node_cfg: str) -> list:
@@ -160,10 +169,8 @@ def main(argv=None) -> int:
     args.pools = [p for p in args.pools.split(",") if p]
     if not args.pools or set(args.pools) - set(POOLS):
         ap.error(f"--pools: choose from {', '.join(POOLS)}")
-    runs = {}
-    for pool in args.pools:
-        ckpt, node_cfg = prepare(args, pool)
-        runs[pool] = synflux_chunks(args, node_cfg)
+    ckpt, graphs = prepare(args)
+    runs = {pool: synflux_chunks(args, node_config(args, graphs, pool)) for pool in args.pools}
     d = SIZES[args.size]
     rng = np.random.default_rng(0)
     inputs = os.path.join(args.work, f"pi0-bench-{args.size}-inputs.npz")

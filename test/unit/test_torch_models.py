@@ -463,12 +463,12 @@ def test_onnx_export_round_trip(name, tmp_path):
         onnx.checker.check_model(model)
         ops = {(n.domain, n.op_type) for n in model.graph.node}
         assert all(d in ("", "ai.onnx") for d, _ in ops) and {o for _, o in ops} <= STANDARD_OPS, (meta.name, ops)
+        weights = {i.name for i in model.graph.initializer if len(i.dims) == 2}
+        matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
         if meta.kind in ("decode", "action_expert"):
             # fused projections: per block one QKV and one gate/up product, plus O and down, all plain
             # MatMuls against [in, out] weights (plus the head in the decoder; the expert's small input
             # and output layers keep their biased Linear)
-            weights = {i.name for i in model.graph.initializer if len(i.dims) == 2}
-            matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
             gemms = [n for n in model.graph.node if n.op_type == "Gemm"]
             blocks = 4 * cfg.llm.num_layers
             if meta.kind == "decode":
@@ -478,8 +478,6 @@ def test_onnx_export_round_trip(name, tmp_path):
         if meta.kind == "prefill" and not any(m.kind == "decode" for m in graph_set(cfg)):
             # a backbone that only prefills (flow matching) keeps Q, K, V, gate and up apart: no product is
             # split; its last layer only gives the cache its keys and values
-            weights = {i.name for i in model.graph.initializer if len(i.dims) == 2}
-            matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
             assert len(matmuls) == 7 * (cfg.llm.num_layers - 1) + 2, (meta.name, len(matmuls))
             assert not any(n.op_type in ("Slice", "Split") and n.input[0] in {m.output[0] for m in matmuls}
                            for n in model.graph.node), meta.name
