@@ -206,9 +206,9 @@ def _quantized_set(graph_dir: str) -> bool:
 class _Graph:
     """A loaded graph: its session, its IO binding and the pointers currently bound."""
 
-    __slots__ = ("session", "binding", "bound", "verified", "path", "shared_initializers", "views")
+    __slots__ = ("session", "binding", "bound", "verified", "path", "shared_initializers", "views", "in_place")
 
-    def __init__(self, session, path: str, shared: int, views: dict):
+    def __init__(self, session, path: str, shared: int, views: dict, in_place: dict):
         self.session = session
         self.binding = session.io_binding()
         self.bound: dict[str, int] = {}
@@ -218,6 +218,9 @@ class _Graph:
         # contract input -> [(ONNX input name, byte offset, shape)]: one entry at offset 0 for an input the
         # graph takes whole, one per view for an input it takes as views (graphset.VIEW_INPUTS)
         self.views: dict[str, list[tuple[str, int, tuple]]] = views
+        # contract input -> [(ONNX output name, byte offset, shape)]: outputs bound to that input's own memory
+        # (graphset.IN_PLACE_SUFFIX; a fused graph's attention appending to the KV views)
+        self.in_place: dict[str, list[tuple[str, int, tuple]]] = in_place
 
 
 class _LazyModels(Mapping):
@@ -527,8 +530,9 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         level = self._cache_level if self._from_cache else self.graph_optimization_level
         so, shared = self._session_options(meta, path, level, self._prepack_for(meta))
         session = self._create_session(meta, path, so)
-        views = self._check_io(session, meta, path)
-        return _Graph(session, path, shared, views)
+        in_place: dict = {}
+        views = self._check_io(session, meta, path, in_place)
+        return _Graph(session, path, shared, views, in_place)
 
     def _execute(self, graph_handle, device_inputs, device_outputs, meta: GraphMeta) -> None:
         g: _Graph = graph_handle
@@ -545,6 +549,14 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
             key = "\0out:" + spec.name
             if bound.get(key) != buf.ptr:
                 binding.bind_output(spec.name, "cpu", 0, np.dtype(spec.dtype).type, spec.shape, buf.ptr)
+                bound[key] = buf.ptr
+        for contract, outputs in g.in_place.items():  # after the contract's outputs: _verify_outputs's order
+            buf = device_inputs[contract]
+            key = "\0in_place:" + contract
+            if bound.get(key) != buf.ptr:
+                element = next(np.dtype(s.dtype).type for s in meta.inputs if s.name == contract)
+                for name, offset, shape in outputs:
+                    binding.bind_output(name, "cpu", 0, element, shape, buf.ptr + offset)
                 bound[key] = buf.ptr
         g.session.run_with_iobinding(binding)
         if not self._cpu_only:
@@ -570,21 +582,26 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         self._weights = None
 
     # ------------------------------------------------------------------ checks and helpers
-    def _check_io(self, session, meta: GraphMeta, path: str) -> dict:
+    def _check_io(self, session, meta: GraphMeta, path: str, in_place: dict | None = None) -> dict:
         """The session's inputs and outputs must be the contract's (an input may come as views, see
-        ``graphset.VIEW_INPUTS``). Returns the input binding plan of :class:`_Graph`."""
+        ``graphset.VIEW_INPUTS``; a fused graph may update views in place, filled into ``in_place``). Returns
+        the input binding plan of :class:`_Graph`."""
         def ports(args):
             return [Port(a.name, _ORT_TYPES.get(a.type, a.type), a.shape) for a in args]
 
         rebuild = ("the graph set was built for another config or model; "
                    + graphset.BUILD_HINT.format(dir=self._load_dir))
-        return binding_plan(meta, ports(session.get_inputs()), ports(session.get_outputs()), path, rebuild)
+        return binding_plan(meta, ports(session.get_inputs()), ports(session.get_outputs()), path, rebuild,
+                            in_place=in_place if in_place is not None else {})
 
     def _verify_outputs(self, g: _Graph, device_outputs: dict, meta: GraphMeta) -> None:
         values = g.binding.get_outputs()
-        for spec, value in zip(meta.outputs, values):
-            if value.data_ptr() != device_outputs[spec.name].ptr:
-                raise RuntimeError(f"onnxruntime executor: graph {meta.name!r} wrote output {spec.name!r} to memory "
+        expected = [(spec.name, device_outputs[spec.name].ptr) for spec in meta.outputs]
+        for contract, outputs in g.in_place.items():
+            expected += [(name, g.bound["\0in_place:" + contract] + offset) for name, offset, _ in outputs]
+        for (name, ptr), value in zip(expected, values, strict=True):
+            if value.data_ptr() != ptr:
+                raise RuntimeError(f"onnxruntime executor: graph {meta.name!r} wrote output {name!r} to memory "
                                    f"of its own instead of the bound buffer")
         g.verified = True
 

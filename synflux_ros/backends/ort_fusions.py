@@ -41,8 +41,11 @@ import hashlib
 import json
 import os
 import shutil
+from typing import NamedTuple
 
 import numpy as np
+
+from ..core import graphset
 
 FUSIONS = ("rms_norm", "skip_rms_norm", "rotary", "attention")
 """The rewrites this module knows, in the order they are applied."""
@@ -128,6 +131,214 @@ def _attr(node, name: str, default=None):
 
 def _graph_input(value) -> bool:
     return value is not None and value.producer() is None and value.is_graph_input()
+
+
+class _InPlace(NamedTuple):
+    """A GroupQueryAttention that appends its new row to the KV views in place (``_kv_in_place`` finishes it)."""
+    view_k: object
+    view_v: object
+    present_k: object
+    present_v: object
+    k: object
+    """The new keys [KV, 1, Dh] the graph computed (its new_kv output reads them)."""
+    v: object
+    row: object
+    """int64 [1]: the cache row the new entries go to."""
+    packed: bool
+
+
+def _through_row_reshapes(value):
+    """The tensor ``value`` is a reshape of: back through Reshape, Unsqueeze, Squeeze and through Transposes that
+    keep the memory order (the axes longer than 1 stay in order; a single row's heads moved around it)."""
+    while True:
+        node = value.producer() if value is not None else None
+        if node is None or node.domain != "":
+            return value
+        if node.op_type == "Transpose":  # output axis i is input axis perm[i]
+            shape, perm = _static_shape(node.outputs[0]), _attr(node, "perm")
+            if shape is None or perm is None:
+                return value
+            long_axes = [p for i, p in enumerate(perm) if shape[i] != 1]
+            if long_axes != sorted(long_axes):
+                return value
+        elif node.op_type not in ("Reshape", "Unsqueeze", "Squeeze"):
+            return value
+        value = node.inputs[0]
+
+
+def _cache_views(past_k, past_v):
+    """The graph inputs (KV slot views [KV, S, Dh]) that ``past_k``/``past_v`` are, whole or as their first
+    positions (``Slice`` along the position axis: a decode graph of span d < S), when attention is their only
+    reader; else None."""
+    views = []
+    for past in (past_k, past_v):
+        if len(past.uses()) != 1:
+            return None
+        view = past
+        sl = _producer(past, "Slice")
+        if sl is not None:
+            view = sl.inputs[0]
+            args = list(sl.inputs[1:]) + [None] * (5 - len(sl.inputs))
+            if _ints(args[0]) != [0] or _ints(args[2]) not in ([1], [-2]) or \
+                    (args[3] is not None and _ints(args[3]) != [1]) or len(view.uses()) != 1:
+                return None
+        shape = _static_shape(view)
+        if not _graph_input(view) or shape is None or len(shape) != 3:
+            return None
+        views.append(view)
+    return tuple(views) if _static_shape(views[0]) == _static_shape(views[1]) else None
+
+
+def _packed_rotary_qkv(q, k, v, nh: int, kv: int, dh: int, cache_position, length: int):
+    """``(qkv, cos, sin)`` when one new row's q [nh, 1, Dh], k, v [kv, 1, Dh] are the column blocks of one product
+    ``qkv`` [1, (nh + 2 kv) Dh] (q, k, v in that order), q and k rotated by com.microsoft.RotaryEmbedding over
+    the same half tables at the position ``cache_position`` (clamped to the table), so that GroupQueryAttention
+    can take ``qkv`` packed and rotate it itself (``do_rotary``; it rotates at the row it writes, the same
+    position for cache positions below ``length``). None otherwise."""
+    def column_block(value, start, stop):
+        source = _producer(_through_row_reshapes(value), "Slice")
+        if source is None:
+            return None
+        x = source.inputs[0]
+        args = list(source.inputs[1:]) + [None] * (5 - len(source.inputs))
+        shape = _static_shape(x)
+        if shape != (1, (nh + 2 * kv) * dh) or not _is_float32(x) or _ints(args[0]) != [start] or \
+                _ints(args[2]) not in ([1], [-1]) or (args[3] is not None and _ints(args[3]) != [1]):
+            return None
+        end = _ints(args[1])
+        if end is None or len(end) != 1 or not (end[0] == stop or (stop == shape[1] and end[0] > stop)):
+            return None
+        return x
+
+    def rotary(value):
+        node = _through_row_reshapes(value).producer()
+        if node is None or node.op_type != "RotaryEmbedding" or node.domain != "com.microsoft":
+            return None
+        if _attr(node, "interleaved", 0) or _attr(node, "is_packed_batching", 0) or \
+                _attr(node, "rotary_embedding_dim", 0) not in (0, dh) or _attr(node, "scale", 1.0) != 1.0:
+            return None
+        return node
+
+    if dh % 16:  # GQA's rotary needs a head size that is a multiple of 16
+        return None
+    rq, rk = rotary(q), rotary(k)
+    if rq is None or rk is None or list(rq.inputs[2:4]) != list(rk.inputs[2:4]):
+        return None
+    pos, cos, sin = rq.inputs[1:4]
+    source = _through_row_reshapes(pos)
+    if _through_row_reshapes(rk.inputs[1]) is not source:
+        return None
+    clip = _producer(source, "Clip")
+    if clip is not None:
+        bounds = [_const(x) if x is not None else None for x in (list(clip.inputs[1:]) + [None, None])[:2]]
+        if any(b is None or b.size != 1 for b in bounds) or bounds[0].reshape(-1)[0] > 0 or \
+                bounds[1].reshape(-1)[0] < length - 1:
+            return None
+        source = clip.inputs[0]
+    if source is not cache_position:  # (the int64 graph input the mask compares with)
+        return None
+    for table in (cos, sin):
+        value = _const(table)
+        if value is None or value.dtype != np.float32 or value.shape != (value.shape[0], dh // 2) or \
+                value.shape[0] < length:
+            return None
+    blocks = [column_block(rq.inputs[0], 0, nh * dh), column_block(rk.inputs[0], nh * dh, (nh + kv) * dh),
+              column_block(v, (nh + kv) * dh, (nh + 2 * kv) * dh)]
+    if blocks[0] is None or any(b is not blocks[0] for b in blocks):
+        return None
+    return blocks[0], cos, sin
+
+
+def _kv_in_place(model, records) -> int:
+    """Finish the in-place GroupQueryAttentions: each KV view becomes a [1, KV, S, Dh] input read by GQA
+    directly, GQA's present outputs become graph outputs named ``<view>`` + :data:`graphset.IN_PLACE_SUFFIX`
+    (the executor binds them to the view's memory, so GQA sees one buffer and writes only the new row), and
+    where GQA rotates the keys itself the graph's new K/V entries are read back from that row. Returns
+    ``(attentions made in place, of which taking Q/K/V packed)``."""
+    import onnx_ir as ir
+
+    graph = model.graph
+    for rec in records:
+        gqa = rec.present_k.producer()
+        for index, view, present in ((3, rec.view_k, rec.present_k), (4, rec.view_v, rec.present_v)):
+            unsqueeze = gqa.inputs[index].producer()
+            readers = {id(node) for node, _ in view.uses()}
+            if readers != {id(unsqueeze)}:
+                raise AssertionError(f"{view.name}: read by other nodes than its attention")
+            view.shape = ir.Shape([1, *view.shape])
+            gqa.replace_input_with(index, view)
+            present.name = view.name + graphset.IN_PLACE_SUFFIX
+            present.shape, present.dtype = view.shape, view.dtype
+            graph.outputs.append(present)
+        # the graph's new entries (read by its new_kv output): the row GQA wrote, [1, KV, 1, Dh] -> [KV, 1, Dh];
+        # where GQA rotates the keys itself, nothing else computes them any more
+        kv, dh = rec.view_k.shape[1], rec.view_k.shape[3]
+        shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([kv, 1, dh], np.int64))})
+        graph.append(shape)
+        feeding = _feeding(gqa)
+        for new, present in ((rec.k, rec.present_k), (rec.v, rec.present_v)):
+            gather = ir.node("Gather", [present, rec.row], attributes={"axis": 2})
+            reshape = ir.node("Reshape", [gather.outputs[0], shape.outputs[0]])
+            graph.extend([gather, reshape])
+            for node, index in list(new.uses()):
+                if id(node) not in feeding:
+                    node.replace_input_with(index, reshape.outputs[0])
+    if records:
+        _stack_rows(graph)
+        graph.sort()
+    return len(records), sum(r.packed for r in records)
+
+
+def _feeding(node) -> set[int]:
+    """ids of the nodes that ``node`` depends on."""
+    seen: set[int] = set()
+    stack = [node]
+    while stack:
+        for value in stack.pop().inputs:
+            producer = value.producer() if value is not None else None
+            if producer is not None and id(producer) not in seen:
+                seen.add(id(producer))
+                stack.append(producer)
+    return seen
+
+
+def _stack_rows(graph) -> bool:
+    """A one-row graph whose every layer's new entries are rows GQA wrote: its ``new_kv`` output [L, 2, KV, 1, Dh],
+    exported as ``stack(stack(k_l, v_l) for each layer l)`` of the [KV, 1, Dh] entries (Concats of Unsqueezes,
+    two per layer), is the rows' memory in (layer, K/V) order: one Concat of the [1, KV, 1, Dh] row Gathers and
+    a Reshape make it. True if so rewritten."""
+    import onnx_ir as ir
+
+    out = next((v for v in graph.outputs if v.name == "new_kv"), None)
+    shape = _static_shape(out) if out is not None else None
+    if shape is None or len(shape) != 5 or shape[1] != 2 or shape[3] != 1:
+        return False
+
+    def parts(value, count):  # the inputs of ``value`` = Concat(axis 0) of ``count`` reshaped tensors
+        concat = _producer(_through_row_reshapes(value), "Concat")
+        if concat is None or _attr(concat, "axis") != 0 or len(concat.inputs) != count:
+            return None
+        return [_through_row_reshapes(x) for x in concat.inputs]
+
+    rows = []
+    for layer in parts(out, shape[0]) or []:
+        for entry in parts(layer, 2) or []:
+            gather = _producer(entry, "Gather")  # through the Reshape to [KV, 1, Dh]: the [1, KV, 1, Dh] row
+            if gather is None or _attr(gather, "axis") != 2 or \
+                    not gather.inputs[0].name.endswith(graphset.IN_PLACE_SUFFIX):
+                return False
+            rows.append(gather.outputs[0])
+    if len(rows) != 2 * shape[0]:
+        return False
+    concat = ir.node("Concat", rows, attributes={"axis": 0})
+    target = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(shape, np.int64))})
+    reshape = ir.node("Reshape", [concat.outputs[0], target.outputs[0]])
+    graph.extend([concat, target, reshape])
+    stacked = reshape.outputs[0]
+    out.name, stacked.name = f"{out.name}.unstacked", out.name  # the old chain is left to RemoveUnusedNodes
+    stacked.shape, stacked.dtype = out.shape, out.dtype
+    graph.outputs[list(graph.outputs).index(out)] = stacked
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- rules
@@ -269,8 +480,9 @@ def _rules():
         with the past length ``clip(cache_position, 0, S)``, the positions the mask allows), causal
         attention among the new rows, and the same scale."""
 
-        def __init__(self):
+        def __init__(self, in_place: list):
             super().__init__("CacheAttention")
+            self.in_place = in_place  # an _InPlace per in-place rewrite, for _kv_in_place
 
         def pattern(self, op, q, past_k, past_v, k, v, qg_shape, ax_pk, ax_k, ax_pv, ax_v, scale, bias,
                     p_start, p_end, p_axes, p_steps, n_start, n_end, n_axes, n_steps, ctx_shape, flat_shape):
@@ -320,11 +532,14 @@ def _rules():
             cache_position = _allowed_cache_position(where.inputs[0], s, t)
             if cache_position is None:
                 return result.fail("the mask is not 'position < cache_position, causal among new rows'")
-            self._match = (cache_position, float(sc.reshape(-1)[0]), nh, kv, t, dh, s)
+            views = _cache_views(past_k, past_v) if t == 1 else None
+            packed = _packed_rotary_qkv(q, k, v, nh, kv, dh, cache_position,
+                                        _static_shape(views[0])[1]) if views else None
+            self._match = (cache_position, float(sc.reshape(-1)[0]), nh, kv, t, dh, s, views, packed)
             return result
 
         def rewrite(self, op, q, past_k, past_v, k, v, **_):
-            cache_position, scale, nh, kv, t, dh, s = self._match
+            cache_position, scale, nh, kv, t, dh, s, views, packed = self._match
 
             def const(values):
                 return op.Constant(value=ir.tensor(np.asarray(values, np.int64)))
@@ -337,15 +552,36 @@ def _rules():
                     x = op.Transpose(x, perm=[1, 0, 2])
                 return op.Reshape(x, const([1, t, heads * dh]))
 
-            past = op.Clip(cache_position, const(0), const(s))
-            seqlens = op.Cast(op.Add(past, const([t - 1])), to=ir.DataType.INT32)
-            # the buffer length (ORT's "dynamic cache": present = past buffer + new rows), whatever the position:
-            # padded prefill rows may pass the end of the past buffer
-            total = op.Constant(value=ir.tensor(np.array(s + t, np.int32)))
-            out, _, _ = op.GroupQueryAttention(
-                tokens_major(q, nh), tokens_major(k, kv), tokens_major(v, kv),
-                op.Unsqueeze(past_k, const([0])), op.Unsqueeze(past_v, const([0])), seqlens, total,
-                num_heads=nh, kv_num_heads=kv, scale=scale, _domain="com.microsoft", _outputs=3)
+            if views is None:
+                past = op.Clip(cache_position, const(0), const(s))
+                seqlens = op.Cast(op.Add(past, const([t - 1])), to=ir.DataType.INT32)
+                # the buffer length (ORT's "dynamic cache": present = past buffer + new rows), whatever the
+                # position: padded prefill rows may pass the end of the past buffer
+                total = op.Constant(value=ir.tensor(np.array(s + t, np.int32)))
+                out, _, _ = op.GroupQueryAttention(
+                    tokens_major(q, nh), tokens_major(k, kv), tokens_major(v, kv),
+                    op.Unsqueeze(past_k, const([0])), op.Unsqueeze(past_v, const([0])), seqlens, total,
+                    num_heads=nh, kv_num_heads=kv, scale=scale, _domain="com.microsoft", _outputs=3)
+                return op.Reshape(out, const([t, nh * dh]))
+            # one new row, the cache given as the KV slot's own views: GQA appends the row to the views in place
+            # (its present outputs are bound to the views' memory; see _kv_in_place)
+            view_k, view_v = views
+            length = _static_shape(view_k)[1]
+            row = op.Clip(cache_position, const(0), const(length - 1))  # in the buffer whatever the input
+            seqlens = op.Cast(row, to=ir.DataType.INT32)
+            total = op.Constant(value=ir.tensor(np.array(length, np.int32)))
+            past = op.Unsqueeze(view_k, const([0])), op.Unsqueeze(view_v, const([0]))
+            if packed is not None:  # Q, K, V as the one product's columns; the rotary inside GQA
+                qkv, cos, sin = packed
+                out, present_k, present_v = op.GroupQueryAttention(
+                    op.Reshape(qkv, const([1, 1, (nh + 2 * kv) * dh])), None, None, *past, seqlens, total, cos, sin,
+                    num_heads=nh, kv_num_heads=kv, scale=scale, do_rotary=1, rotary_interleaved=0,
+                    _domain="com.microsoft", _outputs=3)
+            else:
+                out, present_k, present_v = op.GroupQueryAttention(
+                    tokens_major(q, nh), tokens_major(k, kv), tokens_major(v, kv), *past, seqlens, total,
+                    num_heads=nh, kv_num_heads=kv, scale=scale, _domain="com.microsoft", _outputs=3)
+            self.in_place.append(_InPlace(view_k, view_v, present_k, present_v, k, v, row, packed is not None))
             return op.Reshape(out, const([t, nh * dh]))
 
     return ReciprocalOfDivision, SkipRmsNorm, TableRotaryEmbedding, CacheAttention
@@ -426,7 +662,11 @@ def fuse_model(path: str, fusions=DEFAULT_FUSIONS):
     if "rotary" in fusions:
         counts["rotary"] = RewriteRuleSet([rotary.rule()]).apply_to_model(model)
     if "attention" in fusions:
-        counts["attention"] = RewriteRuleSet([attention.rule()]).apply_to_model(model)
+        in_place: list[_InPlace] = []
+        counts["attention"] = RewriteRuleSet([attention.rule(in_place)]).apply_to_model(model)
+        common_passes.RemoveUnusedNodesPass()(model)  # the matched nodes' leftovers (a view's Slice)
+        if in_place:
+            counts["kv_in_place"], counts["packed_qkv"] = _kv_in_place(model, in_place)
     if "rms_norm" not in fusions and counts.get("rms_norm"):
         counts.pop("rms_norm")  # only the precursor of skip_rms_norm
     if not any(counts.values()):
@@ -468,8 +708,6 @@ def fingerprint(graph_dir: str, paths: dict[str, str], manifest: dict, fusions) 
 
 
 def _valid(directory: str, key: dict, names) -> bool:
-    from ..core import graphset
-
     try:
         with open(os.path.join(directory, graphset.MANIFEST_FILE), encoding="utf-8") as fh:
             data = json.load(fh)
@@ -483,7 +721,7 @@ def fused_graph_set(graph_dir: str, metas, paths: dict[str, str], cache_dir: str
     missing or stale. ``metas``: the GraphMeta of every graph to load; ``paths``: name -> source file.
     Its manifest holds the graph metas, the rewrite counts per graph (``fusion_counts``) and the
     fingerprint (:data:`CACHE_KEY`)."""
-    from ..core import graphset, graphset_writer
+    from ..core import graphset_writer
     from ..core.executor import GraphMeta
 
     manifest = graphset.read_manifest(graph_dir)

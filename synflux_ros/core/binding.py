@@ -73,14 +73,20 @@ class Port(NamedTuple):
 
 Plan = dict[str, list[tuple[str, int, tuple]]]
 """contract input -> [(model input name, byte offset in the contract input's buffer, shape)]: one entry at
-offset 0 for an input the model takes whole, one per view for an input it takes as views."""
+offset 0 for an input the model takes whole, one per view for an input it takes as views. A view may carry
+leading axes of length 1 (``[1, KV, S, Dh]`` for a ``[KV, S, Dh]`` view); the shape is the model's."""
 
 
 def binding_plan(meta: GraphMeta, inputs: Sequence[Port], outputs: Sequence[Port], where: str,
-                 hint: str) -> Plan:
+                 hint: str, in_place: Plan | None = None) -> Plan:
     """Check a model's ports against ``meta`` and return its input :data:`Plan`. Errors are
-    :class:`ShapeError` naming the graph, ``where`` (its file) and the tensor, and end with ``hint``."""
+    :class:`ShapeError` naming the graph, ``where`` (its file) and the tensor, and end with ``hint``.
+
+    Outputs that update an input in place (``<input>`` + :data:`graphset.IN_PLACE_SUFFIX`, of the input's dtype
+    and shape) are accepted only when ``in_place`` is given, which is then filled like the plan: contract input
+    -> [(model output name, byte offset, shape)], to be bound to the same memory as that input."""
     plan: Plan = {}
+    model_inputs: dict[str, tuple] = {}  # model input name -> (contract name, port, offset, shape)
     for what, declared, actual in (("input", meta.inputs, inputs), ("output", meta.outputs, outputs)):
         specs = {s.name: s for s in declared}
         parts: dict[str, list] = {s.name: [] for s in declared}  # contract name -> [(port, offset, shape)]
@@ -94,8 +100,17 @@ def binding_plan(meta: GraphMeta, inputs: Sequence[Port], outputs: Sequence[Port
                 for spec in declared:
                     view = graphset.input_views(spec.name, spec.shape, np.dtype(spec.dtype).itemsize, port.name)
                     if view is not None:
-                        parts[spec.name].append((port, view[0], view[1]))
+                        parts[spec.name].append((port, view[0], _leading_ones(port.shape, view[1])))
                         break
+            elif in_place is not None and port.name.endswith(graphset.IN_PLACE_SUFFIX):
+                view = model_inputs.get(port.name[:-len(graphset.IN_PLACE_SUFFIX)])
+                if view is not None:
+                    contract, source, offset, shape = view
+                    if port.dtype != source.dtype or list(port.shape or ()) != list(shape):
+                        raise ShapeError(f"graph {meta.name!r} ({where}): output {port.name!r} updates input "
+                                         f"{source.name!r} in place but is {port.dtype}{port.shape}, not "
+                                         f"{source.dtype}{list(shape)}; {hint}")
+                    in_place.setdefault(contract, []).append((port.name, offset, shape))
             if view is None:
                 extra.append(port.name)
         missing = [name for name, found in parts.items() if not found]
@@ -114,4 +129,14 @@ def binding_plan(meta: GraphMeta, inputs: Sequence[Port], outputs: Sequence[Port
                                      f"ONNX model but {spec.dtype}{list(want)} in the graph contract; {hint}")
             if what == "input":
                 plan[spec.name] = [(port.name, offset, want) for port, offset, want in parts[spec.name]]
+                model_inputs.update((port.name, (spec.name, port, offset, want))
+                                    for port, offset, want in parts[spec.name])
     return plan
+
+
+def _leading_ones(shape, view: tuple) -> tuple:
+    """``view`` with the leading length-1 axes that the model's port ``shape`` has in front of it."""
+    extra = len(shape) - len(view) if shape is not None else 0
+    if extra > 0 and all(d == 1 for d in shape[:extra]):
+        return (1,) * extra + tuple(view)
+    return tuple(view)

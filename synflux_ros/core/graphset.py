@@ -61,6 +61,12 @@ BUILD_HINT = "build it with: synflux-build --config <model.yaml> --out {dir}"
 VIEW_INPUTS = {"past_kv": 2}
 """Contract inputs exported as views, and over how many leading axes (see *Input views* above)."""
 
+IN_PLACE_SUFFIX = ".in_place"
+"""An ONNX output named ``<input>`` + this suffix (``past_kv.3.0.in_place``) is that input updated in place: a
+runtime binds it to the input's own memory. Graph files written by synflux-build have none; the onnxruntime
+executor's load-time fused graphs do (a KV view its attention kernel appends the new row to,
+``backends/ort_fusions.py``)."""
+
 
 def view_name(name: str, index) -> str:
     """ONNX input name of the view ``name[index]`` (``past_kv.3.1``: layer 3, values)."""

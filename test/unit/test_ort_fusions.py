@@ -88,6 +88,14 @@ def ops(path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ what is fused
+def _in_place_expected(cfg, name) -> dict:
+    """The decode graphs' attention appends to float32 KV views in place; a llama layer's Q/K/V (no per-head
+    norms between the product and the rotary) go into it packed, rotated inside it."""
+    if not name.startswith("decode") or cfg.llm.kv_dtype != "float32":
+        return {}
+    return {"kv_in_place": LAYERS, "packed_qkv": LAYERS if cfg.llm.architecture == "llama" else 0}
+
+
 @needs_onnxscript
 def test_decoder_graphs_get_the_fused_kernels(gset):
     cfg, ex = executor(gset, fusions=True)
@@ -96,10 +104,12 @@ def test_decoder_graphs_get_the_fused_kernels(gset):
     counts = graphset.read_manifest(str(sub))["fusion_counts"]
     norms = LAYERS * (4 if cfg.llm.architecture == "qwen3" else 2) + 1  # + q/k norms; + the final norm
     for name in DECODER:
-        assert counts[name] == {"rms_norm": norms, "rotary": 2 * LAYERS, "attention": LAYERS}, name
+        in_place = _in_place_expected(cfg, name)
+        assert counts[name] == {"rms_norm": norms, "rotary": 2 * LAYERS, "attention": LAYERS, **in_place}, name
         found = ops(sub / f"{name}.onnx")
         assert found.get("SimplifiedLayerNormalization") == norms
-        assert found.get("com.microsoft.RotaryEmbedding") == 2 * LAYERS
+        rotary_nodes = 0 if in_place.get("packed_qkv") else 2 * LAYERS
+        assert found.get("com.microsoft.RotaryEmbedding", 0) == rotary_nodes
         assert found.get("com.microsoft.GroupQueryAttention") == LAYERS
         for gone in ("Softmax", "Neg", "Pow", "Sqrt", "Where"):
             assert gone not in found, (name, gone, found)
@@ -122,6 +132,80 @@ def test_a_list_selects_the_fusions(gset, tmp_path):
     assert found.get("com.microsoft.SkipSimplifiedLayerNormalization") == 2 * LAYERS
     assert "com.microsoft.GroupQueryAttention" not in found and "Softmax" in found
     ex.close()
+
+
+@needs_onnxscript
+def test_decode_attention_appends_to_the_kv_views_in_place(gset):
+    """In a decode graph GQA takes each KV view whole ([1, KV, S, Dh], a decode span shorter than the slot
+    included) and returns it as ``<view>.in_place``, which the executor binds to the view's own memory: GQA
+    then writes the new row where the slot holds it and copies nothing else. The new_kv output is read
+    back from those rows by one Concat."""
+    cfg, ex = executor(gset, fusions=True)
+    llm = cfg.llm
+    kv, s, dh = llm.num_kv_heads, llm.max_seq_len, llm.head_dim
+    for name in ("decode_64", "decode_128"):
+        model = onnx.load(str(fused_dir(ex) / f"{name}.onnx"), load_external_data=False)
+        inputs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+        outputs = [o.name for o in model.graph.output]
+        if not _in_place_expected(cfg, name):
+            assert outputs == ["logits", "new_kv"] and inputs["past_kv.0.0"] == [kv, s, dh]
+            continue
+        views = [graphset.view_name("past_kv", (layer, j)) for layer in range(LAYERS) for j in range(2)]
+        assert outputs == ["logits", "new_kv"] + [v + graphset.IN_PLACE_SUFFIX for v in views]
+        assert all(inputs[v] == [1, kv, s, dh] for v in views)
+        for node in model.graph.node:
+            if node.op_type == "GroupQueryAttention":
+                assert node.input[3] in views and node.output[1] == node.input[3] + graphset.IN_PLACE_SUFFIX
+        assert ops(fused_dir(ex) / f"{name}.onnx").get("Concat") == 1  # new_kv: the rows, stacked
+    if not _in_place_expected(cfg, "decode_64"):
+        return ex.close()
+
+    rng = np.random.default_rng(7)
+    for name, cache_position in (("decode_64", 0), ("decode_64", 41), ("decode_128", 127)):
+        f = _feeds(cfg, name, cache_position, 1, rng)
+        slot = kv_slot(ex, cfg, f["past_kv"])
+        out = ex.run(name, {**f, "past_kv": slot})
+        after = ex.read(slot)
+        others = np.ones(s, bool)
+        others[cache_position] = False
+        np.testing.assert_array_equal(after[:, :, :, others], f["past_kv"][:, :, :, others])
+        np.testing.assert_array_equal(after[:, :, :, cache_position:cache_position + 1], out["new_kv"])
+        assert not np.array_equal(out["new_kv"], f["past_kv"][:, :, :, cache_position:cache_position + 1])
+    # another slot rebinds the in-place outputs with the inputs: the first slot is left as it was
+    first = ex.read(slot)
+    other = ex.alloc_tensor("kv2", llm.kv_shape, llm.kv_dtype)
+    f = _feeds(cfg, "decode_128", 90, 1, rng)
+    ex.write(other, (Ellipsis,), f["past_kv"])
+    out = ex.run("decode_128", {**f, "past_kv": other})
+    np.testing.assert_array_equal(ex.read(slot), first)
+    np.testing.assert_array_equal(ex.read(other)[:, :, :, 90:91], out["new_kv"])
+    ex.close()
+
+
+def test_in_place_outputs_must_match_their_input_and_are_refused_elsewhere():
+    from synflux_ros.core.binding import Port, binding_plan
+    from synflux_ros.core.executor import ShapeError
+
+    meta = next(m for m in graph_set(config()) if m.name == "decode_128")
+    kv_shape = dict((t.name, t.shape) for t in meta.inputs)["past_kv"]
+    view = [1, *kv_shape[2:]]
+    inputs = [Port("input_ids", "int64", [1, 1]), Port("cache_position", "int64", [1])] + [
+        Port(graphset.view_name("past_kv", (layer, j)), "float32", view) for layer in range(LAYERS) for j in range(2)]
+    contract = [Port(t.name, t.dtype, list(t.shape)) for t in meta.outputs]
+    extra = [Port("past_kv.1.0" + graphset.IN_PLACE_SUFFIX, "float32", view)]
+    in_place: dict = {}
+    plan = binding_plan(meta, inputs, contract + extra, "g.onnx", "rebuild", in_place=in_place)
+    size = int(np.prod(kv_shape[2:])) * 4
+    assert ("past_kv.1.0", 2 * size, tuple(view)) in plan["past_kv"]
+    assert in_place == {"past_kv": [("past_kv.1.0.in_place", 2 * size, tuple(view))]}
+    with pytest.raises(ShapeError, match=r"unexpected \['past_kv.1.0.in_place'\]"):
+        binding_plan(meta, inputs, contract + extra, "g.onnx", "rebuild")  # a backend that cannot bind them
+    wrong = [Port("past_kv.1.0" + graphset.IN_PLACE_SUFFIX, "float32", [1, *kv_shape[2:-1], 8])]
+    with pytest.raises(ShapeError, match=r"output 'past_kv.1.0.in_place' updates input 'past_kv.1.0' in place"):
+        binding_plan(meta, inputs, contract + wrong, "g.onnx", "rebuild", in_place={})
+    stray = [Port("past_kv.9.0" + graphset.IN_PLACE_SUFFIX, "float32", view)]  # no such input
+    with pytest.raises(ShapeError, match=r"unexpected \['past_kv.9.0.in_place'\]"):
+        binding_plan(meta, inputs, contract + stray, "g.onnx", "rebuild", in_place={})
 
 
 # ------------------------------------------------------------------------------------------ numerics
