@@ -17,13 +17,26 @@ This module rewrites each graph with onnxscript's pattern rewriter into
   from ``inv_freq`` and positions, the graphs look them up in a table, ``decoder.rope_table``);
 * ``com.microsoft.GroupQueryAttention`` (rule of this module: the graphs attend to the cache and the new
   keys without concatenating them, ``decoder.attend_past_and_new``, a form onnxscript's SDPA/GQA rules do
-  not know). The cache stays an input: GQA zero-fills a present buffer of its own (past buffer + new rows,
-  an output nothing reads), copies the valid positions into it and attends to those, and the graph
-  returns the new entries as before, so the graph contract, the KV slots and the bindings are unchanged.
-  That copy is what keeps it from being much faster in a decode step: ORT's way around it, the present
-  buffer bound to the cache itself (``past_present_share_buffer``), would make the graph write into the
-  KV slot, which the contract leaves to the runtime. Attention runs in float32 (a float16 cache is cast
-  first, as in the portable graph).
+  not know). Attention runs in float32 (a float16 cache is cast first, as in the portable graph, and keeps
+  the form below for prefill graphs).
+
+  - Prefill graphs (several new rows): the cache stays an input. GQA zero-fills a present buffer of its
+    own (past buffer + new rows, an output nothing reads), copies the valid positions into it and attends
+    to those; the graph returns the new entries as before.
+  - Decode graphs (one new row) over a float32 cache read as the slot's views: GQA takes each view whole
+    as its past (``[1, KV, S, Dh]``; a decode span d < S included, whose Slice goes: GQA reads only the
+    positions below the row) and returns it as the graph output ``<view>.in_place``
+    (``graphset.IN_PLACE_SUFFIX``), which the executor binds to the view's own memory. GQA then sees one
+    buffer (ORT's shared past/present buffer) and writes only the new row into the slot, at
+    ``cache_position`` clipped to the view; without this it copied the whole cache into a buffer of its own
+    for each query head (three times a layer for SmolLM2's 9 heads over 3 KV heads) on every step. The
+    runtime writes the same row again from ``new_kv``, which the graph now reads back from the rows GQA
+    wrote (one Gather per view, one Concat for all). Where the layer's Q, K and V are column blocks of one
+    product that only the rotary separates from attention (llama, SmolLM2; not Qwen3, whose per-head
+    norms sit between), GQA takes the product packed and rotates Q and K itself (``do_rotary`` over the
+    rotary tables' halves, at the row it writes: the same positions for cache positions below the span).
+    The domain of a decode graph of span d stays ``cache_position < d``, which the runtime keeps; beyond
+    it the portable graph attends to all d positions while this one writes into the last row of the view.
 
 A rule that does not match leaves the graph as it is (a vision encoder gets none of them). Every rule
 checks the values it relies on (constants, shapes, the attention mask's construction from
@@ -84,13 +97,21 @@ def parse(value) -> tuple[str, ...]:
 
 
 def versions() -> dict:
-    """What a fused set depends on besides its source: onnxscript, onnx (its opset converter) and this module."""
-    onnxscript = _onnxscript()
-    import onnx
+    """What a fused set depends on besides its source: onnxscript, onnx (its opset converter) and this module.
+    Read from the installed packages' metadata: loading a fused set that is up to date imports neither (their
+    modules would add some 70 MB to the process)."""
+    from importlib import metadata
 
+    found = {}
+    for package in ("onnxscript", "onnx"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError as exc:
+            raise RuntimeError(f"onnxruntime executor: the fusions option needs the 'onnxscript' package "
+                               f"({_INSTALL_HINT}), or set fusions: false") from exc
     with open(__file__, "rb") as fh:
         source = hashlib.sha256(fh.read()).hexdigest()[:16]
-    return {"onnxscript": onnxscript.__version__, "onnx": onnx.__version__, "rules": source}
+    return {**found, "rules": source}
 
 
 # ---------------------------------------------------------------------------------------------- helpers

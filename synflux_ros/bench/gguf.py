@@ -13,8 +13,13 @@ into ``--work`` and reused:
 
 One batch, synthetic token ids, greedy; the engines take turns run by run and each row is the best of
 ``--repeats`` runs after a warm-up (``bench.llm.measure``). The int8 and int4 rows, and ``-prepacked``,
-run with the CPU deployment setting (``optimized_model_dir`` + ``prepack``: ONNX Runtime's optimised graphs
-with their prepacked weights saved once and mapped by every session). Targets of the table: synflux
+run with the CPU deployment setting (:func:`deployment_options`: ``fusions``, the decoder graphs rewritten
+into ONNX Runtime's fused kernels, and ``optimized_model_dir`` + ``prepack``, ORT's optimised graphs with
+their prepacked weights saved once and mapped by every session). A second table, measured in a process of its
+own (:func:`shared_pool_rows`), runs synflux float32 and int4 at that setting on one process-wide thread
+pool (``thread_pool: shared``) next to the references again: with a pool per session, the prefill's
+spinning threads take the cores from the first decode steps and the decode's from the next prefill.
+Ratios are taken within a table (engines of one process, taking turns). Targets: synflux
 float32 decode <= 1.0x onnxruntime-genai float32, synflux int4 decode <= 1.0x llama.cpp on the same file,
 and loading and running all buckets of each graph set grows PSS by <= 1.2x its weights file (with the
 better of the default options and the deployment setting; both are printed). llama.cpp is ``llama-cpp-python``
@@ -29,6 +34,8 @@ import glob
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -106,6 +113,13 @@ def graph_sets(path: str, work: str, prefill_buckets, context: int, weights=WEIG
     return out
 
 
+def deployment_options(work: str, name: str) -> dict:
+    """Executor options of the CPU deployment setting: the decoder graphs rewritten into ORT's fused kernels
+    (``fusions: true``; a decode step's attention appends to the KV slot in place), ORT's optimised graphs
+    with their prepacked weights saved once under ``work`` and mapped by every session."""
+    return {**prepacked_options(work, name), "fusions": True}
+
+
 def span(input_len: int, output_len: int) -> int:
     """The decode span holding a prompt and its reply: the next power of two."""
     return 1 << (input_len + output_len - 1).bit_length()
@@ -156,6 +170,75 @@ class LlamaCppEngine:
 
 
 # ------------------------------------------------------------------------------------------- the table
+SHARED_POOL_WEIGHTS = ("float32", "int4")
+"""The weights measured again on one process-wide thread pool (the second table)."""
+
+
+def _short(w: str) -> str:
+    return "fp32" if w == "float32" else w
+
+
+def _references(genai: dict, path: str, context: int, threads: int) -> list:
+    """onnxruntime-genai fp32 and int4, and llama.cpp where it is installed, as engines."""
+    engines = []
+    for p in ("fp32", "int4"):
+        e = GenaiEngine(genai[p], threads)
+        e.name = f"onnxruntime-genai-{p}"
+        engines.append(e)
+    if have_llama_cpp():
+        engines.append(LlamaCppEngine(path, context, threads))
+    return engines
+
+
+def _measure(engines: list, input_len: int, output_len: int, threads: int, repeats: int) -> list[dict]:
+    try:
+        return measure(engines, [input_len], output_len, threads, repeats)
+    finally:
+        for e in engines:
+            e.close()
+
+
+def shared_pool_rows(path: str, work: str, input_len: int, output_len: int, threads: int, repeats: int) -> list:
+    """The second table's rows (run in this process, which must not have run onnxruntime yet): synflux at
+    the deployment setting with ``thread_pool: shared``, one pool of ``threads`` threads for every session
+    (prefill and decode no longer wait on each other's spinning threads), next to the references (whose
+    own runtimes keep one pool per model). The graph sets must exist (``bench`` builds them)."""
+    context = span(input_len, output_len)
+    stem = _stem(path)
+    engines = [SynfluxEngine(os.path.join(work, f"{stem}.synflux-{w}"), threads,
+                             {**deployment_options(work, f"{stem}-{w}"), "thread_pool": "shared"},
+                             f"synflux-{_short(w)}-shared-pool")
+               for w in SHARED_POOL_WEIGHTS]
+    genai = {p: os.path.join(work, f"{stem}.genai-{p}") for p in ("fp32", "int4")}
+    return _measure(engines + _references(genai, path, context, threads), input_len, output_len, threads, repeats)
+
+
+def _table(title: str, rows: list) -> None:
+    print(f"\n  {title}")
+    print(f"  {'engine':<28} {'TTFT/prefill ms':>15} {'decode ms/tok':>14} {'tok/s':>8}")
+    for r in rows:
+        print(f"  {r['engine']:<28} {r['prefill_ms']:>15.2f} {r['decode_ms_per_token']:>14.2f} "
+              f"{r['tokens_per_s']:>8.1f}")
+
+
+def _speed_target(tables: list, prefix: str, ref: str, what: str) -> bool:
+    """Prints each table's ratios of the ``prefix`` rows to ``ref`` (measured in the same process, taking
+    turns) and returns whether the best is <= 1.0x."""
+    best = None
+    parts = []
+    for label, rows in tables:
+        by = {r["engine"]: r["decode_ms_per_token"] for r in rows}
+        if ref not in by:
+            continue
+        for e in (e for e in by if e.startswith(prefix)):
+            ratio = by[e] / by[ref]
+            parts.append(f"{e} {ratio:.2f}x")
+            best = ratio if best is None else min(best, ratio)
+    met = best is not None and best <= 1.0
+    print(f"  {what}: {', '.join(parts)} (target <= 1.0x, the best) {'PASS' if met else 'FAIL'}")
+    return met
+
+
 def bench(path: str, work: str, input_len: int, output_len: int, threads: int, repeats: int, jsonl=None) -> dict:
     os.makedirs(work, exist_ok=True)
     context = span(input_len, output_len)
@@ -167,8 +250,9 @@ def bench(path: str, work: str, input_len: int, output_len: int, threads: int, r
         print(f"  synflux-{w}: weights.bin {os.path.getsize(os.path.join(d, 'weights.bin')) / 2**20:.0f} MiB"
               + (f", GGUF blocks carried over exactly: {carried}" if carried else ""))
     genai = {p: build_genai(hf, os.path.join(work, f"{_stem(path)}.genai-{p}"), p) for p in ("fp32", "int4")}
-    # the CPU deployment setting: ORT's optimised graphs with prepacked weights saved once and mapped
-    deploy = {w: prepacked_options(work, f"{_stem(path)}-{w}") for w in WEIGHTS}
+    deploy = {w: deployment_options(work, f"{_stem(path)}-{w}") for w in WEIGHTS}
+    if not have_llama_cpp():
+        print(f"  llama.cpp rows left out: {LLAMA_CPP_HINT}")
     engines = []
     try:
         engines.append(SynfluxEngine(sets["float32"], threads, name="synflux-fp32"))
@@ -179,53 +263,47 @@ def bench(path: str, work: str, input_len: int, output_len: int, threads: int, r
         # other engines spin by default)
         for w in ("float32", "int4"):
             engines.append(SynfluxEngine(sets[w], threads, {**deploy[w], "allow_spinning": True},
-                                         f"synflux-{'fp32' if w == 'float32' else w}-spinning"))
+                                         f"synflux-{_short(w)}-spinning"))
         engines.append(TransformersEngine(hf, threads))
-        for p in ("fp32", "int4"):
-            e = GenaiEngine(genai[p], threads)
-            e.name = f"onnxruntime-genai-{p}"
-            engines.append(e)
-        if have_llama_cpp():
-            engines.append(LlamaCppEngine(path, context, threads))
-        else:
-            print(f"  llama.cpp rows left out: {LLAMA_CPP_HINT}")
-        rows = measure(engines, [input_len], output_len, threads, repeats)
-    finally:
+        engines += _references(genai, path, context, threads)
+    except BaseException:
         for e in engines:
             e.close()
+        raise
+    rows = _measure(engines, input_len, output_len, threads, repeats)
+    # the process-wide pool cannot be made once sessions with pools of their own exist: a process of its own
+    proc = subprocess.run([sys.executable, "-m", "synflux_ros.bench.gguf", "--gguf", path, "--work", work,
+                           "--input-len", str(input_len), "--output-len", str(output_len), "--threads",
+                           str(threads), "--repeats", str(repeats), "--shared-pool-rows"],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"the shared-pool table failed:\n{proc.stderr[-4000:]}")
+    shared = json.loads(proc.stdout.strip().splitlines()[-1])
     name = _stem(path)
-    for r in rows:
-        r["model"] = name
-        r["ttft_ms"] = r["prefill_ms"]  # one batch: the first token comes with the prompt's logits
-        if jsonl:
-            jsonl.write(json.dumps(r) + "\n")
+    for table, group in ((rows, "session pools"), (shared, "shared pool")):
+        for r in table:
+            r["model"], r["table"] = name, group
+            r["ttft_ms"] = r["prefill_ms"]  # one batch: the first token comes with the prompt's logits
+            if jsonl:
+                jsonl.write(json.dumps(r) + "\n")
     print(f"\n  {name}: one batch, {threads} threads, prompt {input_len}, {output_len} new tokens, decode span "
           f"{context} (engines take turns run by run; best of {repeats})")
-    print(f"  {'engine':<24} {'TTFT/prefill ms':>15} {'decode ms/tok':>14} {'tok/s':>8}")
-    for r in rows:
-        print(f"  {r['engine']:<24} {r['prefill_ms']:>15.2f} {r['decode_ms_per_token']:>14.2f} "
-              f"{r['tokens_per_s']:>8.1f}")
-    by = {r["engine"]: r["decode_ms_per_token"] for r in rows}
+    _table("a thread pool per session (synflux's default; the references' own runtimes):", rows)
+    _table("synflux on one process-wide pool (thread_pool: shared), the references again, in a process of "
+           "their own:", shared)
+    tables = [("session pools", rows), ("shared pool", shared)]
     print("\n== targets ==")
-    met = []
-    fp32 = [e for e in by if e.startswith("synflux-fp32")]
-    int4 = [e for e in by if e.startswith("synflux-int4")]
-
-    def ratios(engines, ref):
-        return ", ".join(f"{e} {by[e] / by[ref]:.2f}x" for e in engines)
-
-    met.append(min(by[e] for e in fp32) <= by["onnxruntime-genai-fp32"])
-    print(f"  float32 decode vs onnxruntime-genai fp32: {ratios(fp32, 'onnxruntime-genai-fp32')} (target <= 1.0x, "
-          f"the best) {'PASS' if met[-1] else 'FAIL'}")
+    met = [_speed_target(tables, "synflux-fp32", "onnxruntime-genai-fp32",
+                         "float32 decode vs onnxruntime-genai fp32")]
+    by = {r["engine"]: r["decode_ms_per_token"] for r in rows}
     print(f"  int4 decode vs onnxruntime-genai int4 (its builder's own int4, not the file's blocks): "
-          f"{ratios(int4, 'onnxruntime-genai-int4')} (no target)")
-    if "llama.cpp" in by:
-        met.append(min(by[e] for e in int4) <= by["llama.cpp"])
-        print(f"  int4 decode vs llama.cpp on the same file: {ratios(int4, 'llama.cpp')} (target <= 1.0x, the best) "
-              f"{'PASS' if met[-1] else 'FAIL'}")
+          + ", ".join(f"{e} {by[e] / by['onnxruntime-genai-int4']:.2f}x" for e in by if e.startswith("synflux-int4"))
+          + " (no target)")
+    if have_llama_cpp():
+        met.append(_speed_target(tables, "synflux-int4", "llama.cpp", "int4 decode vs llama.cpp on the same file"))
     for w in WEIGHTS:
         figures = []
-        for label, options in (("default options", None), ("prepacked, saved once", deploy[w])):
+        for label, options in (("default options", None), ("deployment setting", deploy[w])):
             mem = graph_set_memory(sets[w], threads, options)
             figures.append(mem["pss_growth"] / mem["weights_file"])
             print(f"  memory ({w}, {label}): loading and running all {mem['graphs']} graphs grows PSS by "
@@ -234,7 +312,7 @@ def bench(path: str, work: str, input_len: int, output_len: int, threads: int, r
         met.append(min(figures) <= 1.2)
         print(f"  memory ({w}): {min(figures):.2f}x the weights file (target <= 1.2x) {'PASS' if met[-1] else 'FAIL'}")
     print(f"\n{sum(met)} of {len(met)} targets met")
-    return {"rows": rows, "met": met}
+    return {"rows": rows + shared, "met": met}
 
 
 def main(argv=None) -> int:
@@ -246,8 +324,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--jsonl", help="append JSONL rows to this file")
+    ap.add_argument("--shared-pool-rows", action="store_true",
+                    help="only measure the shared-pool table (graph sets built) and print its rows as JSON")
     args = ap.parse_args(argv)
     path = gguf_file(args.gguf)
+    if args.shared_pool_rows:
+        rows = shared_pool_rows(path, os.path.abspath(args.work), args.input_len, args.output_len, args.threads,
+                                args.repeats)
+        print(json.dumps(rows))
+        return 0
     jsonl = open(args.jsonl, "a", encoding="utf-8") if args.jsonl else None
     try:
         bench(path, os.path.abspath(args.work), args.input_len, args.output_len, args.threads, args.repeats, jsonl)
