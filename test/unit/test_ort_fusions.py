@@ -135,16 +135,19 @@ def test_a_list_selects_the_fusions(gset, tmp_path):
 
 
 @needs_onnxscript
-def test_decode_attention_appends_to_the_kv_views_in_place(gset):
+@pytest.mark.parametrize("optimized", [False, True], ids=["fused", "fused+ort-optimized-prepacked"])
+def test_decode_attention_appends_to_the_kv_views_in_place(gset, optimized, tmp_path):
     """In a decode graph GQA takes each KV view whole ([1, KV, S, Dh], a decode span shorter than the slot
     included) and returns it as ``<view>.in_place``, which the executor binds to the view's own memory: GQA
     then writes the new row where the slot holds it and copies nothing else. The new_kv output is read
-    back from those rows by one Concat."""
-    cfg, ex = executor(gset, fusions=True)
+    back from those rows by one Concat. The same holds for the ORT-optimised set made from the fused one."""
+    options = {"optimized_model_dir": str(tmp_path / "opt"), "prepack": True} if optimized else {}
+    cfg, ex = executor(gset, fusions=True, **options)
     llm = cfg.llm
     kv, s, dh = llm.num_kv_heads, llm.max_seq_len, llm.head_dim
+    fused = fused_dir(ex) if not optimized else next(p for p in (tmp_path / "opt").iterdir() if "-fused-" in p.name)
     for name in ("decode_64", "decode_128"):
-        model = onnx.load(str(fused_dir(ex) / f"{name}.onnx"), load_external_data=False)
+        model = onnx.load(str(fused / f"{name}.onnx"), load_external_data=False)
         inputs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
         outputs = [o.name for o in model.graph.output]
         if not _in_place_expected(cfg, name):
@@ -156,7 +159,7 @@ def test_decode_attention_appends_to_the_kv_views_in_place(gset):
         for node in model.graph.node:
             if node.op_type == "GroupQueryAttention":
                 assert node.input[3] in views and node.output[1] == node.input[3] + graphset.IN_PLACE_SUFFIX
-        assert ops(fused_dir(ex) / f"{name}.onnx").get("Concat") == 1  # new_kv: the rows, stacked
+        assert ops(fused / f"{name}.onnx").get("Concat") == 1  # new_kv: the rows, stacked
     if not _in_place_expected(cfg, "decode_64"):
         return ex.close()
 
