@@ -40,7 +40,9 @@ inputs are read and outputs written in place: a resident ``past_kv`` slot is pas
 the steady state allocates no buffers. Bindings are kept per graph and redone only when a pointer
 changes (another KV slot). A graph exported with input views (``past_kv.<layer>.<k|v>``, see
 ``graphset.VIEW_INPUTS``) gets each view bound at its offset in the contract input's buffer: every layer
-reads its keys and values where the cache slot holds them, no copy of the cache per step. The first
+reads its keys and values where the cache slot holds them, no copy of the cache per step. A fused decode
+graph (``fusions``) also has an output ``<view>.in_place`` per view (``graphset.IN_PLACE_SUFFIX``), bound to
+that view's memory: its attention appends the new row to the slot there (see ``ort_fusions``). The first
 run of each graph checks that ORT wrote its outputs into the bound buffers.
 
 Execution providers
