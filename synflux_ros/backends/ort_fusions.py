@@ -270,7 +270,7 @@ def _packed_rotary_qkv(q, k, v, nh: int, kv: int, dh: int, cache_position, lengt
     return blocks[0], cos, sin
 
 
-def _kv_in_place(model, records) -> int:
+def _kv_in_place(model, records) -> tuple[int, int]:
     """Finish the in-place GroupQueryAttentions: each KV view becomes a [1, KV, S, Dh] input read by GQA
     directly, GQA's present outputs become graph outputs named ``<view>`` + :data:`graphset.IN_PLACE_SUFFIX`
     (the executor binds them to the view's memory, so GQA sees one buffer and writes only the new row), and
