@@ -187,6 +187,15 @@ def _through_row_reshapes(value):
         value = node.inputs[0]
 
 
+def _slice_ints(node):
+    """``(starts, ends, axes, steps)`` of a Slice node as int lists (None where an input is absent or not a
+    constant; absent steps are ones)."""
+    starts, ends, axes, steps = (list(node.inputs[1:]) + [None] * 4)[:4]
+    starts = _ints(starts)
+    ones = None if starts is None else [1] * len(starts)
+    return starts, _ints(ends), _ints(axes) if axes is not None else None, ones if steps is None else _ints(steps)
+
+
 def _cache_views(past_k, past_v):
     """The graph inputs (KV slot views [KV, S, Dh]) that ``past_k``/``past_v`` are, whole or as their first
     positions (``Slice`` along the position axis: a decode graph of span d < S), when attention is their only
@@ -199,9 +208,8 @@ def _cache_views(past_k, past_v):
         sl = _producer(past, "Slice")
         if sl is not None:
             view = sl.inputs[0]
-            args = list(sl.inputs[1:]) + [None] * (5 - len(sl.inputs))
-            if _ints(args[0]) != [0] or _ints(args[2]) not in ([1], [-2]) or \
-                    (args[3] is not None and _ints(args[3]) != [1]) or len(view.uses()) != 1:
+            starts, _, axes, steps = _slice_ints(sl)
+            if starts != [0] or axes not in ([1], [-2]) or steps != [1] or len(view.uses()) != 1:
                 return None
         shape = _static_shape(view)
         if not _graph_input(view) or shape is None or len(shape) != 3:
@@ -221,12 +229,11 @@ def _packed_rotary_qkv(q, k, v, nh: int, kv: int, dh: int, cache_position, lengt
         if source is None:
             return None
         x = source.inputs[0]
-        args = list(source.inputs[1:]) + [None] * (5 - len(source.inputs))
+        starts, end, axes, steps = _slice_ints(source)
         shape = _static_shape(x)
-        if shape != (1, (nh + 2 * kv) * dh) or not _is_float32(x) or _ints(args[0]) != [start] or \
-                _ints(args[2]) not in ([1], [-1]) or (args[3] is not None and _ints(args[3]) != [1]):
+        if shape != (1, (nh + 2 * kv) * dh) or not _is_float32(x) or starts != [start] or \
+                axes not in ([1], [-1]) or steps != [1]:
             return None
-        end = _ints(args[1])
         if end is None or len(end) != 1 or not (end[0] == stop or (stop == shape[1] and end[0] > stop)):
             return None
         return x
@@ -305,7 +312,7 @@ def _kv_in_place(model, records) -> tuple[int, int]:
                 if id(node) not in feeding:
                     node.replace_input_with(index, reshape.outputs[0])
     if records:
-        _stack_rows(graph)
+        _stack_rows(graph, {id(v) for r in records for v in (r.present_k, r.present_v)})
         graph.sort()
     return len(records), sum(r.packed for r in records)
 
@@ -323,11 +330,12 @@ def _feeding(node) -> set[int]:
     return seen
 
 
-def _stack_rows(graph) -> bool:
+def _stack_rows(graph, presents: set[int]) -> bool:
     """A one-row graph whose every layer's new entries are rows GQA wrote: its ``new_kv`` output [L, 2, KV, 1, Dh],
     exported as ``stack(stack(k_l, v_l) for each layer l)`` of the [KV, 1, Dh] entries (Concats of Unsqueezes,
     two per layer), is the rows' memory in (layer, K/V) order: one Concat of the [1, KV, 1, Dh] row Gathers and
-    a Reshape make it. True if so rewritten."""
+    a Reshape make it. ``presents``: ids of the GQA present outputs (the in-place views). True if so
+    rewritten."""
     import onnx_ir as ir
 
     out = next((v for v in graph.outputs if v.name == "new_kv"), None)
@@ -345,8 +353,7 @@ def _stack_rows(graph) -> bool:
     for layer in parts(out, shape[0]) or []:
         for entry in parts(layer, 2) or []:
             gather = _producer(entry, "Gather")  # through the Reshape to [KV, 1, Dh]: the [1, KV, 1, Dh] row
-            if gather is None or _attr(gather, "axis") != 2 or \
-                    not gather.inputs[0].name.endswith(graphset.IN_PLACE_SUFFIX):
+            if gather is None or _attr(gather, "axis") != 2 or id(gather.inputs[0]) not in presents:
                 return False
             rows.append(gather.outputs[0])
     if len(rows) != 2 * shape[0]:

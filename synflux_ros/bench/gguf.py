@@ -221,12 +221,12 @@ def _table(title: str, rows: list) -> None:
               f"{r['tokens_per_s']:>8.1f}")
 
 
-def _speed_target(tables: list, prefix: str, ref: str, what: str) -> bool:
+def _speed_target(tables, prefix: str, ref: str, what: str) -> bool:
     """Prints each table's ratios of the ``prefix`` rows to ``ref`` (measured in the same process, taking
-    turns) and returns whether the best is <= 1.0x."""
+    turns) and returns whether the best is <= 1.0x. ``tables``: ``(label, rows)`` pairs."""
     best = None
     parts = []
-    for label, rows in tables:
+    for _, rows in tables:
         by = {r["engine"]: r["decode_ms_per_token"] for r in rows}
         if ref not in by:
             continue
@@ -280,7 +280,8 @@ def bench(path: str, work: str, input_len: int, output_len: int, threads: int, r
         raise RuntimeError(f"the shared-pool table failed:\n{proc.stderr[-4000:]}")
     shared = json.loads(proc.stdout.strip().splitlines()[-1])
     name = _stem(path)
-    for table, group in ((rows, "session pools"), (shared, "shared pool")):
+    tables = (("session pools", rows), ("shared pool", shared))
+    for group, table in tables:
         for r in table:
             r["model"], r["table"] = name, group
             r["ttft_ms"] = r["prefill_ms"]  # one batch: the first token comes with the prompt's logits
@@ -291,7 +292,6 @@ def bench(path: str, work: str, input_len: int, output_len: int, threads: int, r
     _table("a thread pool per session (synflux's default; the references' own runtimes):", rows)
     _table("synflux on one process-wide pool (thread_pool: shared), the references again, in a process of "
            "their own:", shared)
-    tables = [("session pools", rows), ("shared pool", shared)]
     print("\n== targets ==")
     met = [_speed_target(tables, "synflux-fp32", "onnxruntime-genai-fp32",
                          "float32 decode vs onnxruntime-genai fp32")]
