@@ -85,14 +85,22 @@ $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
 # run in a second pytest process beside the others, on a DDS domain of their own; their report follows. That
 # process runs at a lower CPU priority (nice 5): its cases only need throughput, while the others start nodes and
 # wait for DDS discovery and replies under timeouts.
+# Both processes keep their files under build/ (pytest-main, pytest-simulators: about 3.5 GiB, replaced by the
+# next run; test/conftest.py puts the started processes' temporary files there too); with less free there, the
+# failures that follow come from a full disk, which the first line says.
 SIM_TESTS := rknn or qnn
+TEST_DISK_GIB := 4
 test: install rknn-venv pi0ref-venv
+	@mkdir -p $(BUILD); free=$$(df -Pk $(BUILD) | awk 'NR==2 {print int($$4 / 1048576)}'); [ "$$free" -ge $(TEST_DISK_GIB) ] || \
+	  echo "make test: WARNING: $$free GiB free on the disk of $(abspath $(BUILD)); the tests write about \
+	$(TEST_DISK_GIB) GiB there, and a full disk makes them fail"
 	cd test && base=$${ROS_DOMAIN_ID:-$$(( RANDOM % 100 + 1 ))}; \
 	  ROS_DOMAIN_ID=$$(( base % 101 + 1 )) nice -n 5 $(PY) -m pytest -q -rs -p no:cacheprovider \
 	    --basetemp=$(abspath $(BUILD))/pytest-simulators -k "$(SIM_TESTS)" unit integration \
 	    > $(abspath $(BUILD))/test-simulators.log 2>&1 & sim=$$!; \
 	  trap "kill $$sim 2>/dev/null" INT TERM; \
-	  ROS_DOMAIN_ID=$$base $(PY) -m pytest -q -rs -k "not ($(SIM_TESTS))" unit integration launch; rc=$$?; \
+	  ROS_DOMAIN_ID=$$base $(PY) -m pytest -q -rs --basetemp=$(abspath $(BUILD))/pytest-main \
+	    -k "not ($(SIM_TESTS))" unit integration launch; rc=$$?; \
 	  wait $$sim; sim_rc=$$?; \
 	  echo "== NPU simulator tests ($(SIM_TESTS)), run beside the others =="; \
 	  cat $(abspath $(BUILD))/test-simulators.log; \
