@@ -67,8 +67,9 @@ Options (``executor.options`` in the model config)
 ``optimized_model_dir``      save the ORT-optimised graphs there and load those next time: a graph set of
                              its own (weights and prepacked weights deduplicated again) in a subdirectory
                              keyed by ORT version, machine, providers, level, prepacked graphs and source
-                             files; loaded with ORT's optimiser off; writing it needs ``onnx``; not with
-                             TensorRT (use its engine cache: ``trt_engine_cache_enable``)
+                             files; loaded with ORT's optimiser off; writing it needs ``onnx``; writing one
+                             removes the sets it supersedes (source rebuilt or gone; same settings, older
+                             ORT); not with TensorRT (use its engine cache: ``trt_engine_cache_enable``)
 ``share_weights``            default true, see above
 ``prepack``                  true | false | list of graph names, kinds or groups; default: not share_weights,
                              and true for a quantized graph set (with ``optimized_model_dir``: saved and
@@ -646,7 +647,8 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
 
     def _optimized_graph_set(self, source: str = "") -> str:
         """Directory of the ORT-optimised graph set for this configuration, built when missing from the graph
-        set (or from its cached copy ``source``, the fused set)."""
+        set (or from its cached copy ``source``, the fused set); writing one removes the optimised sets it
+        supersedes (:func:`~synflux_ros.core.graphset_writer.prune_cache`)."""
         manifest = graphset.read_manifest(source or self.graph_dir)
         fingerprint = self._cache_fingerprint(manifest, source)
         digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
@@ -691,6 +693,8 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
             graphset_writer.write_manifest(work, metas, info, model=manifest.get("model", ""),
                                     config_hash=manifest.get("config_hash", ""), **{_CACHE_KEY: fingerprint})
             graphset_writer.publish_directory(work, target, lambda d: self._cache_valid(d, fingerprint))
+            graphset_writer.prune_cache(self.optimized_model_dir, _CACHE_KEY, fingerprint, target,
+                                        versions=("onnxruntime",))
         finally:
             self._release_sessions()
             if os.path.isdir(work):

@@ -748,7 +748,8 @@ def fused_graph_set(graph_dir: str, metas, paths: dict[str, str], cache_dir: str
     """Directory of the fused copy of a graph set (``<cache_dir>/<model>-fused-<digest>``), written when
     missing or stale. ``metas``: the GraphMeta of every graph to load; ``paths``: name -> source file.
     Its manifest holds the graph metas, the rewrite counts per graph (``fusion_counts``) and the
-    fingerprint (:data:`CACHE_KEY`)."""
+    fingerprint (:data:`CACHE_KEY`). Writing one removes the fused sets it supersedes
+    (:func:`~synflux_ros.core.graphset_writer.prune_cache`)."""
     from ..core import graphset_writer
     from ..core.executor import GraphMeta
 
@@ -787,6 +788,7 @@ def fused_graph_set(graph_dir: str, metas, paths: dict[str, str], cache_dir: str
                                        config_hash=manifest.get("config_hash", ""), fusion_counts=counts,
                                        **{CACHE_KEY: key})
         graphset_writer.publish_directory(work, target, lambda d: _valid(d, key, names))
+        graphset_writer.prune_cache(cache_dir, CACHE_KEY, key, target, versions=("onnxscript", "onnx", "rules"))
     finally:
         if os.path.isdir(work):
             shutil.rmtree(work, ignore_errors=True)

@@ -334,3 +334,70 @@ def publish_directory(work: str, target: str, valid) -> None:
         if not valid(target):
             shutil.rmtree(target, ignore_errors=True)
             os.rename(work, target)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _source_changed(fingerprint: dict) -> bool:
+    """Whether the graph set a cached copy was made from (``fingerprint['source']``, its files' size and mtime
+    in ``fingerprint['files']``, by graph name or file name) is gone or has been written again since."""
+    source = str(fingerprint.get("source") or "")
+    try:
+        with open(os.path.join(source, MANIFEST_FILE), encoding="utf-8") as fh:
+            graphs = json.load(fh).get("graphs") or []
+    except (OSError, ValueError, AttributeError):
+        return True
+    files = {str(g.get("name")): str(g.get("file") or f"{g.get('name')}.onnx") for g in graphs if isinstance(g, dict)}
+    for name, recorded in (fingerprint.get("files") or {}).items():
+        try:
+            st = os.stat(os.path.join(source, files.get(name, name)))
+        except OSError:
+            return True
+        if [st.st_size, st.st_mtime_ns] != list(recorded):
+            return True
+    return False
+
+
+def prune_cache(cache_dir: str, key_name: str, current: dict, keep: str, versions=()) -> list[str]:
+    """Remove the cached copies of graph sets in ``cache_dir`` that no process will load again, after ``keep``
+    (keyed ``current`` under ``key_name`` in its manifest) was written there: those whose source graph set is
+    gone or was written again (a rebuild), those of the same source and settings as ``current`` that differ
+    only in ``versions`` (the fingerprint fields naming package versions: an upgrade), and the half-written
+    ``*.partial-<pid>`` directories of processes that no longer run. Copies made with other settings (another
+    node's options) and directories without a ``key_name`` fingerprint are left alone. Returns what was
+    removed. A process already running on a removed copy keeps its mapped files until it exits."""
+    slot = {k: v for k, v in current.items() if k not in versions and k != "files"}
+    removed = []
+    try:
+        entries = sorted(os.listdir(cache_dir))
+    except OSError:
+        return removed
+    for entry in entries:
+        path = os.path.join(cache_dir, entry)
+        if path == keep or not os.path.isdir(path):
+            continue
+        stem, sep, pid = entry.rpartition(".partial-")
+        if sep and stem and pid.isdigit():
+            stale = not _pid_alive(int(pid))
+        else:
+            try:
+                with open(os.path.join(path, MANIFEST_FILE), encoding="utf-8") as fh:
+                    fingerprint = json.load(fh).get(key_name)
+            except (OSError, ValueError, AttributeError):
+                continue
+            if not isinstance(fingerprint, dict):
+                continue
+            stale = _source_changed(fingerprint) or slot == {
+                k: v for k, v in fingerprint.items() if k not in versions and k != "files"}
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

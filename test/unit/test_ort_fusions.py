@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -320,6 +321,62 @@ def test_fusions_with_optimized_model_dir_chain_both_caches(tmp_path):
     np.testing.assert_allclose(got["logits"], want["logits"], rtol=0, atol=1e-4)
     ex.close()
     plain.close()
+
+
+def _fake_cache(directory: Path, manifest: dict, key: str, **changed) -> Path:
+    """A cached set's manifest alone (all the pruning reads), its fingerprint ``key`` with ``changed`` fields."""
+    directory.mkdir()
+    data = {**manifest, key: {**manifest[key], **changed}}
+    (directory / graphset.MANIFEST_FILE).write_text(json.dumps(data))
+    return directory
+
+
+@needs_onnxscript
+def test_superseded_cached_sets_are_removed_and_the_others_kept(tmp_path):
+    gdir = build_set(tmp_path / "g")
+    cache = tmp_path / "cache"
+
+    def load(prepack):
+        _, ex = executor(gdir, fusions=True, optimized_model_dir=str(cache), prepack=prepack)
+        loaded = Path(ex._load_dir)
+        ex.close()
+        return loaded
+
+    def fused_sets():
+        return {d for d in cache.iterdir() if "-fused-" in d.name}
+
+    packed = load(True)
+    (fused,) = fused_sets()
+    # what an older onnxscript and an older onnxruntime left with the same settings, a half-written set of a
+    # process that was killed, one being written now, and a directory that is not a cached set
+    old_fused = _fake_cache(cache / "old-fused", graphset.read_manifest(str(fused)), ort_fusions.CACHE_KEY,
+                            onnxscript="0.0.1")
+    old_packed = _fake_cache(cache / "old-packed", graphset.read_manifest(str(packed)), "ort_optimized",
+                             onnxruntime="0.0.1")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    (cache / f"{packed.name}.partial-{int(dead.stdout)}").mkdir()
+    live = cache / f"{packed.name}.partial-{os.getppid()}"  # a process that runs
+    live.mkdir()
+    notes = cache / "notes"
+    notes.mkdir()
+    (notes / "README").write_text("kept")
+
+    shutil.rmtree(packed)
+    assert load(True) == packed  # written again: the older onnxruntime's copy and the dead partial go
+    assert {d.name for d in cache.iterdir()} == {fused.name, old_fused.name, packed.name, live.name, "notes"}
+    assert old_packed not in set(cache.iterdir())
+
+    unpacked = load(False)  # other settings: both optimised sets stay
+    assert unpacked != packed and {packed, unpacked} <= set(cache.iterdir())
+
+    # the graph set is built again: every set made from the old files goes, those of other settings included
+    os.utime(os.path.join(gdir, "decode_64.onnx"))
+    current = load(False)
+    (fused_now,) = fused_sets()
+    assert fused_now != fused and current not in (packed, unpacked)
+    assert set(cache.iterdir()) == {fused_now, current, live, notes}
+    assert graphset.read_manifest(str(current))["ort_optimized"]["source"] == str(fused_now)
 
 
 # ------------------------------------------------------------------------------------------ weights once
