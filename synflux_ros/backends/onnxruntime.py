@@ -42,8 +42,10 @@ changes (another KV slot). A graph exported with input views (``past_kv.<layer>.
 ``graphset.VIEW_INPUTS``) gets each view bound at its offset in the contract input's buffer: every layer
 reads its keys and values where the cache slot holds them, no copy of the cache per step. A fused decode
 graph (``fusions``) also has an output ``<view>.in_place`` per view (``graphset.IN_PLACE_SUFFIX``), bound to
-that view's memory: its attention appends the new row to the slot there (see ``ort_fusions``). The first
-run of each graph checks that ORT wrote its outputs into the bound buffers.
+that view's memory: its attention appends the new row to the slot there (see ``ort_fusions``). Such a graph
+leaves out ``new_kv`` (``graphset.ROWS_IN_PLACE``): the executor copies the row at ``cache_position`` from
+the slot into that output after the run, and :meth:`updates_in_place` tells the caller that the slot holds
+it already. The first run of each graph checks that ORT wrote its outputs into the bound buffers.
 
 Execution providers
 -------------------
@@ -209,9 +211,10 @@ def _quantized_set(graph_dir: str) -> bool:
 class _Graph:
     """A loaded graph: its session, its IO binding and the pointers currently bound."""
 
-    __slots__ = ("session", "binding", "bound", "verified", "path", "shared_initializers", "views", "in_place")
+    __slots__ = ("session", "binding", "bound", "verified", "path", "shared_initializers", "views", "in_place",
+                 "derived")
 
-    def __init__(self, session, path: str, shared: int, views: dict, in_place: dict):
+    def __init__(self, session, path: str, shared: int, views: dict, in_place: dict, derived: set):
         self.session = session
         self.binding = session.io_binding()
         self.bound: dict[str, int] = {}
@@ -224,6 +227,8 @@ class _Graph:
         # contract input -> [(ONNX output name, byte offset, shape)]: outputs bound to that input's own memory
         # (graphset.IN_PLACE_SUFFIX; a fused graph's attention appending to the KV views)
         self.in_place: dict[str, list[tuple[str, int, tuple]]] = in_place
+        # contract outputs the graph leaves out, read from an input updated in place (graphset.ROWS_IN_PLACE)
+        self.derived: set[str] = derived
 
 
 class _LazyModels(Mapping):
@@ -534,8 +539,9 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         so, shared = self._session_options(meta, path, level, self._prepack_for(meta))
         session = self._create_session(meta, path, so)
         in_place: dict = {}
-        views = self._check_io(session, meta, path, in_place)
-        return _Graph(session, path, shared, views, in_place)
+        derived: set = set()
+        views = self._check_io(session, meta, path, in_place, derived)
+        return _Graph(session, path, shared, views, in_place, derived)
 
     def _execute(self, graph_handle, device_inputs, device_outputs, meta: GraphMeta) -> None:
         g: _Graph = graph_handle
@@ -550,7 +556,7 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         for spec in meta.outputs:
             buf = device_outputs[spec.name]
             key = "\0out:" + spec.name
-            if bound.get(key) != buf.ptr:
+            if bound.get(key) != buf.ptr and spec.name not in g.derived:
                 binding.bind_output(spec.name, "cpu", 0, np.dtype(spec.dtype).type, spec.shape, buf.ptr)
                 bound[key] = buf.ptr
         for contract, outputs in g.in_place.items():  # after the contract's outputs: _verify_outputs's order
@@ -564,8 +570,27 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         g.session.run_with_iobinding(binding)
         if not self._cpu_only:
             binding.synchronize_outputs()
+        for name in g.derived:
+            self._read_rows(meta, name, device_inputs, device_outputs[name])
         if not g.verified:
             self._verify_outputs(g, device_outputs, meta)
+
+    def _read_rows(self, meta: GraphMeta, name: str, device_inputs: dict, out) -> None:
+        """Fill output ``name`` of graph ``meta`` with the row its run wrote into an input in place
+        (``graphset.ROWS_IN_PLACE``): ``new_kv`` = ``past_kv[:, :, :, cache_position]``."""
+        source, position = graphset.ROWS_IN_PLACE[name]
+        specs = {s.name: s for s in (*meta.inputs, *meta.outputs)}
+        pos = int(self._view(device_inputs[position], (1,), specs[position].dtype)[0])
+        spec = specs[source]
+        rows = self._view(device_inputs[source], spec.shape, spec.dtype)[:, :, :, pos:pos + 1]
+        self._view(out, specs[name].shape, specs[name].dtype)[...] = rows
+
+    def updates_in_place(self, graph: str, name: str) -> bool:
+        """True when ``graph`` writes its new entries into every view of input ``name`` itself (a fused decode
+        graph's attention appending to the KV slot), so that writing its ``new_kv`` back is not needed."""
+        self._require_loaded()
+        g: _Graph = self._handles[graph]
+        return name in g.in_place and len(g.in_place[name]) == len(g.views[name])
 
     def _unload_graph(self, graph_handle) -> None:
         g: _Graph = graph_handle
@@ -585,21 +610,23 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         self._weights = None
 
     # ------------------------------------------------------------------ checks and helpers
-    def _check_io(self, session, meta: GraphMeta, path: str, in_place: dict | None = None) -> dict:
+    def _check_io(self, session, meta: GraphMeta, path: str, in_place: dict | None = None,
+                  derived: set | None = None) -> dict:
         """The session's inputs and outputs must be the contract's (an input may come as views, see
-        ``graphset.VIEW_INPUTS``; a fused graph may update views in place, filled into ``in_place``). Returns
-        the input binding plan of :class:`_Graph`."""
+        ``graphset.VIEW_INPUTS``; a fused graph may update views in place, filled into ``in_place``, and then
+        leave out the outputs named in ``derived``). Returns the input binding plan of :class:`_Graph`."""
         def ports(args):
             return [Port(a.name, _ORT_TYPES.get(a.type, a.type), a.shape) for a in args]
 
         rebuild = ("the graph set was built for another config or model; "
                    + graphset.BUILD_HINT.format(dir=self._load_dir))
         return binding_plan(meta, ports(session.get_inputs()), ports(session.get_outputs()), path, rebuild,
-                            in_place=in_place if in_place is not None else {})
+                            in_place=in_place if in_place is not None else {},
+                            derived=derived if derived is not None else set())
 
     def _verify_outputs(self, g: _Graph, device_outputs: dict, meta: GraphMeta) -> None:
         values = g.binding.get_outputs()
-        expected = [(spec.name, device_outputs[spec.name].ptr) for spec in meta.outputs]
+        expected = [(spec.name, device_outputs[spec.name].ptr) for spec in meta.outputs if spec.name not in g.derived]
         for contract, outputs in g.in_place.items():
             expected += [(name, g.bound["\0in_place:" + contract] + offset) for name, offset, _ in outputs]
         for (name, ptr), value in zip(expected, values, strict=True):

@@ -30,8 +30,8 @@ This module rewrites each graph with onnxscript's pattern rewriter into
     buffer (ORT's shared past/present buffer) and writes only the new row into the slot, at
     ``cache_position`` clipped to the view; without this it copied the whole cache into a buffer of its own
     for each query head (three times a layer for SmolLM2's 9 heads over 3 KV heads) on every step. The
-    runtime writes the same row again from ``new_kv``, which the graph now reads back from the rows GQA
-    wrote (one Gather per view, one Concat for all). Where the layer's Q, K and V are column blocks of one
+    graph then leaves out ``new_kv`` (``graphset.ROWS_IN_PLACE``): those entries are the rows GQA wrote, which
+    the executor reads from the slot after the run, and the runtime does not write them again. Where the layer's Q, K and V are column blocks of one
     product that only the rotary separates from attention (llama, SmolLM2; not Qwen3, whose per-head
     norms sit between), GQA takes the product packed and rotates Q and K itself (``do_rotary`` over the
     rotary tables' halves, at the row it writes: the same positions for cache positions below the span).
@@ -312,7 +312,7 @@ def _kv_in_place(model, records) -> tuple[int, int]:
                 if id(node) not in feeding:
                     node.replace_input_with(index, reshape.outputs[0])
     if records:
-        _stack_rows(graph, {id(v) for r in records for v in (r.present_k, r.present_v)})
+        _leave_out_rows(graph, {id(v) for r in records for v in (r.present_k, r.present_v)})
         graph.sort()
     return len(records), sum(r.packed for r in records)
 
@@ -330,14 +330,12 @@ def _feeding(node) -> set[int]:
     return seen
 
 
-def _stack_rows(graph, presents: set[int]) -> bool:
-    """A one-row graph whose every layer's new entries are rows GQA wrote: its ``new_kv`` output [L, 2, KV, 1, Dh],
-    exported as ``stack(stack(k_l, v_l) for each layer l)`` of the [KV, 1, Dh] entries (Concats of Unsqueezes,
-    two per layer), is the rows' memory in (layer, K/V) order: one Concat of the [1, KV, 1, Dh] row Gathers and
-    a Reshape make it. ``presents``: ids of the GQA present outputs (the in-place views). True if so
-    rewritten."""
-    import onnx_ir as ir
-
+def _leave_out_rows(graph, presents: set[int]) -> bool:
+    """A one-row graph whose every layer's new entries are rows GQA wrote into the slot: its ``new_kv`` output
+    [L, 2, KV, 1, Dh], exported as ``stack(stack(k_l, v_l) for each layer l)`` of the [KV, 1, Dh] entries
+    (Concats of Unsqueezes, two per layer), is then the slot's row at ``cache_position``. The output is left
+    out (``graphset.ROWS_IN_PLACE``; the executor reads the row from the slot) and its chain goes with the
+    unused nodes. ``presents``: ids of the GQA present outputs (the in-place views). True if left out."""
     out = next((v for v in graph.outputs if v.name == "new_kv"), None)
     shape = _static_shape(out) if out is not None else None
     if shape is None or len(shape) != 5 or shape[1] != 2 or shape[3] != 1:
@@ -358,14 +356,7 @@ def _stack_rows(graph, presents: set[int]) -> bool:
             rows.append(gather.outputs[0])
     if len(rows) != 2 * shape[0]:
         return False
-    concat = ir.node("Concat", rows, attributes={"axis": 0})
-    target = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(shape, np.int64))})
-    reshape = ir.node("Reshape", [concat.outputs[0], target.outputs[0]])
-    graph.extend([concat, target, reshape])
-    stacked = reshape.outputs[0]
-    out.name, stacked.name = f"{out.name}.unstacked", out.name  # the old chain is left to RemoveUnusedNodes
-    stacked.shape, stacked.dtype = out.shape, out.dtype
-    graph.outputs[list(graph.outputs).index(out)] = stacked
+    graph.outputs.remove(out)
     return True
 
 

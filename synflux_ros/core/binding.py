@@ -78,13 +78,15 @@ leading axes of length 1 (``[1, KV, S, Dh]`` for a ``[KV, S, Dh]`` view); the sh
 
 
 def binding_plan(meta: GraphMeta, inputs: Sequence[Port], outputs: Sequence[Port], where: str,
-                 hint: str, in_place: Plan | None = None) -> Plan:
+                 hint: str, in_place: Plan | None = None, derived: set | None = None) -> Plan:
     """Check a model's ports against ``meta`` and return its input :data:`Plan`. Errors are
     :class:`ShapeError` naming the graph, ``where`` (its file) and the tensor, and end with ``hint``.
 
     Outputs that update an input in place (``<input>`` + :data:`graphset.IN_PLACE_SUFFIX`, of the input's dtype
     and shape) are accepted only when ``in_place`` is given, which is then filled like the plan: contract input
-    -> [(model output name, byte offset, shape)], to be bound to the same memory as that input."""
+    -> [(model output name, byte offset, shape)], to be bound to the same memory as that input. With ``derived``
+    given too, a contract output of :data:`graphset.ROWS_IN_PLACE` may be missing when the model updates every
+    view of its input in place; its name is added to ``derived`` (the runtime reads it from the input)."""
     plan: Plan = {}
     model_inputs: dict[str, tuple] = {}  # model input name -> (contract name, port, offset, shape)
     for what, declared, actual in (("input", meta.inputs, inputs), ("output", meta.outputs, outputs)):
@@ -114,6 +116,12 @@ def binding_plan(meta: GraphMeta, inputs: Sequence[Port], outputs: Sequence[Port
             if view is None:
                 extra.append(port.name)
         missing = [name for name, found in parts.items() if not found]
+        if what == "output" and derived is not None and in_place is not None:
+            for name in [m for m in missing if m in graphset.ROWS_IN_PLACE]:
+                source, position = graphset.ROWS_IN_PLACE[name]
+                if source in plan and position in plan and len(in_place.get(source, ())) == len(plan[source]):
+                    missing.remove(name)
+                    derived.add(name)
         if missing or extra:
             raise ShapeError(f"graph {meta.name!r} ({where}): {what}s differ from the manifest: missing "
                              f"{missing}, unexpected {extra} (the ONNX model has {[p.name for p in actual]}); "

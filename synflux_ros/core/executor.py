@@ -339,6 +339,12 @@ class Executor(abc.ABC):
                                            f"non-finite values (NaN/Inf) of {value.size}")
         return out
 
+    def updates_in_place(self, graph: str, name: str) -> bool:
+        """True when a run of ``graph`` has already written its new entries into its input ``name`` (a KV
+        slot), so that the caller need not write the graph's ``new_kv`` output back into it. False here: a
+        backend whose loaded graph appends to the slot itself says so."""
+        return False
+
     def write(self, tensor: DeviceTensor, index: tuple, data: np.ndarray) -> None:
         """Write host ``data`` into ``tensor[index]`` on the device."""
         self._write_region(tensor.handle, tensor.shape, tensor.dtype, index, np.asarray(data, tensor.dtype))

@@ -67,6 +67,11 @@ runtime binds it to the input's own memory. Graph files written by synflux-build
 executor's load-time fused graphs do (a KV view its attention kernel appends the new row to,
 ``backends/ort_fusions.py``)."""
 
+ROWS_IN_PLACE = {"new_kv": ("past_kv", "cache_position")}
+"""Contract outputs that a graph may leave out when it updates every view of an input in place (see
+:data:`IN_PLACE_SUFFIX`): ``new_kv`` [L, 2, KV, 1, Dh] is then the row of ``past_kv`` [L, 2, KV, S, Dh] at
+``cache_position``, which the run wrote, and the runtime reads it from there."""
+
 
 def view_name(name: str, index) -> str:
     """ONNX input name of the view ``name[index]`` (``past_kv.3.1``: layer 3, values)."""

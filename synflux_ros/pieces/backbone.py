@@ -119,6 +119,8 @@ class LLMBackbone:
                  "past_kv": slot}
         if self.mrope:
             feeds["position_ids"] = np.full((3, 1), pos if rope_pos is None else rope_pos, np.int64)
-        out = self.ex.run(f"decode_{d}", feeds)
-        self.ex.write(slot, np.s_[:, :, :, pos:pos + 1], out["new_kv"])
+        graph = f"decode_{d}"
+        out = self.ex.run(graph, feeds)
+        if not self.ex.updates_in_place(graph, "past_kv"):
+            self.ex.write(slot, np.s_[:, :, :, pos:pos + 1], out["new_kv"])
         return out["logits"][0]

@@ -140,8 +140,9 @@ def test_a_list_selects_the_fusions(gset, tmp_path):
 def test_decode_attention_appends_to_the_kv_views_in_place(gset, optimized, tmp_path):
     """In a decode graph GQA takes each KV view whole ([1, KV, S, Dh], a decode span shorter than the slot
     included) and returns it as ``<view>.in_place``, which the executor binds to the view's own memory: GQA
-    then writes the new row where the slot holds it and copies nothing else. The new_kv output is read
-    back from those rows by one Concat. The same holds for the ORT-optimised set made from the fused one."""
+    then writes the new row where the slot holds it and copies nothing else. The graph leaves out new_kv,
+    which the executor reads from the row written, and says that the slot holds it (the runtime does not
+    write it again). The same holds for the ORT-optimised set made from the fused one."""
     options = {"optimized_model_dir": str(tmp_path / "opt"), "prepack": True} if optimized else {}
     cfg, ex = executor(gset, fusions=True, **options)
     llm = cfg.llm
@@ -153,14 +154,16 @@ def test_decode_attention_appends_to_the_kv_views_in_place(gset, optimized, tmp_
         outputs = [o.name for o in model.graph.output]
         if not _in_place_expected(cfg, name):
             assert outputs == ["logits", "new_kv"] and inputs["past_kv.0.0"] == [kv, s, dh]
+            assert not ex.updates_in_place(name, "past_kv")
             continue
         views = [graphset.view_name("past_kv", (layer, j)) for layer in range(LAYERS) for j in range(2)]
-        assert outputs == ["logits", "new_kv"] + [v + graphset.IN_PLACE_SUFFIX for v in views]
+        assert outputs == ["logits"] + [v + graphset.IN_PLACE_SUFFIX for v in views]
         assert all(inputs[v] == [1, kv, s, dh] for v in views)
         for node in model.graph.node:
             if node.op_type == "GroupQueryAttention":
                 assert node.input[3] in views and node.output[1] == node.input[3] + graphset.IN_PLACE_SUFFIX
-        assert ops(fused / f"{name}.onnx").get("Concat") == 1  # new_kv: the rows, stacked
+        assert "Concat" not in ops(fused / f"{name}.onnx")  # nothing stacks the new rows any more
+        assert ex.updates_in_place(name, "past_kv") and not ex.updates_in_place(name, "input_ids")
     if not _in_place_expected(cfg, "decode_64"):
         return ex.close()
 
@@ -210,6 +213,19 @@ def test_in_place_outputs_must_match_their_input_and_are_refused_elsewhere():
     stray = [Port("past_kv.9.0" + graphset.IN_PLACE_SUFFIX, "float32", view)]  # no such input
     with pytest.raises(ShapeError, match=r"unexpected \['past_kv.9.0.in_place'\]"):
         binding_plan(meta, inputs, contract + stray, "g.onnx", "rebuild", in_place={})
+
+    # new_kv may be left out only where every view of past_kv is updated in place, and only for a caller
+    # that reads it from there
+    logits = [p for p in contract if p.name == "logits"]
+    every = [Port(graphset.view_name("past_kv", (layer, j)) + graphset.IN_PLACE_SUFFIX, "float32", view)
+             for layer in range(LAYERS) for j in range(2)]
+    derived: set = set()
+    binding_plan(meta, inputs, logits + every, "g.onnx", "rebuild", in_place={}, derived=derived)
+    assert derived == {"new_kv"}
+    for outputs, options in ((logits + every[1:], {"in_place": {}, "derived": set()}),
+                             (logits + every, {"in_place": {}}), (logits, {"in_place": {}, "derived": set()})):
+        with pytest.raises(ShapeError, match=r"missing \['new_kv'\]"):
+            binding_plan(meta, inputs, outputs, "g.onnx", "rebuild", **options)
 
 
 # ------------------------------------------------------------------------------------------ numerics
