@@ -68,11 +68,18 @@ class PlacedExecutor:
         """Label of the member that runs ``graph`` (``openvino:NPU``)."""
         return self._owner[graph]
 
-    def run(self, graph: str, feeds: dict) -> dict[str, np.ndarray]:
+    def _member(self, graph: str) -> Executor:
         label = self._owner.get(graph)
         if label is None:
             raise KeyError(f"no graph {graph!r} (have: {', '.join(sorted(self._owner))})")
-        return self.members[label].run(graph, feeds)
+        return self.members[label]
+
+    def run(self, graph: str, feeds: dict) -> dict[str, np.ndarray]:
+        return self._member(graph).run(graph, feeds)
+
+    def updates_in_place(self, graph: str, name: str) -> bool:
+        """Whether the member that runs ``graph`` writes its new entries into input ``name`` itself."""
+        return self._member(graph).updates_in_place(graph, name)
 
     def alloc_tensor(self, name: str, shape, dtype: str, zero: bool = True) -> DeviceTensor:
         return self._kv.alloc_tensor(name, shape, dtype, zero)
