@@ -31,12 +31,13 @@ This module rewrites each graph with onnxscript's pattern rewriter into
     ``cache_position`` clipped to the view; without this it copied the whole cache into a buffer of its own
     for each query head (three times a layer for SmolLM2's 9 heads over 3 KV heads) on every step. The
     graph then leaves out ``new_kv`` (``graphset.ROWS_IN_PLACE``): those entries are the rows GQA wrote, which
-    the executor reads from the slot after the run, and the runtime does not write them again. Where the layer's Q, K and V are column blocks of one
-    product that only the rotary separates from attention (llama, SmolLM2; not Qwen3, whose per-head
-    norms sit between), GQA takes the product packed and rotates Q and K itself (``do_rotary`` over the
-    rotary tables' halves, at the row it writes: the same positions for cache positions below the span).
-    The domain of a decode graph of span d stays ``cache_position < d``, which the runtime keeps; beyond
-    it the portable graph attends to all d positions while this one writes into the last row of the view.
+    the executor reads from the slot after the run, and the runtime does not write them again. Where the
+    layer's Q, K and V are column blocks of one product that only the rotary separates from attention
+    (llama, SmolLM2; not Qwen3, whose per-head norms sit between), GQA takes the product packed and rotates
+    Q and K itself (``do_rotary`` over the rotary tables' halves, at the row it writes: the same positions
+    for cache positions below the span). The domain of a decode graph of span d stays
+    ``cache_position < d``, which the runtime keeps; beyond it the portable graph attends to all d positions
+    while this one writes into the last row of the view.
 
 A rule that does not match leaves the graph as it is (a vision encoder gets none of them). Every rule
 checks the values it relies on (constants, shapes, the attention mask's construction from

@@ -348,8 +348,11 @@ def _pid_alive(pid: int) -> bool:
 
 def _source_changed(fingerprint: dict) -> bool:
     """Whether the graph set a cached copy was made from (``fingerprint['source']``, its files' size and mtime
-    in ``fingerprint['files']``, by graph name or file name) is gone or has been written again since."""
+    in ``fingerprint['files']``, by graph name or file name) is gone or has been written again since. A
+    fingerprint that names no absolute source cannot tell: False."""
     source = str(fingerprint.get("source") or "")
+    if not os.path.isabs(source):
+        return False
     try:
         with open(os.path.join(source, MANIFEST_FILE), encoding="utf-8") as fh:
             graphs = json.load(fh).get("graphs") or []
