@@ -212,7 +212,7 @@ class _Graph:
     """A loaded graph: its session, its IO binding and the pointers currently bound."""
 
     __slots__ = ("session", "binding", "bound", "verified", "path", "shared_initializers", "views", "in_place",
-                 "derived")
+                 "derived", "last", "rows")
 
     def __init__(self, session, path: str, shared: int, views: dict, in_place: dict, derived: set):
         self.session = session
@@ -229,6 +229,11 @@ class _Graph:
         self.in_place: dict[str, list[tuple[str, int, tuple]]] = in_place
         # contract outputs the graph leaves out, read from an input updated in place (graphset.ROWS_IN_PLACE)
         self.derived: set[str] = derived
+        # the device_inputs and device_outputs dicts of the last binding: a caller passing the same dicts
+        # again (a BoundGraph) finds every pointer bound already
+        self.last: tuple | None = None
+        # derived output -> (view of the updated input, view of the position, view of the output)
+        self.rows: dict[str, tuple] = {}
 
 
 class _LazyModels(Mapping):
@@ -545,6 +550,20 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
 
     def _execute(self, graph_handle, device_inputs, device_outputs, meta: GraphMeta) -> None:
         g: _Graph = graph_handle
+        last = g.last
+        if last is None or last[0] is not device_inputs or last[1] is not device_outputs:
+            self._bind(g, device_inputs, device_outputs, meta)
+        g.session.run_with_iobinding(g.binding)
+        if not self._cpu_only:
+            g.binding.synchronize_outputs()
+        for source, position, out in g.rows.values():  # graphset.ROWS_IN_PLACE: new_kv = past_kv[..., pos]
+            pos = int(position[0])
+            out[...] = source[:, :, :, pos:pos + 1]
+        if not g.verified:
+            self._verify_outputs(g, device_outputs, meta)
+
+    def _bind(self, g: _Graph, device_inputs: dict, device_outputs: dict, meta: GraphMeta) -> None:
+        """Bind the buffers whose pointers changed, and make the views the derived outputs are read with."""
         binding, bound = g.binding, g.bound
         for spec in meta.inputs:
             buf = device_inputs[spec.name]
@@ -567,23 +586,13 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
                 for name, offset, shape in outputs:
                     binding.bind_output(name, "cpu", 0, element, shape, buf.ptr + offset)
                 bound[key] = buf.ptr
-        g.session.run_with_iobinding(binding)
-        if not self._cpu_only:
-            binding.synchronize_outputs()
-        for name in g.derived:
-            self._read_rows(meta, name, device_inputs, device_outputs[name])
-        if not g.verified:
-            self._verify_outputs(g, device_outputs, meta)
-
-    def _read_rows(self, meta: GraphMeta, name: str, device_inputs: dict, out) -> None:
-        """Fill output ``name`` of graph ``meta`` with the row its run wrote into an input in place
-        (``graphset.ROWS_IN_PLACE``): ``new_kv`` = ``past_kv[:, :, :, cache_position]``."""
-        source, position = graphset.ROWS_IN_PLACE[name]
         specs = {s.name: s for s in (*meta.inputs, *meta.outputs)}
-        pos = int(self._view(device_inputs[position], (1,), specs[position].dtype)[0])
-        spec = specs[source]
-        rows = self._view(device_inputs[source], spec.shape, spec.dtype)[:, :, :, pos:pos + 1]
-        self._view(out, specs[name].shape, specs[name].dtype)[...] = rows
+        g.rows = {}
+        for name in g.derived:  # the row the run wrote into the input in place: new_kv = past_kv[:, :, :, pos]
+            source, position = graphset.ROWS_IN_PLACE[name]
+            g.rows[name] = tuple(self._view(buffers[n], specs[n].shape, specs[n].dtype) for buffers, n in
+                                 ((device_inputs, source), (device_inputs, position), (device_outputs, name)))
+        g.last = (device_inputs, device_outputs)
 
     def updates_in_place(self, graph: str, name: str) -> bool:
         """True when ``graph`` writes its new entries into every view of input ``name`` itself (a fused decode
@@ -597,6 +606,8 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         g.binding.clear_binding_inputs()
         g.binding.clear_binding_outputs()
         g.bound.clear()
+        g.last = None
+        g.rows = {}
 
     def close(self) -> None:
         super().close()

@@ -17,7 +17,8 @@ new KV entries to a cache slot; the default goes through ``_d2h``/``_h2d``), ``_
 
 Everything a graph consumes or produces is declared by its :class:`GraphMeta`; :meth:`Executor.run`
 checks every feed against it, so a wrong shape fails with the graph and tensor named instead of
-producing garbage on the device.
+producing garbage on the device. :meth:`Executor.bind` checks a graph's resident inputs (a KV slot) once
+and returns a :class:`BoundGraph` whose ``run`` takes the host inputs alone, for calls made per token.
 """
 from __future__ import annotations
 
@@ -152,6 +153,7 @@ class Executor(abc.ABC):
         self.pool: StaticMemoryPool | None = None
         self._handles: dict[str, object] = {}
         self._staging: dict[tuple[str, str], object] = {}
+        self._generation = 0  # counts loads and closes: a BoundGraph is valid within one load
         self._group_locks: dict[str, threading.Lock] = {}
         self.stats: dict[str, GraphStats] = {n: GraphStats() for n in self.graphs}
         self._loaded = False
@@ -241,6 +243,7 @@ class Executor(abc.ABC):
                 sizes[key] = max(sizes.get(key, 0), spec.nbytes)
         for (group, tensor), nbytes in sizes.items():
             self._staging[(group, tensor)] = self.pool.allocate(f"{group}/{tensor}", nbytes)
+        self._generation += 1
         self._loaded = True
         return self
 
@@ -266,6 +269,7 @@ class Executor(abc.ABC):
         self._staging.clear()
         if self.pool is not None:
             self.pool.release_all()
+        self._generation += 1
         self._loaded = False
 
     def device_of(self, graph: str) -> str:
@@ -328,6 +332,10 @@ class Executor(abc.ABC):
             self._execute(self._handles[graph], device_inputs, device_outputs, meta)
             ms = (time.perf_counter() - t0) * 1e3
             out = {spec.name: self._d2h(device_outputs[spec.name], spec.shape, spec.dtype) for spec in meta.outputs}
+        return self._account(graph, ms, out)
+
+    def _account(self, graph: str, ms: float, out: dict) -> dict:
+        """Record a run of ``graph`` that took ``ms`` and check its host outputs ``out`` (returned)."""
         st = self.stats[graph]
         st.calls += 1
         st.total_ms += ms
@@ -338,6 +346,17 @@ class Executor(abc.ABC):
                 raise NonFiniteOutputError(f"{self.name} executor: graph {graph!r} output {name!r} holds {bad} "
                                            f"non-finite values (NaN/Inf) of {value.size}")
         return out
+
+    def bind(self, graph: str, resident: dict, outputs=None) -> "BoundGraph":
+        """``graph`` with its resident inputs (``resident``: name -> :class:`DeviceTensor`, e.g. a KV slot)
+        checked and bound once, returning only ``outputs`` (names; default all): :meth:`BoundGraph.run`
+        then takes the host inputs alone. For calls repeated per token, where the lookups and checks of
+        :meth:`run` cost as much as a run's smallest kernels."""
+        self._require_loaded()
+        meta = self.graphs.get(graph)
+        if meta is None:
+            raise GraphNotFoundError(f"no graph {graph!r} (have: {', '.join(sorted(self.graphs))})")
+        return BoundGraph(self, meta, resident, outputs)
 
     def updates_in_place(self, graph: str, name: str) -> bool:
         """True when a run of ``graph`` has already written its new entries into its input ``name`` (a KV
@@ -351,6 +370,76 @@ class Executor(abc.ABC):
 
     def read(self, tensor: DeviceTensor) -> np.ndarray:
         return self._d2h(tensor.handle, tensor.shape, tensor.dtype)
+
+
+class BoundGraph:
+    """A graph of an :class:`Executor` with its resident inputs bound (:meth:`Executor.bind`). :meth:`run`
+    checks the host inputs' names, shapes and dtypes, stages them, runs the graph under its group's lock
+    and returns the chosen outputs, checked for non-finite values and timed as :meth:`Executor.run` does;
+    the same device buffers are passed every time, which a backend may use to keep its bindings. Valid
+    while the executor stays loaded."""
+
+    def __init__(self, ex: "Executor", meta: GraphMeta, resident: dict, outputs=None):
+        unknown = sorted(set(resident) - {t.name for t in meta.inputs})
+        if unknown:
+            raise ShapeError(f"graph {meta.name!r}: no inputs {unknown} to bind (has: "
+                             f"{sorted(t.name for t in meta.inputs)})")
+        names = {t.name for t in meta.outputs}
+        chosen = list(names if outputs is None else outputs)
+        if not set(chosen) <= names:
+            raise ShapeError(f"graph {meta.name!r}: no outputs {sorted(set(chosen) - names)} (has: {sorted(names)})")
+        self._ex, self.meta = ex, meta
+        self._inputs: dict = {}
+        self._host: list[tuple[str, tuple, np.dtype, object]] = []
+        for spec in meta.inputs:
+            value = resident.get(spec.name)
+            if value is None:
+                if spec.resident:
+                    raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} must be bound to a device tensor")
+                buf = ex._staging[(meta.group, spec.name)]
+                self._host.append((spec.name, tuple(spec.shape), np.dtype(spec.dtype), buf))
+                self._inputs[spec.name] = buf
+                continue
+            if not isinstance(value, DeviceTensor):
+                raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} is bound to a "
+                                 f"{type(value).__name__}, not a device tensor")
+            if tuple(value.shape) != tuple(spec.shape) or np.dtype(value.dtype).name != spec.dtype:
+                raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} expects {spec.dtype}{list(spec.shape)}, "
+                                 f"got {value.dtype}{list(value.shape)}")
+            self._inputs[spec.name] = value.handle
+        self._outputs = {t.name: ex._staging[(meta.group, t.name)] for t in meta.outputs}
+        self._read = [(t.name, t.shape, t.dtype) for t in meta.outputs if t.name in chosen]
+        self._handle = ex._handles[meta.name]
+        self._lock = ex._group_locks[meta.group]
+        self._generation = ex._generation
+
+    @property
+    def valid(self) -> bool:
+        """False once the executor was closed or loaded again since :meth:`Executor.bind`."""
+        return self._ex._loaded and self._ex._generation == self._generation
+
+    def run(self, feeds: dict) -> dict[str, np.ndarray]:
+        ex, meta = self._ex, self.meta
+        if ex._generation != self._generation or not ex._loaded:
+            raise RuntimeError(f"{ex.name} executor: graph {meta.name!r} was bound before the executor was "
+                               f"closed or loaded again; bind it again")
+        if len(feeds) != len(self._host) or any(name not in feeds for name, _, _, _ in self._host):
+            raise ShapeError(f"graph {meta.name!r} (resident inputs bound): takes inputs "
+                             f"{sorted(n for n, _, _, _ in self._host)}, got {sorted(feeds)}")
+        for name, shape, dtype, _ in self._host:
+            value = feeds[name]
+            if not isinstance(value, np.ndarray) or value.shape != shape or value.dtype != dtype:
+                got = (f"{value.dtype}{list(value.shape)}" if isinstance(value, np.ndarray)
+                       else type(value).__name__)
+                raise ShapeError(f"graph {meta.name!r}: input {name!r} expects {dtype.name}{list(shape)}, got {got}")
+        with self._lock:
+            for name, _, _, buf in self._host:
+                ex._h2d(np.ascontiguousarray(feeds[name]), buf)
+            t0 = time.perf_counter()
+            ex._execute(self._handle, self._inputs, self._outputs, meta)
+            ms = (time.perf_counter() - t0) * 1e3
+            out = {name: ex._d2h(self._outputs[name], shape, dtype) for name, shape, dtype in self._read}
+        return ex._account(meta.name, ms, out)
 
 
 class HostMemoryHooks:

@@ -77,6 +77,10 @@ class PlacedExecutor:
     def run(self, graph: str, feeds: dict) -> dict[str, np.ndarray]:
         return self._member(graph).run(graph, feeds)
 
+    def bind(self, graph: str, resident: dict, outputs=None):
+        """``graph`` bound by the member that runs it (:meth:`Executor.bind`)."""
+        return self._member(graph).bind(graph, resident, outputs)
+
     def updates_in_place(self, graph: str, name: str) -> bool:
         """Whether the member that runs ``graph`` writes its new entries into input ``name`` itself."""
         return self._member(graph).updates_in_place(graph, name)

@@ -33,6 +33,8 @@ class LLMBackbone:
         self.num_deepstack = cfg.vision.num_deepstack if cfg.vision is not None else 0
         # Token ids are fed in the dtype the graphs declare (llm.token_id_dtype: int64 or int32).
         self.id_dtype = np.dtype(self._id_dtype(executor, cfg))
+        # (decode graph, slot) -> (the graph bound to the slot, whether it appends to the slot itself)
+        self._decoders: dict[tuple, tuple] = {}
 
     @staticmethod
     def _id_dtype(executor: Executor, cfg: ModelConfig) -> str:
@@ -114,13 +116,23 @@ class LLMBackbone:
         token's rotary position ``rope_pos`` too (the same on the t, h and w axes; default ``pos``)."""
         if pos >= self.max_seq:
             raise ContextOverflowError(f"cache position {pos} is beyond the context of {self.max_seq}")
-        d = select_bucket(self.decode_buckets, pos + 1)
-        feeds = {"input_ids": np.array([[token]], self.id_dtype), "cache_position": np.array([pos], np.int64),
-                 "past_kv": slot}
+        graph = f"decode_{select_bucket(self.decode_buckets, pos + 1)}"
+        feeds = {"input_ids": np.array([[token]], self.id_dtype), "cache_position": np.array([pos], np.int64)}
         if self.mrope:
             feeds["position_ids"] = np.full((3, 1), pos if rope_pos is None else rope_pos, np.int64)
-        graph = f"decode_{d}"
-        out = self.ex.run(graph, feeds)
-        if not self.ex.updates_in_place(graph, "past_kv"):
+        bound, in_place = self._decoder(graph, slot)
+        out = bound.run(feeds)
+        if not in_place:
             self.ex.write(slot, np.s_[:, :, :, pos:pos + 1], out["new_kv"])
         return out["logits"][0]
+
+    def _decoder(self, graph: str, slot: DeviceTensor) -> tuple:
+        """``graph`` bound to ``slot`` once (a token's call then checks and stages only the ids and the
+        position), and whether it appends to the slot itself (then only its logits are read)."""
+        key = (graph, slot.name, id(slot.handle))
+        entry = self._decoders.get(key)
+        if entry is None or not entry[0].valid:
+            in_place = self.ex.updates_in_place(graph, "past_kv")
+            outputs = ("logits",) if in_place else ("logits", "new_kv")
+            entry = self._decoders[key] = (self.ex.bind(graph, {"past_kv": slot}, outputs), in_place)
+        return entry

@@ -204,6 +204,48 @@ def test_resident_input_must_be_a_device_tensor(host):
     np.testing.assert_array_equal(out["out"], a + 7)
 
 
+def test_a_bound_graph_takes_the_host_inputs_alone(host):
+    """Executor.bind checks and binds the resident inputs once; BoundGraph.run then checks the host inputs,
+    returns the chosen outputs as run does, counts the call and refuses what run refuses."""
+    kv = host.alloc_tensor("kv", (2, 5), "float32")
+    host.write(kv, np.s_[0, :2], np.array([1.0, 2.0]))
+    a = np.arange(4, dtype=np.float32)
+    bound = host.bind("kvsum", {"kv": kv})
+    out = bound.run({"a": a})
+    np.testing.assert_array_equal(out["out"], a + 3)
+    np.testing.assert_array_equal(out["out"], host.run("kvsum", {"a": a, "kv": kv})["out"])
+    assert host.stats["kvsum"].calls == 2 and bound.valid
+    host.write(kv, np.s_[1, 3:5], np.array([0.0, 10.0]))  # the slot is read where it is, every call
+    np.testing.assert_array_equal(bound.run({"a": a})["out"], a + 13)
+    assert list(host.bind("add", {}, outputs=["out"]).run({"a": a[:3].reshape(1, 3).repeat(2, 0),
+                                                           "b": np.ones((2, 3), np.float32)})) == ["out"]
+
+    with pytest.raises(ShapeError, match=r"'kvsum'.*input 'a' expects float32\[4\], got float64\[4\]"):
+        bound.run({"a": a.astype(np.float64)})
+    with pytest.raises(ShapeError, match=r"'kvsum'.*input 'a' expects float32\[4\], got list"):
+        bound.run({"a": [0.0] * 4})
+    with pytest.raises(ShapeError, match=r"takes inputs \['a'\], got \['a', 'kv'\]"):
+        bound.run({"a": a, "kv": kv})
+    with pytest.raises(ShapeError, match=r"'kv' must be bound to a device tensor"):
+        host.bind("kvsum", {})
+    with pytest.raises(ShapeError, match=r"'kv' is bound to a ndarray, not a device tensor"):
+        host.bind("kvsum", {"kv": np.zeros((2, 5), np.float32)})
+    with pytest.raises(ShapeError, match=r"'kv' expects float32\[2, 5\], got float32\[5, 2\]"):
+        host.bind("kvsum", {"kv": host.alloc_tensor("wrong", (5, 2), "float32")})
+    with pytest.raises(ShapeError, match=r"no inputs \['b'\] to bind"):
+        host.bind("kvsum", {"kv": kv, "b": kv})
+    with pytest.raises(ShapeError, match=r"no outputs \['logits'\]"):
+        host.bind("kvsum", {"kv": kv}, outputs=["logits"])
+    with pytest.raises(GraphNotFoundError, match="no graph 'mul'"):
+        host.bind("mul", {})
+
+    host.close()
+    host.load()
+    assert not bound.valid
+    with pytest.raises(RuntimeError, match="bind it again"):
+        bound.run({"a": a})
+
+
 def test_graph_path():
     ex = HostExecutor([add_graph("rel", file="rel.onnx"), add_graph("abs", file="/abs/abs.onnx"),
                        add_graph("none")], graph_dir="/graphs")

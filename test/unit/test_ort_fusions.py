@@ -186,6 +186,22 @@ def test_decode_attention_appends_to_the_kv_views_in_place(gset, optimized, tmp_
     out = ex.run("decode_128", {**f, "past_kv": other})
     np.testing.assert_array_equal(ex.read(slot), first)
     np.testing.assert_array_equal(ex.read(other)[:, :, :, 90:91], out["new_kv"])
+
+    # the graph bound to the first slot (as the backbone decodes), taking turns with runs on the other:
+    # each call appends to its own slot, and the bound one returns what a run on a copy of its slot returns
+    bound = ex.bind("decode_128", {"past_kv": slot}, outputs=["logits"])
+    copy = ex.alloc_tensor("kv3", llm.kv_shape, llm.kv_dtype)
+    for position in (60, 61):
+        f = _feeds(cfg, "decode_128", position, 1, rng)
+        ex.write(copy, (Ellipsis,), ex.read(slot))
+        want = ex.run("decode_128", {**f, "past_kv": copy})
+        before = ex.read(other)
+        got = bound.run({k: v for k, v in f.items() if k != "past_kv"})
+        assert list(got) == ["logits"]
+        np.testing.assert_array_equal(got["logits"], want["logits"])
+        np.testing.assert_array_equal(ex.read(slot), ex.read(copy))
+        np.testing.assert_array_equal(ex.read(other), before)
+        ex.run("decode_128", {**_feeds(cfg, "decode_128", 30, 1, rng), "past_kv": other})
     ex.close()
 
 
