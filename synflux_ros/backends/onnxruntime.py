@@ -675,13 +675,7 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
                 "files": files}
 
     def _cache_valid(self, directory: str, fingerprint: dict, key: str = _CACHE_KEY) -> bool:
-        try:
-            with open(os.path.join(directory, graphset.MANIFEST_FILE), encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (OSError, ValueError):
-            return False
-        return data.get(key) == fingerprint and all(
-            os.path.isfile(os.path.join(directory, f"{name}.onnx")) for name in self.graphs)
+        return graphset.cached_copy_valid(directory, key, fingerprint, self.graphs)
 
     def _optimized_graph_set(self, source: str = "") -> str:
         """Directory of the ORT-optimised graph set for this configuration, built when missing from the graph

@@ -727,15 +727,6 @@ def fingerprint(graph_dir: str, paths: dict[str, str], manifest: dict, fusions) 
             "config_hash": manifest.get("config_hash", ""), "files": files}
 
 
-def _valid(directory: str, key: dict, names) -> bool:
-    try:
-        with open(os.path.join(directory, graphset.MANIFEST_FILE), encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return False
-    return data.get(CACHE_KEY) == key and all(os.path.isfile(os.path.join(directory, f"{n}.onnx")) for n in names)
-
-
 def fused_graph_set(graph_dir: str, metas, paths: dict[str, str], cache_dir: str, fusions) -> str:
     """Directory of the fused copy of a graph set (``<cache_dir>/<model>-fused-<digest>``), written when
     missing or stale. ``metas``: the GraphMeta of every graph to load; ``paths``: name -> source file.
@@ -751,7 +742,7 @@ def fused_graph_set(graph_dir: str, metas, paths: dict[str, str], cache_dir: str
     label = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(manifest.get("model") or "graphs"))
     target = os.path.join(cache_dir, f"{label}-fused-{digest}")
     names = [m.name for m in metas]
-    if _valid(target, key, names):
+    if graphset.cached_copy_valid(target, CACHE_KEY, key, names):
         return target
     try:
         os.makedirs(cache_dir, exist_ok=True)
@@ -779,7 +770,7 @@ def fused_graph_set(graph_dir: str, metas, paths: dict[str, str], cache_dir: str
         graphset_writer.write_manifest(work, fused_metas, info, model=manifest.get("model", ""),
                                        config_hash=manifest.get("config_hash", ""), fusion_counts=counts,
                                        **{CACHE_KEY: key})
-        graphset_writer.publish_directory(work, target, lambda d: _valid(d, key, names))
+        graphset_writer.publish_directory(work, target, lambda d: graphset.cached_copy_valid(d, CACHE_KEY, key, names))
         graphset_writer.prune_cache(cache_dir, CACHE_KEY, key, target, versions=("onnxscript", "onnx", "rules"))
     finally:
         if os.path.isdir(work):

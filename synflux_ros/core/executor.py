@@ -304,18 +304,19 @@ class Executor(abc.ABC):
             if not isinstance(value, (DeviceTensor, np.ndarray)):
                 raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} must be a numpy array or device "
                                  f"tensor, got {type(value).__name__}")
-            shape = tuple(value.shape)
-            dtype = np.dtype(value.dtype).name
-            if shape != spec.shape or dtype != spec.dtype:
-                raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} expects {spec.dtype}{list(spec.shape)}, "
-                                 f"got {dtype}{list(shape)}")
+            _check_shape(meta, spec, value)
 
-    def run(self, graph: str, feeds: dict) -> dict[str, np.ndarray]:
-        """Run ``graph`` on ``feeds`` (numpy arrays or :class:`DeviceTensor`), return host outputs."""
+    def _meta(self, graph: str) -> GraphMeta:
+        """The loaded executor's graph ``graph``."""
         self._require_loaded()
         meta = self.graphs.get(graph)
         if meta is None:
             raise GraphNotFoundError(f"no graph {graph!r} (have: {', '.join(sorted(self.graphs))})")
+        return meta
+
+    def run(self, graph: str, feeds: dict) -> dict[str, np.ndarray]:
+        """Run ``graph`` on ``feeds`` (numpy arrays or :class:`DeviceTensor`), return host outputs."""
+        meta = self._meta(graph)
         self.check_feeds(meta, feeds)
         with self._group_locks[meta.group]:
             device_inputs = {}
@@ -352,11 +353,7 @@ class Executor(abc.ABC):
         checked and bound once, returning only ``outputs`` (names; default all): :meth:`BoundGraph.run`
         then takes the host inputs alone. For calls repeated per token, where the lookups and checks of
         :meth:`run` cost as much as a run's smallest kernels."""
-        self._require_loaded()
-        meta = self.graphs.get(graph)
-        if meta is None:
-            raise GraphNotFoundError(f"no graph {graph!r} (have: {', '.join(sorted(self.graphs))})")
-        return BoundGraph(self, meta, resident, outputs)
+        return BoundGraph(self, self._meta(graph), resident, outputs)
 
     def updates_in_place(self, graph: str, name: str) -> bool:
         """True when a run of ``graph`` has already written its new entries into its input ``name`` (a KV
@@ -370,6 +367,15 @@ class Executor(abc.ABC):
 
     def read(self, tensor: DeviceTensor) -> np.ndarray:
         return self._d2h(tensor.handle, tensor.shape, tensor.dtype)
+
+
+def _check_shape(meta: GraphMeta, spec: TensorSpec, value) -> None:
+    """``value`` (a numpy array or :class:`DeviceTensor`) fed as ``spec`` must have its shape and dtype."""
+    shape = tuple(value.shape)
+    dtype = np.dtype(value.dtype).name
+    if shape != spec.shape or dtype != spec.dtype:
+        raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} expects {spec.dtype}{list(spec.shape)}, "
+                         f"got {dtype}{list(shape)}")
 
 
 class BoundGraph:
@@ -390,22 +396,20 @@ class BoundGraph:
             raise ShapeError(f"graph {meta.name!r}: no outputs {sorted(set(chosen) - names)} (has: {sorted(names)})")
         self._ex, self.meta = ex, meta
         self._inputs: dict = {}
-        self._host: list[tuple[str, tuple, np.dtype, object]] = []
+        self._host: list[tuple[TensorSpec, np.dtype, object]] = []  # (spec, its dtype, staging buffer)
         for spec in meta.inputs:
             value = resident.get(spec.name)
             if value is None:
                 if spec.resident:
                     raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} must be bound to a device tensor")
                 buf = ex._staging[(meta.group, spec.name)]
-                self._host.append((spec.name, tuple(spec.shape), np.dtype(spec.dtype), buf))
+                self._host.append((spec, np.dtype(spec.dtype), buf))
                 self._inputs[spec.name] = buf
                 continue
             if not isinstance(value, DeviceTensor):
                 raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} is bound to a "
                                  f"{type(value).__name__}, not a device tensor")
-            if tuple(value.shape) != tuple(spec.shape) or np.dtype(value.dtype).name != spec.dtype:
-                raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} expects {spec.dtype}{list(spec.shape)}, "
-                                 f"got {value.dtype}{list(value.shape)}")
+            _check_shape(meta, spec, value)
             self._inputs[spec.name] = value.handle
         self._outputs = {t.name: ex._staging[(meta.group, t.name)] for t in meta.outputs}
         self._read = [(t.name, t.shape, t.dtype) for t in meta.outputs if t.name in chosen]
@@ -423,18 +427,19 @@ class BoundGraph:
         if ex._generation != self._generation or not ex._loaded:
             raise RuntimeError(f"{ex.name} executor: graph {meta.name!r} was bound before the executor was "
                                f"closed or loaded again; bind it again")
-        if len(feeds) != len(self._host) or any(name not in feeds for name, _, _, _ in self._host):
+        if len(feeds) != len(self._host) or any(spec.name not in feeds for spec, _, _ in self._host):
             raise ShapeError(f"graph {meta.name!r} (resident inputs bound): takes inputs "
-                             f"{sorted(n for n, _, _, _ in self._host)}, got {sorted(feeds)}")
-        for name, shape, dtype, _ in self._host:
-            value = feeds[name]
-            if not isinstance(value, np.ndarray) or value.shape != shape or value.dtype != dtype:
-                got = (f"{value.dtype}{list(value.shape)}" if isinstance(value, np.ndarray)
-                       else type(value).__name__)
-                raise ShapeError(f"graph {meta.name!r}: input {name!r} expects {dtype.name}{list(shape)}, got {got}")
+                             f"{sorted(spec.name for spec, _, _ in self._host)}, got {sorted(feeds)}")
+        for spec, dtype, _ in self._host:
+            value = feeds[spec.name]
+            if not isinstance(value, np.ndarray):
+                raise ShapeError(f"graph {meta.name!r}: input {spec.name!r} expects {spec.dtype}{list(spec.shape)}, "
+                                 f"got {type(value).__name__}")
+            if value.shape != spec.shape or value.dtype != dtype:
+                _check_shape(meta, spec, value)
         with self._lock:
-            for name, _, _, buf in self._host:
-                ex._h2d(np.ascontiguousarray(feeds[name]), buf)
+            for spec, _, buf in self._host:
+                ex._h2d(np.ascontiguousarray(feeds[spec.name]), buf)
             t0 = time.perf_counter()
             ex._execute(self._handle, self._inputs, self._outputs, meta)
             ms = (time.perf_counter() - t0) * 1e3

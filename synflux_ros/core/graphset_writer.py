@@ -12,7 +12,7 @@ import os
 import shutil
 
 from .graphset import (ALIGNMENT, EXTERNAL_MIN_BYTES, FORMAT, MANIFEST_FILE, WEIGHTS_FILE, GraphSetError,
-                       GraphSetNotFoundError, external_initializers)
+                       GraphSetNotFoundError, cached_manifest, external_initializers)
 
 def write_manifest(out_dir: str, manifest, weights: dict | None = None, *, model: str = "",
                    config_hash: str = "", config: dict | None = None, tokenizer: str = "", **extra) -> str:
@@ -353,11 +353,10 @@ def _source_changed(fingerprint: dict) -> bool:
     source = str(fingerprint.get("source") or "")
     if not os.path.isabs(source):
         return False
-    try:
-        with open(os.path.join(source, MANIFEST_FILE), encoding="utf-8") as fh:
-            graphs = json.load(fh).get("graphs") or []
-    except (OSError, ValueError, AttributeError):
+    manifest = cached_manifest(source)
+    if manifest is None:
         return True
+    graphs = manifest.get("graphs") or []
     files = {str(g.get("name")): str(g.get("file") or f"{g.get('name')}.onnx") for g in graphs if isinstance(g, dict)}
     for name, recorded in (fingerprint.get("files") or {}).items():
         try:
@@ -391,11 +390,7 @@ def prune_cache(cache_dir: str, key_name: str, current: dict, keep: str, version
         if sep and stem and pid.isdigit():
             stale = not _pid_alive(int(pid))
         else:
-            try:
-                with open(os.path.join(path, MANIFEST_FILE), encoding="utf-8") as fh:
-                    fingerprint = json.load(fh).get(key_name)
-            except (OSError, ValueError, AttributeError):
-                continue
+            fingerprint = (cached_manifest(path) or {}).get(key_name)
             if not isinstance(fingerprint, dict):
                 continue
             stale = _source_changed(fingerprint) or slot == {
