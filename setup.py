@@ -25,6 +25,6 @@ setup(
     entry_points={"console_scripts": [
         "synflux-build=synflux_ros.build.export:main",
         "synflux-bench=synflux_ros.bench.llm:main",
-        "synflux-validate=synflux_ros.bench.validate:main",
+        "synflux-validate=synflux_ros.build.validate:main",
     ]},
 )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from synflux_ros.core import graphset
+from synflux_ros.graphset import reader as graphset
 from synflux_ros.core.config import load_config
-from synflux_ros.core.executor import GraphMeta
+from synflux_ros.core.contract import GraphMeta
 
 
 def config(graph_dir: str, backend: str, **options):
@@ -56,3 +56,28 @@ def demo_size(raw: dict) -> dict:
     if raw.get("text", {}).get("eos_token_ids"):
         raw["text"]["eos_token_ids"] = [1000, 1001]
     return raw
+
+
+# A tiny Qwen3-VL (vision tower + one text layer) for the tests that compare with transformers.
+H, W = 128, 96                      # non-square on purpose: 8 x 6 patches of 16 -> 4 x 3 merged tokens
+LLM_HIDDEN = 48
+MEAN, STD = (0.48, 0.46, 0.41), (0.27, 0.26, 0.28)
+
+
+def tiny_hf_config():
+    from transformers import Qwen3VLConfig
+    return Qwen3VLConfig(
+        vision_config=dict(depth=3, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=LLM_HIDDEN,
+                           deepstack_visual_indexes=[0, 2], num_position_embeddings=49),
+        text_config=dict(hidden_size=LLM_HIDDEN, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=24, intermediate_size=64, vocab_size=256,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [4, 4, 4], "mrope_interleaved": True}),
+        image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+
+
+def hf_image_processor(**size):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                    image_mean=list(MEAN), image_std=list(STD), **size)

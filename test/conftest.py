@@ -1,13 +1,28 @@
-"""Shared pytest setup: tests import the installed package (see the Makefile's `test` target)."""
+"""Shared pytest setup and fixtures: tests import the installed package (see the Makefile's `test` target).
+
+Markers (``make test`` selects by them): ``simulator`` (a vendor NPU simulator: QNN's, RKNN's), ``reference``
+(compared with a reference implementation: transformers, LeRobot in .venv-pi0ref), ``gpu`` (needs a CUDA
+device; skipped elsewhere with the reason).
+
+The fixtures that start nodes use the DDS domain ``ROS_DOMAIN_ID`` when the environment sets it (``colcon
+test`` runs the tests through ament_cmake_ros's isolation runner, which sets a free one), else a domain picked
+for this test session.
+"""
 import os
 import tempfile
+import uuid
 
 import pytest
+import yaml
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "tensorrt_gpu: needs JetPack's TensorRT and a CUDA device (a Jetson); "
-                                       "skipped elsewhere with the reason")
+    config.addinivalue_line("markers", "simulator: runs a vendor NPU simulator (QNN HTP, RKNN); make test runs "
+                                       "these in a process of their own")
+    config.addinivalue_line("markers", "reference: compared with a reference implementation (transformers, "
+                                       "LeRobot)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (and, for engines, TensorRT); skipped elsewhere "
+                                       "with the reason")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -24,3 +39,90 @@ def temporary_files_under_basetemp(tmp_path_factory):
     else:
         os.environ["TMPDIR"] = old
     tempfile.tempdir = None
+
+
+@pytest.fixture(scope="session")
+def ros_env(tmp_path_factory):
+    rclpy = pytest.importorskip("rclpy", reason="rclpy is not installed (run `make test`, which sets up .venv)")
+    from synflux_ros.tools import harness as testing
+    # One domain per test session; a ROS_DOMAIN_ID set by the caller is kept, never replaced.
+    env = testing.ros_env(log_dir=str(tmp_path_factory.mktemp("roslog")))
+    testing.use_env(env)
+    rclpy.init()
+    yield env
+    rclpy.try_shutdown()
+
+
+@pytest.fixture()
+def client(ros_env):
+    import rclpy
+    node = rclpy.create_node(f"test_client_{uuid.uuid4().hex[:8]}")
+    yield node
+    node.destroy_node()
+
+
+@pytest.fixture(scope="session")
+def make_config(tmp_path_factory):
+    """Write a variant of a shipped config: make_config('vlm_demo.yaml', session={'max_sessions': 2})."""
+    from synflux_ros.tools import harness as testing
+    def _make(base: str, **sections) -> str:
+        with open(testing.config_path(base), encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh)
+        for key, value in sections.items():
+            if isinstance(value, dict):
+                raw.setdefault(key, {}).update(value)
+            else:
+                raw[key] = value
+        path = tmp_path_factory.mktemp("cfg") / os.path.basename(base)
+        path.write_text(yaml.safe_dump(raw))
+        return str(path)
+    return _make
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the tail of each node's output (what the node logged is often the why)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for p in getattr(item, "synflux_nodes", []):
+            state = "running" if p.alive() else f"exited with {p.proc.returncode}"
+            report.sections.append((f"{p.name} output ({state})", p.output()[-4000:]))
+
+
+@pytest.fixture()
+def start_node(ros_env, request):
+    """Start a node executable; every process is stopped (SIGINT) at the end of the test."""
+    from synflux_ros.tools import harness as testing
+    procs = []
+    request.node.synflux_nodes = procs
+
+    def _start(name, params=None, namespace=None, **kw):
+        remaps = dict(kw.pop("remaps", {}))
+        if namespace:
+            remaps["__ns"] = namespace
+        p = testing.NodeProcess(name, params=params, env=ros_env, remaps=remaps, **kw)
+        procs.append(p)
+        return p
+    yield _start
+    for p in procs:
+        running = p.alive()
+        code = p.stop()
+        if running:  # a node stopped with SIGINT must exit cleanly
+            assert code == 0, f"{p.name} exited with {code} on SIGINT:\n{p.output()[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def demo_graphs(tmp_path_factory):
+    """The demo configs exported once by synflux-build (random weights): name -> graph set directory.
+    Tests that change a graph set copy it first."""
+    pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
+    from synflux_ros.build.export import build
+    from synflux_ros.core.config import load_config
+    from synflux_ros.tools import harness as testing
+    out = {}
+    for name in ("vla_demo_orin", "vlm_demo"):
+        d = tmp_path_factory.mktemp(f"{name}_graphs")
+        build(load_config(testing.config_path(f"{name}.yaml")), str(d))
+        out[name] = d
+    return out

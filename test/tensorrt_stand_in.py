@@ -250,8 +250,8 @@ def write_engines(graph_dir: str, tag: str, dla_kinds=(), version: str = VERSION
     would lay them out): each engine file names its ONNX and its profiles' shapes."""
     import os
 
-    from synflux_ros.backends import tensorrt_plan as plan
-    from synflux_ros.core import graphset
+    from synflux_ros.backends.tensorrt import plan
+    from synflux_ros.graphset import reader as graphset
     manifest = graphset.read_manifest(graph_dir)
     metas = graphset.graph_metas(graph_dir, manifest)
     out = os.path.join(graph_dir, "tensorrt", tag)

@@ -35,19 +35,19 @@ class BackendEntry:
 
 
 EXECUTORS: dict[str, BackendEntry] = {
-    "mock": BackendEntry("synflux_ros.backends.mock:MockExecutor"),
-    "onnxruntime": BackendEntry("synflux_ros.backends.onnxruntime:OnnxRuntimeExecutor", requires=("onnxruntime",),
+    "mock": BackendEntry("synflux_ros.backends.mock.executor:MockExecutor"),
+    "onnxruntime": BackendEntry("synflux_ros.backends.onnxruntime.executor:OnnxRuntimeExecutor", requires=("onnxruntime",),
                                 install_hint="pip install onnxruntime; onnxruntime-gpu for CUDA/TensorRT providers"),
-    "openvino": BackendEntry("synflux_ros.backends.openvino:OpenVINOExecutor", requires=("openvino",),
+    "openvino": BackendEntry("synflux_ros.backends.openvino.executor:OpenVINOExecutor", requires=("openvino",),
                              install_hint="pip install openvino; Intel GPU and NPU devices also need their "
                                           "drivers"),
-    "qnn": BackendEntry("synflux_ros.backends.qnn:QNNExecutor", requires=("onnxruntime", "onnxruntime_qnn"),
+    "qnn": BackendEntry("synflux_ros.backends.qnn.executor:QNNExecutor", requires=("onnxruntime", "onnxruntime_qnn"),
                         install_hint="pip install onnxruntime-qnn (Qualcomm's QNN execution provider for "
                                      "onnxruntime, with the HTP libraries; on x86-64 the HTP simulator)"),
-    "rknn": BackendEntry("synflux_ros.backends.rknn:RKNNExecutor",
+    "rknn": BackendEntry("synflux_ros.backends.rknn.executor:RKNNExecutor",
                          install_hint="on an RK3588/RK3576 board: rknn-toolkit-lite2 and librknnrt.so; elsewhere "
                                       "`make rknn-venv` for rknn-toolkit2's simulator"),
-    "tensorrt": BackendEntry("synflux_ros.backends.tensorrt:TensorRTExecutor", requires=("tensorrt", "cuda"),
+    "tensorrt": BackendEntry("synflux_ros.backends.tensorrt.executor:TensorRTExecutor", requires=("tensorrt", "cuda"),
                              install_hint="TensorRT 10 comes with JetPack 6 on a Jetson (python3-libnvinfer); "
                                           "cuda-python: pip install cuda-python; engines: synflux-build --backend "
                                           "tensorrt on the device"),

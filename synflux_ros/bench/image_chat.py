@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from ..core.config import load_config
-from ..nodes.testing import config_path
+from ..tools.harness import config_path
 from ..runtimes.vlm import ChatRequest, VLMRuntime
 
 WIDTHS = dict(llm=dict(num_layers=8, hidden_dim=512, num_heads=8, num_kv_heads=4, head_dim=64,

@@ -29,9 +29,9 @@ import numpy as np
 
 from ..core.kv_cache import KVCachePool
 from ..core.config import ModelConfig, from_dict, load_config
-from ..core.graphs import select_bucket
-from ..pieces.backbone import LLMBackbone
-from ..runtimes.stack import create_executor
+from ..core.contract import select_bucket
+from ..model.backbone import LLMBackbone
+from ..runtimes.base import create_executor
 
 # Reference checkpoints of the targets (random weights, Qwen3 architecture).
 REFERENCE_MODELS = {
@@ -336,8 +336,8 @@ def pss():
     return status("Pss:", "/proc/self/smaps_rollup")
 import numpy as np
 from synflux_ros.bench.llm import graph_config
-from synflux_ros.core.graphs import seeded_feeds
-from synflux_ros.runtimes.stack import create_executor
+from synflux_ros.core.contract import seeded_feeds
+from synflux_ros.runtimes.base import create_executor
 import onnxruntime
 base, base_pss = status("VmRSS:"), pss()
 cfg = graph_config(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]))

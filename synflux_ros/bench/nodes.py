@@ -23,7 +23,7 @@ import tempfile
 import numpy as np
 import yaml
 
-from ..nodes.testing import NodeProcess, client_node, config_path, ros_env, stream_camera
+from ..tools.harness import NodeProcess, client_node, config_path, ros_env, stream_camera
 
 
 def overhead(node, env, seconds: float) -> bool:

@@ -131,7 +131,7 @@ def node_config(args, graphs: str, pool: str) -> str:
 
 def synflux_chunks(args, node_cfg: str) -> list:
     """ActionChunks for ``args.chunks`` frames (after 3 warm-up ones), each sent after the previous chunk."""
-    from ..nodes.testing import NodeProcess, chunks_one_at_a_time, client_node, ros_env
+    from ..tools.harness import NodeProcess, chunks_one_at_a_time, client_node, ros_env
 
     env = ros_env()
     rng = np.random.default_rng(0)

@@ -35,8 +35,8 @@ import numpy as np
 
 from ..core.config import load_config
 from ..core.kv_cache import KVCachePool
-from ..pieces.backbone import LLMBackbone
-from ..runtimes.stack import create_executor
+from ..model.backbone import LLMBackbone
+from ..runtimes.base import create_executor
 from . import gguf
 
 CONTEXT = 256  # the graph sets' decode span and the perplexity window
@@ -201,8 +201,8 @@ def run(path: str, work: str, threads: int = 2, llama_cpp: bool = True) -> dict:
     for comparison. Perplexity is at the executor's defaults, as llama.cpp runs (its Q4_1 kernels quantize
     the activations to 8 bits too), and int4 at level 1 as well."""
     from ..build.export import build
-    from ..core import graphset
-    from ..pieces.tokenizer import load_tokenizer
+    from ..graphset import reader as graphset
+    from ..model.tokenizer import load_tokenizer
 
     sets = gguf.graph_sets(path, work, PREFILL, CONTEXT, threads=threads)
     sets["int8-requantized"] = os.path.join(work, f"{gguf._stem(path)}.synflux-int8-requantized")

@@ -33,7 +33,7 @@ import numpy as np
 import yaml
 
 from ..nodes.common import LIVE_THREADS_MESSAGE, subscribe_diagnostics
-from ..nodes.testing import NodeProcess, client_node, config_path, ros_env, spin_until, stream_camera
+from ..tools.harness import NodeProcess, client_node, config_path, ros_env, spin_until, stream_camera
 
 NAMESPACE = "/soak"
 STAGE_LATENCY_MS = {"vision_encoder": 10.0, "prefill": 30.0, "action_expert": 2.0}

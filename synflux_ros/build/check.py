@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..backends import build_executor
-from ..core import graphset
+from ..graphset import reader as graphset
 
 
 @dataclass

@@ -32,10 +32,10 @@ import warnings
 
 import yaml
 
-from ..core.executor import GraphMeta
 from ..core.config import ConfigError, ModelConfig, load_config
-from ..core.graphs import graph_set, time_embedding
-from ..core import graphset, graphset_writer
+from ..core.contract import GraphMeta, graph_set
+from ..model.time_embedding import time_embedding
+from ..graphset import reader as graphset, writer as graphset_writer
 
 OPSET = 17
 BUILDERS = {
@@ -70,8 +70,8 @@ def _exporter_fingerprint() -> str:
     exported graphs (the other tools, e.g. the benchmark, do not)."""
     here = os.path.dirname(os.path.abspath(__file__))
     models = os.path.join(here, "torch_models")
-    core = os.path.join(os.path.dirname(here), "core")
-    paths = [os.path.abspath(__file__), os.path.join(core, "graphset.py"), os.path.join(core, "graphset_writer.py"),
+    fmt = os.path.join(os.path.dirname(here), "graphset")
+    paths = [os.path.abspath(__file__), os.path.join(fmt, "reader.py"), os.path.join(fmt, "writer.py"),
              os.path.join(here, "quantize.py")]
     paths += [os.path.join(models, n) for n in sorted(os.listdir(models)) if n.endswith(".py")]
     h = hashlib.sha256()
@@ -281,7 +281,7 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
           weights: str = "float32", block: int = 32) -> dict:
     """Build (or bring up to date) the graph set of ``cfg`` in ``out``; returns the manifest. A backend
     with a compiler of its own (``rknn``: ``target``, ``quantize``, ``calib``; ``tensorrt``: a
-    :class:`~synflux_ros.build.tensorrt.TensorRTOptions`) then compiles the graphs beside it. ``weights``
+    :class:`~synflux_ros.backends.tensorrt.build.TensorRTOptions`) then compiles the graphs beside it. ``weights``
     ``int8``/``int4`` quantizes the decoder's MatMul weights block-wise (``block`` rows per scale; see
     :mod:`synflux_ros.build.quantize`), for the onnxruntime backend only."""
     if backend not in BUILDERS:
@@ -295,7 +295,7 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
         raise BuildError(f"--weights {weights}: quantized graph sets are for --backend onnxruntime only, "
                          f"not {backend!r}")
     if backend == "rknn":
-        from .rknn import TARGETS, check_quantize
+        from ..backends.rknn.build import TARGETS, check_quantize
         if not target:
             raise BuildError(f"--backend rknn needs --target (choices: {', '.join(TARGETS)})")
         check_quantize(quantize, calib)  # before exporting anything
@@ -304,16 +304,16 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
     if tensorrt is not None and backend != "tensorrt":
         raise BuildError(f"TensorRT options are for --backend tensorrt, not {backend!r}")
     if backend == "tensorrt":
-        from .tensorrt import TensorRTOptions, load_tensorrt
+        from ..backends.tensorrt.build import TensorRTOptions, load_tensorrt
         tensorrt = tensorrt or TensorRTOptions()
         load_tensorrt(tensorrt.module)  # before exporting anything
     manifest = _build_onnx(cfg, out, backend, hf_dir, seed, force, threads, weights, block)
     if backend == "tensorrt":
-        from .tensorrt import build_for_tensorrt
+        from ..backends.tensorrt.build import build_for_tensorrt
         build_for_tensorrt(resolve_config(cfg, hf_dir), out, manifest, hf_dir, seed, force, tensorrt,
                            progress=_progress)
     if backend == "rknn":
-        from .rknn import compile_graph_set
+        from ..backends.rknn.build import compile_graph_set
         compile_graph_set(out, manifest, target, quantize, force=force, toolkit_python=toolkit_python,
                           calib=calib, progress=_progress)
     return manifest
@@ -448,7 +448,7 @@ def _tensorrt_options(args):
             raise BuildError(f"--fp16/--int8/--calib/--dla-core/--workspace/--sm/--tensorrt-module are for "
                              f"--backend tensorrt, not {args.backend!r}")
         return None
-    from .tensorrt import TensorRTBuildError, TensorRTOptions
+    from ..backends.tensorrt.build import TensorRTBuildError, TensorRTOptions
     if args.fp16 and args.int8:
         raise BuildError("--fp16 and --int8: choose one (--int8 builds the other engines in fp16)")
     try:
@@ -537,7 +537,7 @@ def main(argv=None) -> int:
             print(f"synflux-build: error: --check-options: not JSON ({exc})", file=sys.stderr)
             return 2
         if backend == "tensorrt":
-            from .tensorrt import TensorRTBuildError, check_engines
+            from ..backends.tensorrt.build import TensorRTBuildError, check_engines
             try:
                 rows = check_engines(args.out, graphset.graph_metas(args.out, graphset.read_manifest(args.out)),
                                      trt_opts)

@@ -569,7 +569,7 @@ def gguf_checkpoint(path: str, workdir: str | None = None,
 
 def record_source(out: str, path: str, hf_dir: str) -> None:
     """Name the GGUF file (not the temporary checkpoint) as the weight source in ``out``'s manifest."""
-    from ..core import graphset, graphset_writer
+    from ..graphset import reader as graphset, writer as graphset_writer
     manifest = graphset.read_manifest(out)
     source = dict(manifest.get("source") or {}, hf_dir="")
     with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as fh:

@@ -17,11 +17,102 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+import numpy as np
 import yaml
 
-from .image import DEFAULT_MAX_INPUT_PIXELS, PreprocessSpec
+
+
+#: Largest ``width * height`` a decoded frame may have unless the caller passes another limit (the
+#: default of the config field ``vision.max_input_pixels``): 4096 x 4096.
+DEFAULT_MAX_INPUT_PIXELS = 4096 * 4096
+
+
+def _pair(value: Any, name: str) -> tuple[int, int]:
+    """Validate a ``(rows, cols)`` pair of positive integers."""
+    try:
+        a, b = (int(v) for v in value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be a pair of integers (H, W), got {value!r}") from exc
+    if a <= 0 or b <= 0 or (a, b) != tuple(value):
+        raise ValueError(f"{name} must be positive integers (H, W), got {value!r}")
+    return a, b
+
+
+def _triple(value: Any, name: str) -> tuple[float, float, float]:
+    """Validate a per-channel triple of floats."""
+    try:
+        values = tuple(float(v) for v in value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name} must be three numbers (R, G, B), got {value!r}") from exc
+    if len(values) != 3:
+        raise ValueError(f"{name} must be three numbers (R, G, B), got {value!r}")
+    return values  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class PreprocessSpec:
+    """Target geometry and normalisation of the model input.
+
+    Attributes:
+        resolution: ``(H, W)`` of the resized frame.
+        tile_size: ``(th, tw)``; must divide ``resolution`` exactly.  The
+            frame is cut into ``(H/th) * (W/tw)`` tiles in row-major order.
+        resize: ``"letterbox"`` keeps the aspect ratio and centres the frame,
+            filling the border with ``pad_value``; ``"stretch"`` scales each
+            axis independently.
+        pad_value: border pixel value (0..255, before normalisation).
+        mean, std: per-channel RGB normalisation, applied as
+            ``(x / 255 - mean) / std``.
+        interpolation: ``"bilinear"`` (half-pixel centres, no antialiasing,
+            8-bit fixed point: within 1.5 grey levels of exact float
+            bilinear) or ``"nearest"`` (about 3x faster).  Unused when the
+            input already has the target resolution.
+    """
+
+    resolution: tuple[int, int]
+    tile_size: tuple[int, int]
+    resize: str = "letterbox"
+    pad_value: int = 0
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    interpolation: str = "bilinear"
+
+    RESIZE_MODES: ClassVar[tuple[str, ...]] = ("letterbox", "stretch")
+    INTERPOLATIONS: ClassVar[tuple[str, ...]] = ("bilinear", "nearest")
+
+    def __post_init__(self) -> None:
+        res = _pair(self.resolution, "resolution")
+        tile = _pair(self.tile_size, "tile_size")
+        if res[0] % tile[0] or res[1] % tile[1]:
+            raise ValueError(f"tile_size {tile} does not divide resolution {res} exactly")
+        if self.resize not in self.RESIZE_MODES:
+            raise ValueError(f"resize must be one of {self.RESIZE_MODES}, got {self.resize!r}")
+        if self.interpolation not in self.INTERPOLATIONS:
+            raise ValueError(
+                f"interpolation must be one of {self.INTERPOLATIONS}, got {self.interpolation!r}"
+            )
+        pad = self.pad_value
+        if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or not 0 <= pad <= 255:
+            raise ValueError(f"pad_value must be an integer in 0..255, got {self.pad_value!r}")
+        mean, std = _triple(self.mean, "mean"), _triple(self.std, "std")
+        if not all(np.isfinite(mean)) or not all(s > 0 and np.isfinite(s) for s in std):
+            raise ValueError(f"mean must be finite and std positive, got mean {mean}, std {std}")
+        for name, value in (("resolution", res), ("tile_size", tile), ("mean", mean),
+                            ("std", std), ("pad_value", int(pad))):
+            object.__setattr__(self, name, value)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """Number of tiles along each axis, ``(H/th, W/tw)``."""
+        return self.resolution[0] // self.tile_size[0], self.resolution[1] // self.tile_size[1]
+
+    @property
+    def num_tiles(self) -> int:
+        """Total number of tiles, ``(H/th) * (W/tw)``."""
+        rows, cols = self.grid
+        return rows * cols
 
 
 class ConfigError(ValueError):

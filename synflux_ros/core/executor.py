@@ -26,115 +26,12 @@ import abc
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from .contract import (DeviceTensor, GraphMeta, GraphNotFoundError, GraphStats, NonFiniteOutputError, ShapeError,
+                       TensorSpec)
 from .memory import StaticMemoryPool
-
-
-class ShapeError(ValueError):
-    """A tensor does not match the graph's declared shape or dtype."""
-
-
-class GraphNotFoundError(KeyError):
-    """A graph name that the loaded graph set does not have."""
-
-
-class NonFiniteOutputError(RuntimeError):
-    """A graph produced NaN or Inf: the result must not reach the robot or the caller."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One named tensor of a graph with its static shape and dtype; ``resident`` tensors stay on the device."""
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    resident: bool = False
-    """Inputs only: always bound to a caller-owned device tensor (e.g. a KV-cache slot), so the executor
-    allocates no staging buffer for it."""
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
-    def to_dict(self) -> dict:
-        d = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
-        if self.resident:
-            d["resident"] = True
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TensorSpec":
-        return cls(d["name"], tuple(int(x) for x in d["shape"]), str(d["dtype"]), bool(d.get("resident", False)))
-
-
-@dataclass(frozen=True)
-class GraphMeta:
-    """Static description of one graph: what goes in, what comes out, which kind of computation."""
-
-    name: str
-    kind: str  # vision_encoder | embed | prefill | decode | action_expert
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    group: str = ""
-    """Graphs of one group never run at the same time and share staging buffers (e.g. all prefill
-    buckets), so memory is sized by the largest member instead of the sum."""
-    file: str = ""
-    attrs: dict = field(default_factory=dict, hash=False, compare=False)
-
-    def __post_init__(self):
-        if not self.group:
-            object.__setattr__(self, "group", self.name)
-
-    def input(self, name: str) -> TensorSpec:
-        for t in self.inputs:
-            if t.name == name:
-                return t
-        raise KeyError(f"graph {self.name!r} has no input {name!r}")
-
-    def output(self, name: str) -> TensorSpec:
-        for t in self.outputs:
-            if t.name == name:
-                return t
-        raise KeyError(f"graph {self.name!r} has no output {name!r}")
-
-    def has_output(self, name: str) -> bool:
-        return any(t.name == name for t in self.outputs)
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "group": self.group, "file": self.file,
-                "inputs": [t.to_dict() for t in self.inputs],
-                "outputs": [t.to_dict() for t in self.outputs], "attrs": dict(self.attrs)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "GraphMeta":
-        return cls(d["name"], d["kind"], tuple(TensorSpec.from_dict(t) for t in d["inputs"]),
-                   tuple(TensorSpec.from_dict(t) for t in d["outputs"]), d.get("group", ""),
-                   d.get("file", ""), dict(d.get("attrs", {})))
-
-
-@dataclass(frozen=True)
-class DeviceTensor:
-    """A caller-owned tensor that lives in device memory (KV-cache slots)."""
-
-    name: str
-    handle: object
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@dataclass
-class GraphStats:
-    """Call count and timing of one graph."""
-    calls: int = 0
-    total_ms: float = 0.0
-    last_ms: float = 0.0
-
-    @property
-    def mean_ms(self) -> float:
-        return self.total_ms / self.calls if self.calls else 0.0
 
 
 class Executor(abc.ABC):
@@ -212,14 +109,12 @@ class Executor(abc.ABC):
     # ------------------------------------------------------------------ lifecycle
     weight_dtypes: tuple[str, ...] = ("float32",)
     """Weight formats of graph sets this backend runs (``synflux-build --weights``; see
-    :func:`~synflux_ros.core.graphset.check_weight_format`)."""
+    :func:`~synflux_ros.graphset.reader.check_weight_format`)."""
 
     def check_weight_format(self) -> None:
-        """Refuse a graph set whose weight format (manifest ``weights.dtype``) this backend cannot run."""
-        from . import graphset
-        if {"float32", "int8", "int4"} <= set(self.weight_dtypes):
-            return  # runs every format (the mock): nothing to read
-        graphset.check_weight_format(self.graph_dir, self.name, self.weight_dtypes)
+        """Refuse a graph set whose weight format (manifest ``weights.dtype``) this backend cannot run. The
+        base accepts every format; backends that read graph sets from disk check the manifest
+        (:class:`~synflux_ros.graphset.reader.ChecksWeightFormat`)."""
 
     def graph_path(self, meta: GraphMeta) -> str:
         if not meta.file:

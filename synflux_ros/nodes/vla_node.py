@@ -39,7 +39,7 @@ from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from ..msg import ActionChunk
-from ..core.image import ImageError, decode_compressed, decode_raw
+from ..model.image import ImageError, decode_compressed, decode_raw
 from ..core.pipeline import source_rate
 from ..runtimes.robot_state import CameraImages, NoFreshState, RobotStateBuffer
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime

@@ -19,7 +19,7 @@ import traceback
 
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 
-from ..core.image import ImageError, decode_raw
+from ..model.image import ImageError, decode_raw
 from ..runtimes.sessions import RequestError
 from ..runtimes.vlm import ChatRequest, VLMRuntime
 from ..srv import Chat, EndSession

@@ -7,7 +7,7 @@ Stages (each may run on its own device and in its own pipeline thread):
 2. ``backbone``  LLM prefill of [camera 1 tokens | camera 2 tokens | ... | instruction tokens] into a KV-cache
                  slot (in one prefill call with ``llm.prefill_attention: bidirectional``, pi0's prefix)
 3. ``head``      the action head (flow matching: Euler steps of the action expert on the normalised robot
-                 state, see :mod:`synflux_ros.pieces.normalization`; or autoregressive action tokens), then
+                 state, see :mod:`synflux_ros.model.normalization`; or autoregressive action tokens), then
                  un-normalisation; the slot is released
 
 :meth:`VLARuntime.infer` runs the three in sequence; :class:`VLAPipeline` runs them in threads.
@@ -24,11 +24,11 @@ import numpy as np
 from ..core.config import ConfigError, ModelConfig
 from ..core.executor import Executor
 from ..core.pipeline import Pipeline
-from ..pieces.heads import action_head
-from ..pieces.heads.action_tokens import unnormalize
-from ..pieces.normalization import StateActionMaps
-from ..pieces.tokenizer import Tokenizer
-from .stack import ModelRuntime
+from ..model.heads import action_head
+from ..model.heads.action_tokens import unnormalize
+from ..model.normalization import StateActionMaps
+from ..model.tokenizer import Tokenizer
+from .base import ModelRuntime
 
 MAX_INSTRUCTION_CHARS = 2000
 

@@ -1,7 +1,7 @@
 """VLM runtime: multi-turn chat with a per-session KV cache.
 
 Each turn renders the whole conversation (system prompt, earlier turns with the replies as text, the new
-message) with the checkpoint's chat template (:mod:`synflux_ros.pieces.chat_template`) and tokenizes it;
+message) with the checkpoint's chat template (:mod:`synflux_ros.model.chat_template`) and tokenizes it;
 each image marker (``tokenizer.image_token``, one per image) becomes the image's vision tokens. The
 longest common prefix of that token sequence and what the session's KV slot holds is reused; only the
 rest is prefilled (``cached_tokens`` reports the reuse). This works with any template, including those
@@ -23,13 +23,13 @@ import numpy as np
 
 from ..core.config import ConfigError, ModelConfig
 from ..core.executor import Executor
-from ..core.graphs import mrope_positions
-from ..core.image import ImageError, check_image_size
-from ..pieces.chat_template import ChatTemplateError, load_chat_template
-from ..pieces.heads.text_sampling import SamplingParams, generate
-from ..pieces.tokenizer import Tokenizer
+from ..model.positions import mrope_positions
+from ..model.image import ImageError, check_image_size
+from ..model.chat_template import ChatTemplateError, load_chat_template
+from ..model.heads.text_sampling import SamplingParams, generate
+from ..model.tokenizer import Tokenizer
 from .sessions import Message, RequestError, Session, SessionManager
-from .stack import ModelRuntime
+from .base import ModelRuntime
 
 MAX_SESSION_ID_CHARS = 128
 MIN_TEMPERATURE = 1e-6  # smallest sampling temperature; below it logits / temperature can overflow

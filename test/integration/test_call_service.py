@@ -14,7 +14,7 @@ import pytest
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
 
-from synflux_ros.nodes import testing
+from synflux_ros.tools import harness as testing
 
 
 class SlowFirstServer:

@@ -10,9 +10,9 @@ import pytest
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import Image
 
-from synflux_ros.nodes.testing import chunk_for_frame, rgb_image, spin_until
+from synflux_ros.tools.harness import chunk_for_frame, rgb_image, spin_until
 
-from test_vla_node import Harness
+from ros_clients import Harness
 
 SECOND = 10**9
 MS = 10**6

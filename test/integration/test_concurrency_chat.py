@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from synflux_ros.nodes.testing import call_service, lifecycle_probe, rgb_image
+from synflux_ros.tools.harness import call_service, lifecycle_probe, rgb_image
 from synflux_ros.srv import Chat, EndSession
 
-from test_vlm_node import ChatClient, ok
+from ros_clients import ChatClient, ok
 
 rclpy = pytest.importorskip("rclpy")
 from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402

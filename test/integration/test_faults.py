@@ -12,10 +12,10 @@ import time
 import numpy as np
 import pytest
 
-from synflux_ros.nodes.testing import rgb_image, spin_until
+from synflux_ros.tools.harness import rgb_image, spin_until
 
-from test_vla_node import Harness  # noqa: E402
-from test_vlm_node import ChatClient, ok  # noqa: E402
+from ros_clients import Harness  # noqa: E402
+from ros_clients import ChatClient, ok  # noqa: E402
 
 
 def counts(d: dict) -> dict:

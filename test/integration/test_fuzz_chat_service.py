@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from synflux_ros.nodes import testing
+from synflux_ros.tools import harness as testing
 
-from test_vlm_node import ChatClient
+from ros_clients import ChatClient
 
 rclpy = pytest.importorskip("rclpy")
 from sensor_msgs.msg import Image  # noqa: E402

@@ -8,19 +8,14 @@ import yaml
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs onnxruntime")
 
-from synflux_ros.nodes.testing import rgb_image  # noqa: E402
+from synflux_ros.tools.harness import rgb_image  # noqa: E402
 
-from test_vla_node import Harness, stamp_ns  # noqa: E402
-from test_vlm_node import ChatClient, ok  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def graph_sets(demo_graphs):
-    return {name: d / "config.yaml" for name, d in demo_graphs.items()}
+from ros_clients import Harness, stamp_ns  # noqa: E402
+from ros_clients import ChatClient, ok  # noqa: E402
 
 
-def test_vla_node_on_onnxruntime(graph_sets, start_node, client):
-    p = start_node("vla_node", {"config": str(graph_sets["vla_demo_orin"]), "diagnostics_period": 0.2},
+def test_vla_node_on_onnxruntime(demo_graphs, start_node, client):
+    p = start_node("vla_node", {"config": str(demo_graphs["vla_demo_orin"] / "config.yaml"), "diagnostics_period": 0.2},
                    namespace="/ort")
     h = Harness(client, "/ort")
     h.wait_connected()
@@ -33,11 +28,11 @@ def test_vla_node_on_onnxruntime(graph_sets, start_node, client):
     assert "on 'onnxruntime'" in p.output()
 
 
-def test_vlm_node_on_onnxruntime_reuse_matches_recompute(graph_sets, start_node, client, make_config):
-    cfg = str(graph_sets["vlm_demo"])
+def test_vlm_node_on_onnxruntime_reuse_matches_recompute(demo_graphs, start_node, client, make_config):
+    cfg = str(demo_graphs["vlm_demo"] / "config.yaml")
     start_node("vlm_node", {"config": cfg}, namespace="/ort_chat")
     ref_cfg = make_config(cfg, session={"reuse_kv_cache": False})
-    start_node("vlm_node", {"config": ref_cfg, "graph_dir": str(graph_sets["vlm_demo"].parent)},
+    start_node("vlm_node", {"config": ref_cfg, "graph_dir": str(demo_graphs["vlm_demo"])},
                namespace="/ort_ref")
     a, b = ChatClient(client, "/ort_chat"), ChatClient(client, "/ort_ref")
     turns = [dict(prompt="Describe the table.", images=[rgb_image(96, 128, 2)]), dict(prompt="And the cup?"),
@@ -58,20 +53,20 @@ def _on_shared_pool(graph_config, tmp_path) -> str:
     return str(path)
 
 
-def test_nodes_on_a_shared_thread_pool(graph_sets, start_node, client, tmp_path):
+def test_nodes_on_a_shared_thread_pool(demo_graphs, start_node, client, tmp_path):
     """executor.options.thread_pool: shared: vla_node's three stage threads run their graphs on the one pool of
     the process, and vlm_node on it replies as on per-session pools, token for token."""
-    vla = _on_shared_pool(graph_sets["vla_demo_orin"], tmp_path)
-    p = start_node("vla_node", {"config": vla, "graph_dir": str(graph_sets["vla_demo_orin"].parent)},
+    vla = _on_shared_pool((demo_graphs["vla_demo_orin"] / "config.yaml"), tmp_path)
+    p = start_node("vla_node", {"config": vla, "graph_dir": str(demo_graphs["vla_demo_orin"])},
                    namespace="/ort_pool")
     h = Harness(client, "/ort_pool")
     h.wait_connected()
     h.publish_until_chunks(3, lambda s, t: rgb_image(448, 448, s, t))
     assert all(np.all(np.isfinite(c.actions)) for c in h.chunks)
     assert p.alive()
-    vlm = _on_shared_pool(graph_sets["vlm_demo"], tmp_path)
-    start_node("vlm_node", {"config": vlm, "graph_dir": str(graph_sets["vlm_demo"].parent)}, namespace="/ort_pool_chat")
-    start_node("vlm_node", {"config": str(graph_sets["vlm_demo"])}, namespace="/ort_own_pools")
+    vlm = _on_shared_pool((demo_graphs["vlm_demo"] / "config.yaml"), tmp_path)
+    start_node("vlm_node", {"config": vlm, "graph_dir": str(demo_graphs["vlm_demo"])}, namespace="/ort_pool_chat")
+    start_node("vlm_node", {"config": str(demo_graphs["vlm_demo"] / "config.yaml")}, namespace="/ort_own_pools")
     a, b = ChatClient(client, "/ort_pool_chat"), ChatClient(client, "/ort_own_pools")
     for i, turn in enumerate([dict(prompt="Describe the table.", images=[rgb_image(96, 128, 2)]),
                               dict(prompt="And the cup?")]):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from synflux_ros.nodes.testing import chunk_for_frame, rgb_image
+from synflux_ros.tools.harness import chunk_for_frame, rgb_image
 
-from test_vla_node import Harness
+from ros_clients import Harness
 
 JOINTS = ["shoulder", "elbow", "wrist"]
 SECOND = 10**9

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from synflux_ros.nodes.testing import rgb_image
+from synflux_ros.tools.harness import rgb_image
 
-from test_vlm_node import ChatClient, ok
+from ros_clients import ChatClient, ok
 
 pytest.importorskip("rclpy")
 

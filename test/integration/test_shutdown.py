@@ -27,7 +27,7 @@ from sensor_msgs.msg import Image
 from synflux_ros.core.config import load_config
 from synflux_ros.msg import ActionChunk
 from synflux_ros.nodes.common import LIVE_THREADS_MESSAGE
-from synflux_ros.nodes.testing import call_service, config_path, rgb_image, spin_until
+from synflux_ros.tools.harness import call_service, config_path, rgb_image, spin_until
 from synflux_ros.srv import Chat
 
 BOUND_S = 2.0

@@ -17,12 +17,12 @@ trt = pytest.importorskip("tensorrt_rtx_bindings", reason="TensorRT-RTX (require
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 
 from synflux_ros.backends import BackendUnavailableError, build_executor  # noqa: E402
-from synflux_ros.backends import tensorrt_plan as plan  # noqa: E402
-from synflux_ros.build import tensorrt as trt_build  # noqa: E402
+from synflux_ros.backends.tensorrt import plan  # noqa: E402
+from synflux_ros.backends.tensorrt import build as trt_build  # noqa: E402
 from synflux_ros.build.export import build  # noqa: E402
-from synflux_ros.core import graphset  # noqa: E402
+from synflux_ros.graphset import reader as graphset  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
-from synflux_ros.nodes.testing import config_path, share_dir  # noqa: E402
+from synflux_ros.tools.harness import config_path, share_dir  # noqa: E402
 
 from checkpoints import demo_size  # noqa: E402
 

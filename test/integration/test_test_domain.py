@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("rclpy", reason="rclpy is not installed (run `make test`, which sets up .venv)")
 
-from synflux_ros.nodes import testing  # noqa: E402
+from synflux_ros.tools import harness as testing  # noqa: E402
 
 
 def test_domain_from_the_environment_is_kept(monkeypatch):

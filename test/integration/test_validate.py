@@ -11,21 +11,16 @@ import pytest
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 pytest.importorskip("onnxruntime", reason="the reference backend needs onnxruntime")
 
-from synflux_ros.bench.validate import main, validate  # noqa: E402
+from synflux_ros.build.validate import main, validate  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
-from synflux_ros.core.graphs import graph_set  # noqa: E402
-from synflux_ros.nodes.testing import config_path  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def graph_sets(demo_graphs):
-    return {name: str(d) for name, d in demo_graphs.items()}
+from synflux_ros.core.contract import graph_set  # noqa: E402
+from synflux_ros.tools.harness import config_path  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["vla_demo_orin", "vlm_demo"])
-def test_the_same_computation_passes(graph_sets, name):
+def test_the_same_computation_passes(demo_graphs, name):
     # onnxruntime without its graph optimiser against onnxruntime with it: same math, other kernels
-    rows = validate(graph_sets[name], "onnxruntime", "onnxruntime", {"graph_optimization_level": "disable"}, {})
+    rows = validate(str(demo_graphs[name]), "onnxruntime", "onnxruntime", {"graph_optimization_level": "disable"}, {})
     expected = {f"{g.name}/{o.name}" for g in graph_set(load_config(config_path(f"{name}.yaml"))) for o in g.outputs}
     outputs = {r.check for r in rows if "/" in r.check}
     assert outputs == expected  # every output of every graph
@@ -38,22 +33,22 @@ def test_the_same_computation_passes(graph_sets, name):
                                                  "turn 2: cache reuse against recompute"]
 
 
-def test_a_wrong_cache_append_fails_the_reuse_check(graph_sets, monkeypatch):
+def test_a_wrong_cache_append_fails_the_reuse_check(demo_graphs, monkeypatch):
     """A backend whose KV append is off by one position computes turn 1 right but not a reused turn 2."""
-    from synflux_ros.pieces.backbone import LLMBackbone
+    from synflux_ros.model.backbone import LLMBackbone
     prefill = LLMBackbone.prefill
 
     def shifted(self, slot, start, embeds, *rest):
         return prefill(self, slot, start + 1 if start else 0, embeds, *rest)
     monkeypatch.setattr(LLMBackbone, "prefill", shifted)
-    rows = {r.check: r for r in validate(graph_sets["vlm_demo"], "onnxruntime", "onnxruntime", {}, {})}
+    rows = {r.check: r for r in validate(str(demo_graphs["vlm_demo"]), "onnxruntime", "onnxruntime", {}, {})}
     assert not rows["turn 2: cache reuse against recompute"].passed
 
 
-def test_a_backend_that_computes_something_else_fails(graph_sets, tmp_path):
+def test_a_backend_that_computes_something_else_fails(demo_graphs, tmp_path):
     # the mock ignores the weights: every output differs, and the exit code says so
     report = tmp_path / "report.json"
-    code = main(["--graphs", graph_sets["vlm_demo"], "--backend", "mock", "--json", str(report)])
+    code = main(["--graphs", str(demo_graphs["vlm_demo"]), "--backend", "mock", "--json", str(report)])
     assert code == 1
     data = json.loads(report.read_text())
     assert data["passed"] is False and data["backend"] == "mock"
@@ -61,8 +56,8 @@ def test_a_backend_that_computes_something_else_fails(graph_sets, tmp_path):
     assert "decode_256/logits" in failed and any(c.startswith("greedy tokens") for c in failed)
 
 
-def test_reduced_precision_uses_cosine(graph_sets):
-    rows = validate(graph_sets["vla_demo_orin"], "onnxruntime", "onnxruntime", {}, {}, precision="reduced",
+def test_reduced_precision_uses_cosine(demo_graphs):
+    rows = validate(str(demo_graphs["vla_demo_orin"]), "onnxruntime", "onnxruntime", {}, {}, precision="reduced",
                     min_cosine=0.99)
     assert all(r.passed for r in rows)
 
@@ -73,9 +68,9 @@ def test_usage_errors_exit_2(tmp_path):
         main(["--graphs", str(tmp_path), "--backend", "onnxruntime", "--options", "{bad"])
 
 
-def test_the_command_is_installed(graph_sets):
-    from synflux_ros.nodes.testing import executable
-    r = subprocess.run([sys.executable, executable("synflux-validate"), "--graphs", graph_sets["vla_demo_orin"],
+def test_the_command_is_installed(demo_graphs):
+    from synflux_ros.tools.harness import executable
+    r = subprocess.run([sys.executable, executable("synflux-validate"), "--graphs", str(demo_graphs["vla_demo_orin"]),
                         "--backend", "onnxruntime", "--options", '{"graph_optimization_level": "basic"}'],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -13,89 +13,9 @@ from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory
 
 from synflux_ros.msg import ActionChunk
-from synflux_ros.nodes.testing import rgb_image, spin_until
+from synflux_ros.tools.harness import rgb_image, spin_until
 
-JOINTS = [f"joint_{i}" for i in range(7)]
-LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
-
-
-class Harness:
-    """Client side of one vla_node under namespace ``ns``."""
-
-    def __init__(self, node, ns: str, compressed: bool = False, state_joints=(), camera: str = ""):
-        """``state_joints``: the node takes the robot state; each published frame is preceded by a JointState
-        of these joints with the frame's stamp (positions from :meth:`state_of`). ``camera``: frames go to
-        ``<camera>/image`` (the first camera of a model with several) instead of ``image``."""
-        self.node = node
-        self.state_joints = list(state_joints)
-        self.state_pub = node.create_publisher(JointState, f"{ns}/joint_states", 50) if state_joints else None
-        self.chunks, self.trajs, self.diags = [], [], []
-        cam = f"{ns}/{camera}" if camera else ns
-        kind, topic = (CompressedImage, f"{cam}/image/compressed") if compressed else (Image, f"{cam}/image")
-        self.image_pub = node.create_publisher(kind, topic, qos_profile_sensor_data)
-        self.instr_pub = node.create_publisher(String, f"{ns}/instruction", LATCHED)
-        node.create_subscription(ActionChunk, f"{ns}/action_chunk", self.chunks.append, 50)
-        node.create_subscription(JointTrajectory, f"{ns}/joint_trajectory", self.trajs.append, 50)
-        node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 50)
-        self.ns = ns
-
-    def _on_diag(self, msg):
-        for st in msg.status:
-            if st.name.startswith(f"{self.ns}/vla_node:"):
-                self.diags.append({kv.key: kv.value for kv in st.values})
-
-    def wait_connected(self, timeout=20.0):
-        assert spin_until(self.node, lambda: self.image_pub.get_subscription_count() > 0, timeout), \
-            "vla_node never subscribed to the image topic"
-        if self.state_pub is not None:
-            assert spin_until(self.node, lambda: self.state_pub.get_subscription_count() > 0, timeout), \
-                "vla_node never subscribed to the joint_states topic"
-
-    @staticmethod
-    def state_of(seq: int) -> list[float]:
-        return [0.1 * ((seq + i) % 5) for i in range(8)]
-
-    def publish_state(self, stamp_ns: int, positions, names=None):
-        msg = JointState(name=list(self.state_joints if names is None else names), position=list(positions))
-        msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp_ns, 10**9)
-        self.state_pub.publish(msg)
-
-    def publish_until_chunks(self, n: int, make_msg, timeout=30.0, period=0.05):
-        """Publish frames until ``n`` more chunks arrived; returns the stamps published."""
-        target = len(self.chunks) + n
-        stamps, seq, deadline = [], 0, time.monotonic() + timeout
-        while len(self.chunks) < target and time.monotonic() < deadline:
-            stamp = 1_000_000_000 * (100 + seq) + 12345
-            if self.state_pub is not None:
-                self.publish_state(stamp - 5_000_000, self.state_of(seq)[:len(self.state_joints)])
-            self.image_pub.publish(make_msg(seq, stamp))
-            stamps.append(stamp)
-            seq += 1
-            spin_until(self.node, lambda: len(self.chunks) >= target, period)
-        assert len(self.chunks) >= target, f"only {len(self.chunks)} chunks after {seq} frames"
-        return stamps
-
-    def publish_until_diag(self, msg, predicate, timeout=15.0):
-        """Best-effort delivery: re-send ``msg`` until the node's diagnostics satisfy ``predicate``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.image_pub.publish(msg)
-            if spin_until(self.node, lambda: any(predicate(d) for d in self.diags), 0.3):
-                return [d for d in self.diags if predicate(d)][-1]
-        raise AssertionError(f"no diagnostics matching; last: {self.diags[-1:]}")
-
-    def diag_where(self, predicate, timeout=10.0):
-        found = []
-
-        def check():
-            found[:] = [d for d in self.diags if predicate(d)]
-            return bool(found)
-        assert spin_until(self.node, check, timeout), f"no diagnostics matching; last: {self.diags[-1:]}"
-        return found[-1]
-
-
-def stamp_ns(header) -> int:
-    return header.stamp.sec * 10**9 + header.stamp.nanosec
+from ros_clients import JOINTS, LATCHED, Harness, stamp_ns  # noqa: E402
 
 
 @pytest.fixture()
@@ -266,7 +186,7 @@ def test_configure_after_a_failed_configure(start_node, client):
     from lifecycle_msgs.srv import ChangeState
     from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
     from rcl_interfaces.srv import SetParameters
-    from synflux_ros.nodes.testing import call_service, lifecycle_probe
+    from synflux_ros.tools.harness import call_service, lifecycle_probe
     start_node("vla_node", {"autostart": False, "config": "/nonexistent/model.yaml"}, namespace="/retry")
     change = client.create_client(ChangeState, "/retry/vla_node/change_state")
     set_params = client.create_client(SetParameters, "/retry/vla_node/set_parameters")

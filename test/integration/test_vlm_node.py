@@ -5,25 +5,11 @@ import uuid
 
 import pytest
 
-from synflux_ros.nodes import testing
-from synflux_ros.nodes.testing import call_service, lifecycle_probe, rgb_image
+from synflux_ros.tools import harness as testing
+from synflux_ros.tools.harness import call_service, lifecycle_probe, rgb_image
 from synflux_ros.srv import Chat, EndSession
 
-TIMEOUT = 60.0  # a safety net against a hang, not a speed requirement (the tests share 2 cores)
-
-
-class ChatClient:
-    def __init__(self, node, ns: str, timeout: float = TIMEOUT):
-        self.node, self.timeout = node, timeout
-        self.chat_cli = node.create_client(Chat, f"{ns}/chat")
-        self.end_cli = node.create_client(EndSession, f"{ns}/end_session")
-
-    def chat(self, session_id: str, prompt: str, **kw):
-        req = Chat.Request(session_id=session_id, prompt=prompt, **kw)
-        return call_service(self.node, self.chat_cli, req, self.timeout)
-
-    def end(self, session_id: str):
-        return call_service(self.node, self.end_cli, EndSession.Request(session_id=session_id), self.timeout)
+from ros_clients import TIMEOUT, ChatClient, ok  # noqa: E402
 
 
 @pytest.fixture()
@@ -42,11 +28,6 @@ def shared_vlm(ros_env):
         yield ChatClient(node, "/shared")
         assert proc.alive(), proc.output()[-3000:]
     node.destroy_node()
-
-
-def ok(resp):
-    assert resp.success, resp.error
-    return resp
 
 
 def test_multi_turn_reuses_cache_and_matches_recompute(vlm, start_node, client, make_config):
@@ -216,7 +197,7 @@ def test_lifecycle_transitions(start_node, client):
 
 def test_diagnostics_report_sessions(vlm, client):
     from diagnostic_msgs.msg import DiagnosticArray
-    from synflux_ros.nodes.testing import spin_until
+    from synflux_ros.tools.harness import spin_until
     ok(vlm.chat("d1", "hello"))
     seen = []
     client.create_subscription(DiagnosticArray, "/diagnostics", lambda m: seen.extend(

@@ -23,7 +23,7 @@ import launch_test_support as support  # noqa: E402  (skips without launch_testi
 import launch_testing  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
-from synflux_ros.nodes.testing import config_path, rgb_image  # noqa: E402
+from synflux_ros.tools.harness import config_path, rgb_image  # noqa: E402
 from synflux_ros.srv import Chat  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 import yaml  # noqa: E402

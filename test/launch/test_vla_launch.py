@@ -25,7 +25,7 @@ from rclpy.qos import (  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import String  # noqa: E402
 from synflux_ros.msg import ActionChunk  # noqa: E402
-from synflux_ros.nodes.testing import rgb_image  # noqa: E402
+from synflux_ros.tools.harness import rgb_image  # noqa: E402
 
 NAMESPACE = support.unique_namespace('vla')
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import launch_test_support as support  # noqa: E402  (skips without launch_testing / launch_ros)
 
 import launch_testing  # noqa: E402
-from synflux_ros.nodes.testing import rgb_image  # noqa: E402
+from synflux_ros.tools.harness import rgb_image  # noqa: E402
 from synflux_ros.srv import Chat, EndSession  # noqa: E402
 
 NAMESPACE = support.unique_namespace('vlm')

@@ -16,11 +16,12 @@ import pytest
 
 import synflux_ros
 from synflux_ros.core.config import ConfigError, describe_fields, load_config
-from synflux_ros.core.image import DEFAULT_MAX_INPUT_PIXELS, ImageError, decode_compressed, decode_raw
+from synflux_ros.core.config import DEFAULT_MAX_INPUT_PIXELS
+from synflux_ros.model.image import ImageError, decode_compressed, decode_raw
 from synflux_ros.runtimes.sessions import RequestError
 from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime
 
-from test_fuzz_image import jpeg_with_size, png_header_only
+from images import jpeg_with_size, png_header_only
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "config" / "vlm_demo.yaml"

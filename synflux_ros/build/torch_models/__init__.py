@@ -1,4 +1,4 @@
-"""torch modules implementing the graph contracts of ``synflux_ros.core.graphs.graph_set`` (build time only).
+"""torch modules implementing the graph contracts of ``synflux_ros.core.contract.graph_set`` (build time only).
 
 ::
 
@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 from ...core.config import ConfigError, ModelConfig
-from ...core.graphs import graph_set
+from ...core.contract import graph_set
 from .action_expert import ActionExpert, ActionExpertGraph
-from .decoder import (CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, fuse_projections, hf_llm_fields,
-                      init_random, load_hf_weights, materialize)
+from .decoder import (
+    CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, fuse_projections, hf_llm_fields, init_random, load_hf_weights,
+    materialize)
 from .lerobot_pi0 import config_from_lerobot_pi0, is_lerobot_pi0, load_lerobot_pi0
 from .qwen3_vl_vision import build_qwen3_vl_vision, vision_config_from_hf
 from .vision import VitVisionEncoder

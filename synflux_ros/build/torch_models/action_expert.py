@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ...core.config import ModelConfig
-from ...core.graphs import time_embedding_dim
+from ...core.contract import time_embedding_dim
 from .decoder import DecoderLayer, RMSNorm, _param, attention_bias, layer_kv, rope_inv_freq, rope_lookup, rope_table
 
 class ActionExpert(nn.Module):

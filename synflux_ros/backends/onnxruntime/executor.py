@@ -1,0 +1,735 @@
+"""ONNX Runtime executor: runs a graph set written by ``synflux-build`` (format in ``core/graphset.py``).
+
+Weights once
+------------
+All graphs of a model (``prefill_<p>`` for every bucket, ``decode_<d>``, ...) use the same weight tensors,
+and the graph set stores them once in ``weights.bin``. With ``share_weights`` (the default) this executor
+reads that file once into one host buffer and gives every :class:`onnxruntime.InferenceSession` views
+of it: for each external initializer of a graph, ``SessionOptions.add_initializer(name, OrtValue)``
+with an ``OrtValue`` created over a slice of the buffer (no copy). ORT uses a CPU ``OrtValue`` supplied
+this way in place, so N bucket graphs hold one copy of the weights.
+
+Prepacking decides whether that holds. On CPU, ORT's MatMul/Gemm kernels "prepack" constant weights at
+session creation into a private GEMM layout: one packed copy *per session* (sharing packed weights
+between sessions needs ``CreateSessionWithPrepackedWeightsContainer``, which the Python API lacks). So
+with ``share_weights`` the default is ``prepack: false`` (``session.disable_prepacking``): the kernels
+then pack blocks of the shared weight on every call. ``prepack`` may also name graphs, kinds or groups
+(``prepack: [prefill]``): those sessions get a private packed copy each and run at full speed.
+
+The third way combines both: with ``optimized_model_dir`` and ``prepack: true`` the ORT-optimised graphs
+are saved with their prepacked weights (``session.save_external_prepacked_constant_initializers``), the
+packed copies deduplicated across graphs into the optimised set's one weights file, and ORT maps them
+from that file in every session. All sessions then use the same page-cache pages: one physical copy
+(proportional set size, PSS), full speed; RSS counts each session's mapping again, and the pages are
+file-backed (evictable under memory pressure, like ``mmap_weights``). This relies on how ORT stores
+prepacked blobs (``prepacked_<n>`` external-data entries); the cache is keyed by ORT version.
+
+Without prepacking, a matrix-vector product (a decode step) runs as fast as with it, while a
+prefill of a few rows runs up to a few times slower; ``synflux-bench --suite`` measures both, with
+the resident and proportional memory of each setting.
+
+Graph optimisations that rewrite a weight (constant-folding a ``Transpose`` of it, Conv+BatchNorm
+fusion, packing Q/K/V into one matrix) create a per-session copy of the rewritten tensor; fold those at
+export time.
+
+Device buffers and IOBinding
+----------------------------
+Every staging buffer and caller-owned tensor (KV-cache slots) is a 64-byte-aligned host buffer. A run
+binds each input and output by pointer (``IOBinding.bind_input/bind_output`` with ``buffer_ptr``), so
+inputs are read and outputs written in place: a resident ``past_kv`` slot is passed without a copy and
+the steady state allocates no buffers. Bindings are kept per graph and redone only when a pointer
+changes (another KV slot). A graph exported with input views (``past_kv.<layer>.<k|v>``, see
+``graphset.VIEW_INPUTS``) gets each view bound at its offset in the contract input's buffer: every layer
+reads its keys and values where the cache slot holds them, no copy of the cache per step. A fused decode
+graph (``fusions``) also has an output ``<view>.in_place`` per view (``graphset.IN_PLACE_SUFFIX``), bound to
+that view's memory: its attention appends the new row to the slot there (see ``ort_fusions``). Such a graph
+leaves out ``new_kv`` (``graphset.ROWS_IN_PLACE``): the executor copies the row at ``cache_position`` from
+the slot into that output after the run, and :meth:`updates_in_place` tells the caller that the slot holds
+it already. The first run of each graph checks that ORT wrote its outputs into the bound buffers.
+
+Execution providers
+-------------------
+``providers`` defaults to ``["CPUExecutionProvider"]``. ``CUDAExecutionProvider`` and
+``TensorrtExecutionProvider`` work where the ``onnxruntime-gpu`` package is installed (an entry may be
+``[name, {provider options}]``, e.g. ``["TensorrtExecutionProvider", {"trt_fp16_enable": true,
+"trt_engine_cache_enable": true, "trt_engine_cache_path": "/opt/trt_cache"}]``). The buffers stay in
+host memory, so ORT copies inputs to the device and outputs back on each run, and ``share_weights``
+shares the host copy only (each session uploads its own device copy). A provider this onnxruntime build
+lacks is an error that lists the available ones.
+
+Options (``executor.options`` in the model config)
+--------------------------------------------------
+``providers``                list, see above
+``intra_op_num_threads``     0 = ORT's default (one per physical core)
+``inter_op_num_threads``     0 = ORT's default
+``thread_pool``              ``session`` (default): every graph's session has its own intra-op pool;
+                             ``shared``: all sessions of the process run on one pool (see "Threads" below)
+``graph_optimization_level`` ``disable`` | ``basic`` | ``extended`` | ``all`` (default): runtime-specific
+                             fused ops come from ORT's own optimiser; the exported graphs stay standard ONNX
+``optimized_model_dir``      save the ORT-optimised graphs there and load those next time: a graph set of
+                             its own (weights and prepacked weights deduplicated again) in a subdirectory
+                             keyed by ORT version, machine, providers, level, prepacked graphs and source
+                             files; loaded with ORT's optimiser off; writing it needs ``onnx``; writing one
+                             removes the sets it supersedes (source rebuilt or gone; same settings, older
+                             ORT); not with TensorRT (use its engine cache: ``trt_engine_cache_enable``)
+``share_weights``            default true, see above
+``prepack``                  true | false | list of graph names, kinds or groups; default: not share_weights,
+                             and true for a quantized graph set (with ``optimized_model_dir``: saved and
+                             shared, see above)
+``mmap_weights``             map weights.bin instead of reading it (pages are loaded on first use and may
+                             be evicted under memory pressure); default false
+``fusions``                  false (default) | true | list of ``rms_norm``, ``skip_rms_norm``, ``rotary``,
+                             ``attention``: rewrite the decoder graphs at load into ORT's fused kernels
+                             (SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization,
+                             com.microsoft RotaryEmbedding, GroupQueryAttention) with onnxscript's rewriter
+                             (:mod:`synflux_ros.backends.onnxruntime.fusions`; needs ``onnxscript``); ``true`` = rms_norm,
+                             rotary, attention. The rewritten set is written once to ``optimized_model_dir`` (or
+                             ``ort_fused/`` in the graph set's directory), keyed by the onnxscript version and the
+                             source files, and loaded with ORT's optimiser on (with ``optimized_model_dir``, the
+                             ORT-optimised set is made from it); meant for the CPU provider
+``matmulnbits_accuracy_level`` quantized graph sets (``synflux-build --weights int8|int4``): the
+                             ``accuracy_level`` of the ``MatMulNBits`` kernels ORT fuses them into
+                             (``session.qdq_matmulnbits_accuracy_level``): 0 or 1 = fp32 activations (the
+                             result of the dequantized weights up to float rounding), 4 = activations
+                             quantized to int8 per block (ORT's default; faster, less exact)
+
+Threads
+-------
+By default every graph's session has its own intra-op thread pool, not spinning (``allow_spinning``
+false): pools that spin after their call would take the cores from the next graph's pool (a decode step
+after a prefill, the action expert after the prefix), which made whole pi0 chunks 1.2-1.5x slower.
+``thread_pool: shared`` runs every session of the process on one pool of ``intra_op_num_threads`` (and
+``inter_op_num_threads``) threads, created by the first executor that loads with it. No pool then waits
+on another, and its workers spin between kernels and calls as torch's do: measured on the 2-core VM, a
+small pi0's vision + prefix + 10 action-expert steps in 50-53 ms against 63 ms with a pool per session.
+The cost is CPU: onnxruntime's Python API creates this pool with spinning on (``allow_spinning`` cannot
+turn it off), and between calls a worker keeps a core busy (a whole 30 ms gap between frames was spent
+spinning). The pool belongs to the process: onnxruntime refuses sessions with a pool of their own once
+it exists, so every onnxruntime executor of the process must then use ``thread_pool: shared`` with the
+same thread counts (an executor that does not is refused at load, naming the pool in use).
+
+Quantized graph sets
+--------------------
+A set built with ``--weights int8|int4`` has ``DequantizeLinear(Wq, scale, axis=0, block_size=B)`` +
+``MatMul`` for the decoder's weights; at level ``extended`` or ``all`` ORT's optimiser fuses each pair into
+``com.microsoft.MatMulNBits`` (its own transposed, packed copy of the weight; ORT's MatMul+Add -> Gemm
+fusion is turned off for these sets, as it would otherwise claim the projections followed by a residual
+add first). MatMulNBits is fast only with prepacked weights, so ``prepack`` defaults to true here: each
+session then holds its own packed copy of the (small) quantized weights; with ``optimized_model_dir`` the
+fused graphs and their prepacked weights are saved once and mapped by every session.
+
+Weights carried over from a llama.cpp ``Q4_1`` tensor (``synflux-build --from-gguf F --weights int4``) are
+affine (``d * q + m`` per block), which ``DequantizeLinear`` cannot express alone: the graphs add the
+block minima after it, a chain ORT's optimiser does not fuse. This executor rewrites each such chain and
+its ``MatMul`` when it loads the graph into ``MatMulNBits`` plus a small correction product for the minima
+(:mod:`synflux_ros.backends.onnxruntime.quant`; the file stays as it is, the new tensors are made once and shared
+by all graphs; ``matmulnbits_accuracy_level`` applies to them as to the fused ones).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+from collections.abc import Mapping
+
+import numpy as np
+
+from ...graphset import reader as graphset, writer as graphset_writer
+from ...core.config import choices_hint
+from ..binding import HostBufferHooks, Port, binding_plan
+from ...core.executor import Executor
+from ...core.contract import GraphMeta
+from ...graphset.reader import GraphSetError, GraphSetNotFoundError
+from . import fusions as ort_fusions
+
+_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
+           "all": "ORT_ENABLE_ALL"}
+
+# ORT's type strings -> numpy dtype names (as GraphMeta spells them).
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
+              "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int16)": "int16", "tensor(int8)": "int8",
+              "tensor(uint64)": "uint64", "tensor(uint32)": "uint32", "tensor(uint16)": "uint16",
+              "tensor(uint8)": "uint8", "tensor(bool)": "bool", "tensor(bfloat16)": "bfloat16"}
+
+# ONNX TensorProto data types -> numpy storage of the same item size (bfloat16 and float8 are
+# reinterpreted by ORT through ortvalue_from_numpy_with_onnx_type). Sub-byte types are not shared.
+_ONNX_STORAGE = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64,
+                 9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64, 16: np.uint16,
+                 17: np.uint8, 18: np.uint8, 19: np.uint8, 20: np.uint8}
+
+_OPTIONS = ("providers", "intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
+            "optimized_model_dir", "share_weights", "prepack", "mmap_weights", "allow_spinning",
+            "matmulnbits_accuracy_level", "fusions", "thread_pool")
+_THREAD_POOLS = ("session", "shared")
+_IGNORED_OPTIONS = ("latency_ms",)  # the mock's simulated latency; the factory passes it to every backend
+
+_CACHE_KEY = "ort_optimized"
+_QUANTIZED_DISABLED_OPTIMIZERS = ["MatMulAddFusion"]
+"""ORT optimisers turned off for quantized graph sets (see ``_create_session``)."""
+
+
+_process_pool: tuple[int, int] | None = None
+"""(intra, inter) threads of this process's shared onnxruntime pool once an executor created it."""
+
+
+def _join_process_pool(ort, shared: bool, intra: int, inter: int) -> None:
+    """Create the process's shared pool (``thread_pool: shared``) or check that the one in use matches; an
+    executor with a pool per session is refused once the shared pool exists (onnxruntime would refuse its
+    sessions)."""
+    global _process_pool
+    if not shared:
+        if _process_pool is not None:
+            raise ValueError(f"onnxruntime executor: this process already runs onnxruntime on a shared thread pool "
+                             f"(thread_pool: shared, {_process_pool[0]} intra-op threads) and onnxruntime refuses "
+                             f"sessions with a pool of their own after it: set thread_pool: shared here too")
+    elif _process_pool is None:
+        from onnxruntime.capi import _pybind_state
+        setter = getattr(_pybind_state, "set_global_thread_pool_sizes", None)
+        if setter is None:
+            raise RuntimeError(f"onnxruntime executor: thread_pool: shared needs an onnxruntime whose Python API "
+                               f"creates the process thread pool (set_global_thread_pool_sizes); "
+                               f"{ort.__version__} has none: use thread_pool: session")
+        setter(intra, inter)
+        _process_pool = (intra, inter)
+    elif _process_pool != (intra, inter):
+        raise ValueError(f"onnxruntime executor: this process already runs onnxruntime on a shared thread pool of "
+                         f"{_process_pool[0]} intra-op / {_process_pool[1]} inter-op threads (0 = ORT's default); "
+                         f"thread_pool: shared with {intra} / {inter} cannot resize it: give every executor of the "
+                         f"process the same intra_op_num_threads and inter_op_num_threads")
+
+
+def _quantized_set(graph_dir: str) -> bool:
+    """Whether ``graph_dir`` holds a quantized graph set (``synflux-build --weights``); False when it cannot
+    be read (load() reports that)."""
+    try:
+        return graphset.weight_format(graphset.find_manifest(graph_dir))["dtype"] != "float32"
+    except (GraphSetError, OSError):
+        return False
+
+
+class _Graph:
+    """A loaded graph: its session, its IO binding and the pointers currently bound."""
+
+    __slots__ = ("session", "binding", "bound", "verified", "path", "shared_initializers", "views", "in_place",
+                 "derived", "last", "rows")
+
+    def __init__(self, session, path: str, shared: int, views: dict, in_place: dict, derived: set):
+        self.session = session
+        self.binding = session.io_binding()
+        self.bound: dict[str, int] = {}
+        self.verified = False
+        self.path = path
+        self.shared_initializers = shared
+        # contract input -> [(ONNX input name, byte offset, shape)]: one entry at offset 0 for an input the
+        # graph takes whole, one per view for an input it takes as views (graphset.VIEW_INPUTS)
+        self.views: dict[str, list[tuple[str, int, tuple]]] = views
+        # contract input -> [(ONNX output name, byte offset, shape)]: outputs bound to that input's own memory
+        # (graphset.IN_PLACE_SUFFIX; a fused graph's attention appending to the KV views)
+        self.in_place: dict[str, list[tuple[str, int, tuple]]] = in_place
+        # contract outputs the graph leaves out, read from an input updated in place (graphset.ROWS_IN_PLACE)
+        self.derived: set[str] = derived
+        # the device_inputs and device_outputs dicts of the last binding: a caller passing the same dicts
+        # again (a BoundGraph) finds every pointer bound already
+        self.last: tuple | None = None
+        # derived output -> (view of the updated input, view of the position, view of the output)
+        self.rows: dict[str, tuple] = {}
+
+
+class _LazyModels(Mapping):
+    """name -> onnx.ModelProto (without its external data) loaded on access."""
+
+    def __init__(self, paths: dict[str, str]):
+        self._paths = paths
+
+    def __getitem__(self, name):
+        import onnx
+
+        return onnx.load(self._paths[name], load_external_data=False)
+
+    def __iter__(self):
+        return iter(self._paths)
+
+    def __len__(self):
+        return len(self._paths)
+
+
+class OnnxRuntimeExecutor(HostBufferHooks, Executor):
+    """Runs a synflux-build graph set with ONNX Runtime: weights loaded once for all graphs, every input
+    and output bound to the static buffers (see the module docstring)."""
+    name = "onnxruntime"
+    runtime_label = "ORT"
+    weight_dtypes: tuple[str, ...] = ("float32", "int8", "int4")
+    """Quantized sets (``synflux-build --weights``): DequantizeLinear + MatMul, fused by ORT's optimiser
+    (level ``extended``/``all``) into ``com.microsoft.MatMulNBits``."""
+    option_names: tuple[str, ...] = _OPTIONS
+    """The options this executor takes (a subclass running ORT with another execution provider narrows or
+    extends them; an option it does not list keeps its default)."""
+
+    def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
+        super().__init__(graphs, graph_dir, options)
+        import onnxruntime as ort
+
+        self._ort = ort
+        opts = self.options
+        unknown = sorted(set(opts) - set(self.option_names) - set(_IGNORED_OPTIONS))
+        if unknown:
+            key = unknown[0]
+            raise ValueError(f"{self.name} executor: unknown option {key!r}{choices_hint(key, self.option_names)}")
+        self.providers = self._parse_providers(opts.get("providers", ["CPUExecutionProvider"]))
+        self.intra_op_num_threads = self._int_option("intra_op_num_threads")
+        self.inter_op_num_threads = self._int_option("inter_op_num_threads")
+        level = opts.get("graph_optimization_level", "all")
+        if level not in _LEVELS:
+            raise ValueError(f"onnxruntime executor: graph_optimization_level {level!r} is not allowed "
+                             f"(choices: {', '.join(_LEVELS)})")
+        self.graph_optimization_level = level
+        self.share_weights = self._bool_option("share_weights", True)
+        self.mmap_weights = self._bool_option("mmap_weights", False)
+        # With a pool per graph (thread_pool: session), spinning pools of graphs that just ran (a prefill)
+        # keep the cores busy while the next graph (a decode) needs them: measured 2x slower decode steps
+        # after a prefill on a 2-core machine. Off by default; turn on where cores are plentiful.
+        self.allow_spinning = self._bool_option("allow_spinning", False)
+        self.thread_pool = opts.get("thread_pool", "session")
+        if self.thread_pool not in _THREAD_POOLS:
+            raise ValueError(f"onnxruntime executor: thread_pool {self.thread_pool!r} is not allowed "
+                             f"(choices: {', '.join(_THREAD_POOLS)})")
+        if self.thread_pool == "shared" and opts.get("allow_spinning") is False:
+            raise ValueError("onnxruntime executor: thread_pool: shared always spins (onnxruntime's Python API "
+                             "creates the process pool with spinning on); remove allow_spinning: false, or use "
+                             "thread_pool: session")
+        level_nbits = opts.get("matmulnbits_accuracy_level")
+        if level_nbits is not None and (isinstance(level_nbits, bool) or level_nbits not in (0, 1, 2, 3, 4)):
+            raise ValueError(f"onnxruntime executor: matmulnbits_accuracy_level must be 0..4, got {level_nbits!r}")
+        self.matmulnbits_accuracy_level = level_nbits
+        # MatMulNBits (quantized sets) runs only from its prepacked weights at speed: 80-90 ms against 2-3 ms
+        # a decode step on a hidden-512 8-layer model without them; so quantized sets prepack by default.
+        prepack = opts.get("prepack", not self.share_weights or _quantized_set(graph_dir))
+        if isinstance(prepack, bool):
+            self._prepack: bool | frozenset = prepack
+        elif isinstance(prepack, (list, tuple)) and all(isinstance(p, str) for p in prepack):
+            self._prepack = frozenset(prepack)
+        else:
+            raise ValueError(f"onnxruntime executor: prepack must be true, false or a list of graph names, kinds "
+                             f"or groups, got {prepack!r}")
+        self.optimized_model_dir = str(opts.get("optimized_model_dir") or "")
+        if self.optimized_model_dir and any(n == "TensorrtExecutionProvider" for n, _ in self.providers):
+            raise ValueError("onnxruntime executor: optimized_model_dir cannot be used with the TensorRT execution "
+                             "provider (ORT cannot save compiled TensorRT nodes); use its engine cache instead "
+                             "(provider options trt_engine_cache_enable / trt_engine_cache_path)")
+        self.fusions = ort_fusions.parse(opts.get("fusions", False))
+        self._cpu_only = all(n == "CPUExecutionProvider" for n, _ in self.providers)
+        self._load_dir = graph_dir
+        self._from_cache = False
+        self._cache_level = "disable"  # ORT's optimiser level for the graphs of a cached set
+        self._manifest: dict | None = None
+        self._weights: np.ndarray | None = None
+        self._weights_file = ""
+        self._weight_values: dict[tuple, object] = {}
+        self._affine = None  # ort_quant.AffineWeights of a set with carried Q4_1 weights (made at load)
+
+    # ------------------------------------------------------------------ options
+    def _bool_option(self, key: str, default: bool) -> bool:
+        value = self.options.get(key, default)
+        if not isinstance(value, bool):
+            raise ValueError(f"onnxruntime executor: {key} must be true or false, got {value!r}")
+        return value
+
+    def _parse_providers(self, value) -> list[tuple[str, dict]]:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ValueError(f"onnxruntime executor: providers must be a non-empty list, got {value!r}")
+        available = self._ort.get_available_providers()
+        out = []
+        for entry in value:
+            if isinstance(entry, str):
+                name, popts = entry, {}
+            elif (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)
+                  and isinstance(entry[1], dict)):
+                name, popts = entry[0], dict(entry[1])
+            else:
+                raise ValueError(f"onnxruntime executor: a provider is a name or [name, {{options}}], got {entry!r}")
+            if name not in available:
+                raise ValueError(
+                    f"onnxruntime executor: execution provider {name!r} is not available in this onnxruntime build "
+                    f"({self._ort.__version__}; available: {', '.join(available)}). CUDA and TensorRT need the "
+                    f"onnxruntime-gpu package and a matching CUDA/TensorRT installation")
+            out.append((name, popts))
+        return out
+
+    def _prepack_for(self, meta: GraphMeta) -> bool:
+        if isinstance(self._prepack, bool):
+            return self._prepack
+        return bool({meta.name, meta.kind, meta.group} & self._prepack)
+
+    # ------------------------------------------------------------------ graph set
+    def load(self) -> "OnnxRuntimeExecutor":
+        if self._loaded:
+            return self
+        _join_process_pool(self._ort, self.thread_pool == "shared", self.intra_op_num_threads,
+                           self.inter_op_num_threads)
+        cached = self._cached_graph_set()
+        if cached:
+            self._load_dir, self._from_cache = cached, True
+        try:
+            super().load()
+        except BaseException:
+            self._release_sessions()
+            raise
+        return self
+
+    def _cached_graph_set(self) -> str:
+        """Directory of a compiled copy of the graph set to load instead of ``graph_dir`` ('' = none); its
+        graphs are ``<name>.onnx`` and load with ORT's optimiser off (``_cache_level``). Here: the
+        ``optimized_model_dir`` cache, made from the fused set with ``fusions``, or the fused set alone
+        (loaded with the optimiser on); an execution provider with a compiled form of its own overrides
+        this."""
+        fused = self._fused_graph_set() if self.fusions else ""
+        if self.optimized_model_dir:
+            return self._optimized_graph_set(fused)
+        self._cache_level = self.graph_optimization_level
+        return fused
+
+    def _fused_graph_set(self) -> str:
+        """Directory of the graph set rewritten into ORT's fused kernels (``fusions``,
+        :mod:`synflux_ros.backends.onnxruntime.fusions`), in ``optimized_model_dir`` or else ``ort_fused/`` in the
+        graph set's directory; written on the first load, reused while the sources and versions match."""
+        paths = {meta.name: self._source_path(meta) for meta in self.graphs.values()}
+        cache = self.optimized_model_dir or os.path.join(self.graph_dir, "ort_fused")
+        return ort_fusions.fused_graph_set(self.graph_dir, list(self.graphs.values()), paths, cache, self.fusions)
+
+    def _source_path(self, meta: GraphMeta, source: str = "") -> str:
+        """The file of ``meta`` in the graph set (``source``: a cached copy) to build a cache from."""
+        path = os.path.join(source, f"{meta.name}.onnx") if source else super().graph_path(meta)
+        if not os.path.isfile(path):
+            raise GraphSetNotFoundError(f"onnxruntime executor: graph {meta.name!r}: {path} not found; "
+                                        f"{graphset.BUILD_HINT.format(dir=self.graph_dir)}")
+        return path
+
+    def graph_path(self, meta: GraphMeta) -> str:
+        if self._from_cache:
+            return os.path.join(self._load_dir, f"{meta.name}.onnx")
+        return super().graph_path(meta)
+
+    def _open_graph_set(self, graph_dir: str) -> dict:
+        """Read the manifest and (when sharing) the weights file of ``graph_dir``, once."""
+        manifest = graphset.read_manifest(graph_dir)
+        self._manifest = manifest
+        self._weights_file = (manifest.get("weights") or {}).get("file", "")
+        self._weights = None
+        self._weight_values.clear()
+        if self.share_weights and self._weights_file:
+            path = os.path.join(graph_dir, self._weights_file)
+            # Graphs loaded with saved prepacked weights let ORT map the file itself: map it here too, so the
+            # tensors both use are the same page-cache pages.
+            if self.mmap_weights or (self._from_cache and self._prepack is not False):
+                self._weights = np.memmap(path, np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
+            else:
+                self._weights = np.fromfile(path, np.uint8)
+        return manifest
+
+    def _shared_value(self, t: graphset.ExternalTensor, model_path: str):
+        """An OrtValue over the weights buffer for one external initializer (None: let ORT load it)."""
+        storage = _ONNX_STORAGE.get(t.data_type)
+        if storage is None or self._weights is None or t.location != self._weights_file:
+            return None
+        itemsize = np.dtype(storage).itemsize
+        count = int(np.prod(t.dims, dtype=np.int64))
+        length = t.length if t.length >= 0 else count * itemsize
+        if length != count * itemsize or t.offset < 0 or t.offset + length > self._weights.size:
+            raise GraphSetError(
+                f"{model_path}: initializer {t.name!r} ({t.dims}, {length} bytes at offset {t.offset}) does not fit "
+                f"{self._weights_file} ({self._weights.size} bytes): the graph set is inconsistent; "
+                f"{graphset.BUILD_HINT.format(dir=self._load_dir)}")
+        key = (t.offset, length, t.data_type, t.dims)
+        cached = self._weight_values.get(key)
+        if cached is None:
+            if t.offset % itemsize:
+                raise GraphSetError(f"{model_path}: initializer {t.name!r} is not aligned in {self._weights_file}; "
+                                    f"{graphset.BUILD_HINT.format(dir=self._load_dir)}")
+            view = self._weights[t.offset:t.offset + length].view(storage).reshape(t.dims)
+            value = self._ort.OrtValue.ortvalue_from_numpy_with_onnx_type(view, t.data_type)
+            cached = self._weight_values[key] = (view, value)
+        return cached[1]
+
+    def _session_options(self, meta: GraphMeta, path: str, level: str, prepack: bool):
+        ort = self._ort
+        so = ort.SessionOptions()
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
+        if self.thread_pool == "shared":
+            so.use_per_session_threads = False  # the process pool, sized by _join_process_pool
+        else:
+            if self.intra_op_num_threads:
+                so.intra_op_num_threads = self.intra_op_num_threads
+            if self.inter_op_num_threads:
+                so.inter_op_num_threads = self.inter_op_num_threads
+            so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.allow_spinning else "0")
+            so.add_session_config_entry("session.inter_op.allow_spinning", "1" if self.allow_spinning else "0")
+        if not prepack:
+            so.add_session_config_entry("session.disable_prepacking", "1")
+        if self.matmulnbits_accuracy_level is not None:
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
+                                        str(self.matmulnbits_accuracy_level))
+        shared = 0
+        if self.share_weights:
+            for t in graphset.external_initializers(path):
+                if prepack and t.prepacked:
+                    continue  # ORT maps this tensor's saved prepacked copy from the weights file
+                value = self._shared_value(t, path)
+                if value is not None:
+                    so.add_initializer(t.name, value)
+                    shared += 1
+        return so, shared
+
+    def _affine_weights(self):
+        """The shared MatMulNBits tensors of a set whose weights include carried Q4_1 blocks, else None."""
+        if "Q4_1" not in (graphset.weight_format(self._manifest).get("ggml_carried") or {}):
+            return None
+        if self._affine is None:
+            from .quant import AffineWeights
+            whole = self._weights if self._weights is not None else np.memmap(
+                os.path.join(self._load_dir, self._weights_file), np.uint8, mode="r")
+
+            def read(t):
+                return np.asarray(whole[t.offset:t.offset + t.length])
+            self._affine = AffineWeights(read, self._ort.OrtValue.ortvalue_from_numpy, self._weights_file)
+        return self._affine
+
+    def _model_source(self, path: str, so):
+        """What to create the session from: ``path``, or the bytes of the model with its affine 4-bit weights
+        rewritten to MatMulNBits (their tensors added to ``so``; see the module docstring)."""
+        affine = self._affine_weights()
+        if affine is None:
+            return path
+        import onnx
+        model = onnx.load(path, load_external_data=False)
+        externals = {t.name: t for t in graphset.external_initializers(path)}
+        level = 4 if self.matmulnbits_accuracy_level is None else self.matmulnbits_accuracy_level
+        added = affine.rewrite(model, externals, level)
+        if not added:
+            return path
+        for name, value in added.items():
+            so.add_initializer(name, value)
+        # tensors not handed over are read from the weights file beside the graph, as for a model file
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                    os.path.dirname(os.path.abspath(path)))
+        return model.SerializeToString()
+
+    def _create_session(self, meta: GraphMeta, path: str, so):
+        # Quantized sets: ORT's MatMul+Add -> Gemm fusion (level basic) runs before its DequantizeLinear +
+        # MatMul -> MatMulNBits fusion (level extended) and would leave every projection followed by a
+        # residual add (o, down) as DequantizeLinear + Gemm, dequantizing the weight on every run.
+        quantized = graphset.weight_format(self._manifest)["dtype"] != "float32"
+        disabled = _QUANTIZED_DISABLED_OPTIMIZERS if quantized else None
+        try:
+            source = self._model_source(path, so)
+            return self._ort.InferenceSession(source, so, providers=[n for n, _ in self.providers],
+                                              provider_options=[o for _, o in self.providers],
+                                              disabled_optimizers=disabled)
+        except Exception as exc:  # ORT raises its own exception types; name the graph and file
+            raise RuntimeError(f"onnxruntime executor: cannot load graph {meta.name!r} from {path}: {exc}") from exc
+
+    # ------------------------------------------------------------------ the five hooks
+    def _load_graph(self, path: str, meta: GraphMeta) -> object:
+        if self._manifest is None:
+            self._open_graph_set(self._load_dir)
+        if not path:
+            raise GraphSetError(f"onnxruntime executor: graph {meta.name!r} names no file; "
+                                f"{graphset.BUILD_HINT.format(dir=self._load_dir)}")
+        if not os.path.isfile(path):
+            raise GraphSetNotFoundError(f"onnxruntime executor: graph {meta.name!r}: {path} not found; "
+                                        f"{graphset.BUILD_HINT.format(dir=self._load_dir)}")
+        level = self._cache_level if self._from_cache else self.graph_optimization_level
+        so, shared = self._session_options(meta, path, level, self._prepack_for(meta))
+        session = self._create_session(meta, path, so)
+        in_place: dict = {}
+        derived: set = set()
+        views = self._check_io(session, meta, path, in_place, derived)
+        return _Graph(session, path, shared, views, in_place, derived)
+
+    def _execute(self, graph_handle, device_inputs, device_outputs, meta: GraphMeta) -> None:
+        g: _Graph = graph_handle
+        last = g.last
+        if last is None or last[0] is not device_inputs or last[1] is not device_outputs:
+            self._bind(g, device_inputs, device_outputs, meta)
+        g.session.run_with_iobinding(g.binding)
+        if not self._cpu_only:
+            g.binding.synchronize_outputs()
+        for source, position, out in g.rows.values():  # graphset.ROWS_IN_PLACE: new_kv = past_kv[..., pos]
+            pos = int(position[0])
+            out[...] = source[:, :, :, pos:pos + 1]
+        if not g.verified:
+            self._verify_outputs(g, device_outputs, meta)
+
+    def _bind(self, g: _Graph, device_inputs: dict, device_outputs: dict, meta: GraphMeta) -> None:
+        """Bind the buffers whose pointers changed, and make the views the derived outputs are read with."""
+        binding, bound = g.binding, g.bound
+        for spec in meta.inputs:
+            buf = device_inputs[spec.name]
+            if bound.get(spec.name) != buf.ptr:
+                element = np.dtype(spec.dtype).type
+                for name, offset, shape in g.views[spec.name]:
+                    binding.bind_input(name, "cpu", 0, element, shape, buf.ptr + offset)
+                bound[spec.name] = buf.ptr
+        for spec in meta.outputs:
+            buf = device_outputs[spec.name]
+            key = "\0out:" + spec.name
+            if bound.get(key) != buf.ptr and spec.name not in g.derived:
+                binding.bind_output(spec.name, "cpu", 0, np.dtype(spec.dtype).type, spec.shape, buf.ptr)
+                bound[key] = buf.ptr
+        for contract, outputs in g.in_place.items():  # after the contract's outputs: _verify_outputs's order
+            buf = device_inputs[contract]
+            key = "\0in_place:" + contract
+            if bound.get(key) != buf.ptr:
+                element = next(np.dtype(s.dtype).type for s in meta.inputs if s.name == contract)
+                for name, offset, shape in outputs:
+                    binding.bind_output(name, "cpu", 0, element, shape, buf.ptr + offset)
+                bound[key] = buf.ptr
+        specs = {s.name: s for s in (*meta.inputs, *meta.outputs)}
+        g.rows = {}
+        for name in g.derived:  # the row the run wrote into the input in place: new_kv = past_kv[:, :, :, pos]
+            source, position = graphset.ROWS_IN_PLACE[name]
+            g.rows[name] = tuple(self._view(buffers[n], specs[n].shape, specs[n].dtype) for buffers, n in
+                                 ((device_inputs, source), (device_inputs, position), (device_outputs, name)))
+        g.last = (device_inputs, device_outputs)
+
+    def updates_in_place(self, graph: str, name: str) -> bool:
+        """True when ``graph`` writes its new entries into every view of input ``name`` itself (a fused decode
+        graph's attention appending to the KV slot), so that writing its ``new_kv`` back is not needed."""
+        self._require_loaded()
+        g: _Graph = self._handles[graph]
+        return name in g.in_place and len(g.in_place[name]) == len(g.views[name])
+
+    def _unload_graph(self, graph_handle) -> None:
+        g: _Graph = graph_handle
+        g.binding.clear_binding_inputs()
+        g.binding.clear_binding_outputs()
+        g.bound.clear()
+        g.last = None
+        g.rows = {}
+
+    def close(self) -> None:
+        super().close()
+        self._release_sessions()
+
+    def _release_sessions(self) -> None:
+        self._handles.clear()
+        self._affine = None
+        self._manifest = None
+        self._weight_values.clear()
+        self._weights = None
+
+    # ------------------------------------------------------------------ checks and helpers
+    def _check_io(self, session, meta: GraphMeta, path: str, in_place: dict | None = None,
+                  derived: set | None = None) -> dict:
+        """The session's inputs and outputs must be the contract's (an input may come as views, see
+        ``graphset.VIEW_INPUTS``; a fused graph may update views in place, filled into ``in_place``, and then
+        leave out the outputs named in ``derived``). Returns the input binding plan of :class:`_Graph`."""
+        def ports(args):
+            return [Port(a.name, _ORT_TYPES.get(a.type, a.type), a.shape) for a in args]
+
+        rebuild = ("the graph set was built for another config or model; "
+                   + graphset.BUILD_HINT.format(dir=self._load_dir))
+        return binding_plan(meta, ports(session.get_inputs()), ports(session.get_outputs()), path, rebuild,
+                            in_place=in_place if in_place is not None else {},
+                            derived=derived if derived is not None else set())
+
+    def _verify_outputs(self, g: _Graph, device_outputs: dict, meta: GraphMeta) -> None:
+        values = g.binding.get_outputs()
+        expected = [(spec.name, device_outputs[spec.name].ptr) for spec in meta.outputs if spec.name not in g.derived]
+        for contract, outputs in g.in_place.items():
+            expected += [(name, g.bound["\0in_place:" + contract] + offset) for name, offset, _ in outputs]
+        for (name, ptr), value in zip(expected, values, strict=True):
+            if value.data_ptr() != ptr:
+                raise RuntimeError(f"onnxruntime executor: graph {meta.name!r} wrote output {name!r} to memory "
+                                   f"of its own instead of the bound buffer")
+        g.verified = True
+
+    @property
+    def weights_bytes(self) -> int:
+        """Size of the one shared weights buffer (0 without ``share_weights``)."""
+        return int(self._weights.size) if self._weights is not None else 0
+
+    def shared_initializers(self, graph: str) -> int:
+        """How many initializers of ``graph`` use the shared weights buffer."""
+        self._require_loaded()
+        return self._handles[graph].shared_initializers
+
+    # ------------------------------------------------------------------ optimised-model cache
+    def _cache_fingerprint(self, manifest: dict, source: str = "") -> dict:
+        files = {}
+        for meta in self.graphs.values():
+            st = os.stat(self._source_path(meta, source))
+            files[meta.name] = [st.st_size, st.st_mtime_ns]
+        wfile = (manifest.get("weights") or {}).get("file", "")
+        if wfile:
+            st = os.stat(os.path.join(source or self.graph_dir, wfile))
+            files[wfile] = [st.st_size, st.st_mtime_ns]
+        return {"onnxruntime": self._ort.__version__, "machine": platform.machine(),
+                "providers": [n for n, _ in self.providers],
+                "graph_optimization_level": self.graph_optimization_level,
+                "matmulnbits_accuracy_level": self.matmulnbits_accuracy_level,
+                "prepacked": sorted(m.name for m in self.graphs.values() if self._prepack_for(m)),
+                "source": os.path.abspath(source or self.graph_dir), "config_hash": manifest.get("config_hash", ""),
+                "files": files}
+
+    def _cache_valid(self, directory: str, fingerprint: dict, key: str = _CACHE_KEY) -> bool:
+        return graphset.cached_copy_valid(directory, key, fingerprint, self.graphs)
+
+    def _optimized_graph_set(self, source: str = "") -> str:
+        """Directory of the ORT-optimised graph set for this configuration, built when missing from the graph
+        set (or from its cached copy ``source``, the fused set); writing one removes the optimised sets it
+        supersedes (:func:`~synflux_ros.graphset.writer.prune_cache`)."""
+        manifest = graphset.read_manifest(source or self.graph_dir)
+        fingerprint = self._cache_fingerprint(manifest, source)
+        digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+        label = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(manifest.get("model") or "graphs"))
+        target = os.path.join(self.optimized_model_dir, f"{label}-{digest}")
+        if self._cache_valid(target, fingerprint):
+            return target
+        try:
+            import onnx  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError("onnxruntime executor: optimized_model_dir needs the 'onnx' package to write the "
+                               "optimised graph set (pip install onnx), or remove the option") from exc
+        os.makedirs(self.optimized_model_dir, exist_ok=True)
+        work = f"{target}.partial-{os.getpid()}"
+        raw_dir = os.path.join(work, "ort")
+        os.makedirs(raw_dir, exist_ok=True)
+        try:
+            self._open_graph_set(source or self.graph_dir)
+            paths = {}
+            for meta in self.graphs.values():
+                src = self._source_path(meta, source)
+                prepack = self._prepack_for(meta)
+                so, _ = self._session_options(meta, src, self.graph_optimization_level, prepack)
+                so.log_severity_level = 3  # the "hardware specific optimisations" warning is expected here
+                if prepack:
+                    so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+                out = os.path.join(raw_dir, f"{meta.name}.onnx")
+                so.optimized_model_filepath = out
+                so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                            f"{meta.name}.data")
+                so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                            str(graphset.EXTERNAL_MIN_BYTES))
+                session = self._create_session(meta, src, so)
+                self._check_io(session, meta, src)
+                del session
+                paths[meta.name] = out
+            self._release_sessions()
+            info = graphset_writer.write_weights_and_models(_LazyModels(paths), work, base_dir=raw_dir)
+            shutil.rmtree(raw_dir)
+            metas = [GraphMeta(m.name, m.kind, m.inputs, m.outputs, m.group, f"{m.name}.onnx", dict(m.attrs))
+                     for m in self.graphs.values()]
+            graphset_writer.write_manifest(work, metas, info, model=manifest.get("model", ""),
+                                    config_hash=manifest.get("config_hash", ""), **{_CACHE_KEY: fingerprint})
+            graphset_writer.publish_directory(work, target, lambda d: self._cache_valid(d, fingerprint))
+            graphset_writer.prune_cache(self.optimized_model_dir, _CACHE_KEY, fingerprint, target,
+                                        versions=("onnxruntime",))
+        finally:
+            self._release_sessions()
+            if os.path.isdir(work):
+                shutil.rmtree(work, ignore_errors=True)
+        return target

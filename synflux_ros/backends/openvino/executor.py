@@ -1,0 +1,381 @@
+"""OpenVINO executor: runs a graph set written by ``synflux-build`` (format in ``core/graphset.py``) on an
+Intel CPU, GPU or NPU through OpenVINO.
+
+Each graph's ONNX file is compiled for the configured device (OpenVINO's ONNX frontend reads the external
+weights from ``weights.bin`` next to it) and gets one ``InferRequest``. The portable files stay standard
+ONNX; OpenVINO's own graph compiler fuses operators at compile time.
+
+Weights are not held once: the CPU plugin repacks the weights of every compiled graph into a private
+copy, so N graphs that use the decoder (each prefill and decode bucket) hold N copies. Measured here on a
+graph set of 7 graphs and 276 MiB of weights: 1.3 GiB proportional set size after load, against 0.48 GiB
+for the onnxruntime backend, which shares one copy. Keep bucket lists short where memory is tight.
+
+Device buffers and binding
+--------------------------
+Every staging buffer and caller-owned tensor (KV-cache slots) is a 64-byte-aligned host buffer
+(:class:`synflux_ros.backends.binding.HostBuffer`). Each input and output of a request is set to an
+``ov.Tensor`` over that memory (``shared_memory=True``: no copy), so inputs are read and outputs written in
+place, and the steady state allocates nothing. A graph exported with input views
+(``past_kv.<layer>.<k|v>``, see ``graphset.VIEW_INPUTS``) gets each view set at its byte offset in the
+KV slot: every layer reads its keys and values where the slot holds them. Tensors are set again only when
+a buffer's address changes (another KV slot). The first run of each graph checks that the results are in
+the bound output buffers; an output the device plugin returned in memory of its own instead is copied into
+the staging buffer on every run from then on. The CPU plugin writes every output in place; a GPU or NPU
+plugin transfers the host tensors to the device and back on each run.
+
+Precision
+---------
+OpenVINO picks an inference precision per device: on a CPU with bf16 units (AVX512-BF16, AMX) the CPU
+plugin runs float32 graphs in bf16 by default (measured on the vlm_demo graphs: outputs off by up to 2e-2).
+The ``precision`` option sets ``INFERENCE_PRECISION_HINT``; its default is ``f32`` on the CPU (results
+match onnxruntime to ~1e-6) and ``f16`` on GPU and NPU. ``default`` leaves the plugin's own choice. With
+``AUTO``/``HETERO``/``MULTI`` each candidate device gets its own default through ``DEVICE_PROPERTIES``.
+
+Compiled-model cache
+--------------------
+With ``cache_dir`` OpenVINO stores each compiled graph (``CACHE_DIR``) and a later load imports it
+instead of compiling. The blobs go to a subdirectory keyed by the OpenVINO version, the device and compile
+properties, and the size and modification time of every graph file and the weights file: a rebuilt graph
+set gets a fresh subdirectory instead of a stale blob (old subdirectories are not removed). A relative
+``cache_dir`` is relative to the graph set directory. Each blob holds its graph's weights. On the CPU the
+cache gains little (measured: the 7-graph set above loads in 1.8 s compiled, 1.3-1.5 s from 854 MiB of
+blobs); it is meant for GPU and NPU, where compiling takes longer.
+
+Options (``executor.options`` in the model config)
+--------------------------------------------------
+``device``                 ``CPU`` (default), ``GPU``, ``GPU.1``, ``NPU``, ``AUTO``, ``AUTO:GPU,CPU``,
+                           ``HETERO:GPU,CPU``: a device this machine does not have is an error that lists
+                           ``ov.Core().available_devices``
+``precision``              ``f32`` | ``f16`` | ``bf16`` | ``default``; default f32 on CPU, f16 on GPU/NPU
+``cache_dir``              compiled-model cache, see above; default none (compile at every load)
+``num_streams``            ``NUM_STREAMS``; 0 = the latency hint's (one stream)
+``inference_num_threads``  CPU threads (``INFERENCE_NUM_THREADS``); 0 = OpenVINO's default
+``properties``             further OpenVINO properties passed to ``compile_model`` as they are, e.g.
+                           ``{ENABLE_CPU_PINNING: false}``; they override the ones above
+
+Every graph is compiled with ``PERFORMANCE_HINT: LATENCY`` (one request at a time per graph).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+
+import numpy as np
+
+from ...graphset import reader as graphset
+from ..binding import HostBufferHooks, Port, binding_plan
+from ...core.config import choices_hint
+from ...core.executor import Executor
+from ...core.contract import GraphMeta
+from ...graphset.reader import GraphSetError, GraphSetNotFoundError
+
+_OPTIONS = ("device", "precision", "cache_dir", "num_streams", "inference_num_threads", "properties")
+_IGNORED_OPTIONS = ("latency_ms",)  # the mock's simulated latency; the factory passes it to every backend
+_PRECISIONS = ("f32", "f16", "bf16", "default")
+_DEFAULT_PRECISION = {"CPU": "f32"}  # every other device: f16
+_VIRTUAL_DEVICES = ("AUTO", "MULTI", "HETERO", "BATCH")
+_DRIVER_HINT = ("GPU needs the Intel GPU driver (compute runtime), NPU the Intel NPU driver; "
+                "check with: python -c \"import openvino as ov; print(ov.Core().available_devices)\"")
+_CACHE_INFO = "synflux-cache.json"
+
+
+def _message(exc: BaseException) -> str:
+    """OpenVINO's exception text without its source-location lines."""
+    lines = [ln.strip() for ln in str(exc).splitlines()]
+    keep = [ln for ln in lines if ln and not ln.startswith(("Exception from src/", "Check '"))]
+    return " ".join(keep or [ln for ln in lines if ln]) or type(exc).__name__
+
+
+class _Graph:
+    """A loaded graph: its compiled model and request, its binding plan and the addresses bound."""
+
+    __slots__ = ("compiled", "request", "plan", "bound", "verified", "copy_out", "path", "from_cache")
+
+    def __init__(self, compiled, path: str, plan: dict, from_cache: bool):
+        self.compiled = compiled
+        self.request = compiled.create_infer_request()
+        self.plan = plan  # contract input -> [(ONNX input, byte offset, shape)] (core.binding.Plan)
+        self.bound: dict[str, int] = {}
+        self.verified = False
+        self.copy_out: tuple[str, ...] = ()  # outputs the plugin did not write into the bound buffer
+        self.path = path
+        self.from_cache = from_cache
+
+
+class OpenVINOExecutor(HostBufferHooks, Executor):
+    """Runs a synflux-build graph set with OpenVINO: one compiled model and request per graph, every input
+    and output set to the static buffers (see the module docstring)."""
+    name = "openvino"
+    runtime_label = "OpenVINO"
+
+    def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
+        super().__init__(graphs, graph_dir, options)
+        import openvino as ov
+
+        self._ov = ov
+        opts = self.options
+        unknown = sorted(set(opts) - set(_OPTIONS) - set(_IGNORED_OPTIONS))
+        if unknown:
+            key = unknown[0]
+            raise ValueError(f"openvino executor: unknown option {key!r}{choices_hint(key, _OPTIONS)}")
+        self.core = ov.Core()
+        device = opts.get("device", "CPU")
+        if not isinstance(device, str) or not device.strip():
+            raise ValueError(f"openvino executor: device must be a device name such as CPU, GPU, NPU or AUTO, "
+                             f"got {device!r}")
+        self.device = device.strip()
+        self._hardware = self._check_device(self.device)
+        precision = opts.get("precision")
+        if precision is not None and precision not in _PRECISIONS:
+            raise ValueError(f"openvino executor: precision {precision!r} is not allowed"
+                             f"{choices_hint(precision, _PRECISIONS)}")
+        self.precision = precision
+        self.num_streams = self._int_option("num_streams")
+        self.inference_num_threads = self._int_option("inference_num_threads")
+        if self.inference_num_threads and "CPU" not in self._hardware:
+            raise ValueError(f"openvino executor: inference_num_threads sets CPU threads, but device "
+                             f"{self.device!r} does not use the CPU")
+        props = opts.get("properties") or {}
+        if not isinstance(props, dict) or not all(isinstance(k, str) for k in props):
+            raise ValueError(f"openvino executor: properties must be a mapping of OpenVINO property names to "
+                             f"values, got {props!r}")
+        self.properties = dict(props)
+        cache_dir = opts.get("cache_dir") or ""
+        if not isinstance(cache_dir, str):
+            raise ValueError(f"openvino executor: cache_dir must be a directory path, got {cache_dir!r}")
+        self.cache_dir = cache_dir
+        self.compile_config = self._compile_config()
+        self._cache_path = ""
+
+    # ------------------------------------------------------------------ options
+    def _check_device(self, device: str) -> list[str]:
+        """The hardware devices ``device`` runs on (their plugin names); an error when one is missing."""
+        available = list(self.core.available_devices)
+        base, _, rest = device.partition(":")
+        if base in _VIRTUAL_DEVICES:
+            # AUTO:GPU,CPU  AUTO:-CPU (exclude)  BATCH:GPU(4) (batch size)
+            names = [n.strip().lstrip("-").split("(")[0] for n in rest.split(",") if n.strip()] if rest else []
+            wanted = [n for n in names if n not in _VIRTUAL_DEVICES]
+            if not names:
+                wanted = available
+            if not wanted:
+                raise ValueError(f"openvino executor: device {device!r} names no hardware device "
+                                 f"(available: {', '.join(available) or 'none'})")
+        elif rest:
+            raise ValueError(f"openvino executor: device {device!r}: only {', '.join(_VIRTUAL_DEVICES)} take a "
+                             f"device list after ':'")
+        else:
+            wanted = [device]
+        for name in wanted:
+            if not self._present(name, available):
+                raise ValueError(f"openvino executor: device {name!r} is not available on this machine "
+                                 f"(available: {', '.join(available) or 'none'}; {_DRIVER_HINT})")
+        return sorted({n.split(".")[0] for n in wanted})
+
+    def _present(self, name: str, available: list[str]) -> bool:
+        if name in available:
+            return True
+        base, dot, index = name.partition(".")
+        if not dot or base not in {a.split(".")[0] for a in available}:
+            return False
+        try:
+            ids = [str(i) for i in self.core.get_property(base, "AVAILABLE_DEVICES")]
+        except Exception:  # noqa: BLE001 - a plugin that cannot list its devices
+            return False
+        return index in ids
+
+    def _precision_for(self, device: str) -> str | None:
+        precision = self.precision or _DEFAULT_PRECISION.get(device, "f16")
+        return None if precision == "default" else precision
+
+    def _compile_config(self) -> dict:
+        """The properties every graph is compiled with (without the cache directory)."""
+        per_device = {}
+        for dev in self._hardware:
+            props = {}
+            precision = self._precision_for(dev)
+            if precision:
+                props["INFERENCE_PRECISION_HINT"] = precision
+            if self.num_streams:
+                props["NUM_STREAMS"] = self.num_streams
+            if dev == "CPU" and self.inference_num_threads:
+                props["INFERENCE_NUM_THREADS"] = self.inference_num_threads
+            per_device[dev] = props
+        config: dict = {"PERFORMANCE_HINT": "LATENCY"}
+        if self.device.partition(":")[0] in _VIRTUAL_DEVICES:
+            per_device = {d: p for d, p in per_device.items() if p}
+            if per_device:
+                config["DEVICE_PROPERTIES"] = per_device
+        else:
+            config.update(per_device[self._hardware[0]])
+        config.update(self.properties)
+        return config
+
+    def device_of(self, graph: str) -> str:
+        return f"{self.name}:{self.device}"
+
+    # ------------------------------------------------------------------ graph set
+    def load(self) -> "OpenVINOExecutor":
+        if self._loaded:
+            return self
+        try:
+            manifest = graphset.read_manifest(self.graph_dir)
+            graphset.check_weight_format(self.graph_dir, self.name, self.weight_dtypes, manifest)
+            self._cache_path = self._cache_subdir(manifest) if self.cache_dir else ""
+            super().load()
+        except BaseException:
+            self._handles.clear()
+            raise
+        return self
+
+    def _cache_subdir(self, manifest: dict) -> str:
+        """The directory of this graph set's compiled blobs for this device and configuration."""
+        root = self.cache_dir if os.path.isabs(self.cache_dir) else os.path.join(self.graph_dir, self.cache_dir)
+        files = {}
+        wfile = (manifest.get("weights") or {}).get("file", "")
+        for name in [self.graph_path(m) for m in self.graphs.values()] + (
+                [os.path.join(self.graph_dir, wfile)] if wfile else []):
+            if os.path.isfile(name):
+                st = os.stat(name)
+                files[os.path.basename(name)] = [st.st_size, st.st_mtime_ns]
+        fingerprint = {"openvino": self._ov.get_version(), "machine": platform.machine(), "device": self.device,
+                       "config": {k: str(v) for k, v in sorted(self.compile_config.items())},
+                       "source": os.path.abspath(self.graph_dir), "config_hash": manifest.get("config_hash", ""),
+                       "files": files}
+        digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+        label = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(manifest.get("model") or "graphs"))
+        path = os.path.join(root, f"{label}-{digest}")
+        try:
+            os.makedirs(path, exist_ok=True)
+            info = os.path.join(path, _CACHE_INFO)
+            if not os.path.isfile(info):
+                with open(info, "w", encoding="utf-8") as fh:
+                    json.dump(fingerprint, fh, indent=1, sort_keys=True)
+        except OSError as exc:
+            raise ValueError(f"openvino executor: cache_dir {root} is not writable ({exc}); set executor.options."
+                             f"cache_dir to a writable directory or remove it") from exc
+        return path
+
+    # ------------------------------------------------------------------ the five hooks
+    def _load_graph(self, path: str, meta: GraphMeta) -> object:
+        hint = graphset.BUILD_HINT.format(dir=self.graph_dir)
+        if not path:
+            raise GraphSetError(f"openvino executor: graph {meta.name!r} names no file; {hint}")
+        if not os.path.isfile(path):
+            raise GraphSetNotFoundError(f"openvino executor: graph {meta.name!r}: {path} not found; {hint}")
+        config = dict(self.compile_config)
+        if self._cache_path:
+            config["CACHE_DIR"] = self._cache_path
+        try:
+            # From a path, OpenVINO reads the ONNX file (and its weights) only when the cache has no blob.
+            compiled = self.core.compile_model(path, self.device, config)
+        except Exception as exc:  # noqa: BLE001 - OpenVINO raises RuntimeError for everything
+            raise self._load_error(path, meta, exc, hint) from exc
+        names = {t.name for t in (*meta.inputs, *meta.outputs)}
+        plan = binding_plan(meta, self._ports(compiled.inputs, names), self._ports(compiled.outputs, names), path,
+                            "the graph set was built for another config or model; " + hint)
+        try:
+            from_cache = bool(compiled.get_property("LOADED_FROM_CACHE"))
+        except Exception:  # noqa: BLE001 - not every device reports it
+            from_cache = False
+        return _Graph(compiled, path, plan, from_cache)
+
+    def unsupported_nodes(self, graph: str) -> list[tuple[str, str]]:
+        """(node name, op type) of the operators of ``graph`` that the device does not support, from
+        OpenVINO's ``query_model`` (parameters, results and constants are never listed)."""
+        self._require_loaded()
+        model = self.core.read_model(self.graph_path(self.graphs[graph]))
+        supported = self.core.query_model(model, self.device)
+        return [(op.get_friendly_name(), op.get_type_name()) for op in model.get_ops()
+                if op.get_friendly_name() not in supported
+                and op.get_type_name() not in ("Parameter", "Result", "Constant")]
+
+    def _load_error(self, path: str, meta: GraphMeta, exc: Exception, hint: str) -> Exception:
+        """A file OpenVINO cannot read is a broken graph set; a file it reads but cannot compile is a device
+        problem (a missing driver, an operator the device lacks)."""
+        try:
+            self.core.read_model(path)
+        except Exception as read_exc:  # noqa: BLE001
+            return GraphSetError(f"openvino executor: graph {meta.name!r}: {path} is not a readable ONNX model "
+                                 f"({_message(read_exc)}); {hint}")
+        return RuntimeError(f"openvino executor: cannot compile graph {meta.name!r} ({path}) for device "
+                            f"{self.device!r}: {_message(exc)}")
+
+    def _ports(self, ports, known=()) -> list[Port]:
+        """Ports as the binding checks them. A port can carry several tensor names (an output that is also
+        an intermediate node's result, e.g. the Unsqueeze of a one-map stack); the name in ``known`` (the
+        manifest's) is the one reported."""
+        out = []
+        for p in ports:
+            etype = p.get_element_type()
+            try:
+                dtype = np.dtype(etype.to_dtype()).name
+            except Exception:  # noqa: BLE001 - a type numpy has no name for (bf16, u4, ...)
+                dtype = etype.get_type_name()
+            pshape = p.get_partial_shape()
+            shape = None if pshape.rank.is_dynamic else [
+                d.get_length() if d.is_static else "?" for d in pshape]
+            names = [n for n in p.get_names() if n in known]
+            out.append(Port(names[0] if names else p.get_any_name(), dtype, shape))
+        return out
+
+    def _tensor(self, buf, offset: int, shape, dtype: str):
+        view = buf.view(shape, dtype, offset)
+        tensor = self._ov.Tensor(view, shared_memory=True)
+        if tensor.data.ctypes.data != buf.ptr + offset:
+            raise RuntimeError(f"openvino executor: cannot set a tensor over the buffer at {buf.ptr + offset:#x} "
+                               f"without a copy ({dtype}{list(shape)})")
+        return tensor
+
+    def _execute(self, graph_handle, device_inputs, device_outputs, meta: GraphMeta) -> None:
+        g: _Graph = graph_handle
+        request, bound = g.request, g.bound
+        for spec in meta.inputs:
+            buf = device_inputs[spec.name]
+            if bound.get(spec.name) != buf.ptr:
+                for name, offset, shape in g.plan[spec.name]:
+                    request.set_tensor(name, self._tensor(buf, offset, shape, spec.dtype))
+                bound[spec.name] = buf.ptr
+        for spec in meta.outputs:
+            buf = device_outputs[spec.name]
+            key = "\0out:" + spec.name
+            if bound.get(key) != buf.ptr:
+                request.set_tensor(spec.name, self._tensor(buf, 0, spec.shape, spec.dtype))
+                bound[key] = buf.ptr
+        request.start_async()
+        request.wait()
+        if not g.verified:
+            self._verify_outputs(g, device_outputs, meta)
+        for name in g.copy_out:
+            spec = meta.output(name)
+            np.copyto(self._view(device_outputs[name], spec.shape, spec.dtype), request.get_tensor(name).data)
+
+    def _verify_outputs(self, g: _Graph, device_outputs: dict, meta: GraphMeta) -> None:
+        """Which outputs the plugin left in memory of its own (those are copied from then on)."""
+        g.copy_out = tuple(spec.name for spec in meta.outputs
+                           if g.request.get_tensor(spec.name).data.ctypes.data != device_outputs[spec.name].ptr)
+        g.verified = True
+
+    def _unload_graph(self, graph_handle) -> None:
+        g: _Graph = graph_handle
+        g.bound.clear()
+        g.request = None
+        g.compiled = None
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def cache_path(self) -> str:
+        """The compiled-model cache directory in use ('' without ``cache_dir``)."""
+        return self._cache_path
+
+    def loaded_from_cache(self, graph: str) -> bool:
+        """Whether ``graph`` was imported from the compiled-model cache instead of compiled."""
+        self._require_loaded()
+        return self._handles[graph].from_cache
+
+    def copied_outputs(self, graph: str) -> tuple[str, ...]:
+        """Outputs of ``graph`` that the plugin does not write into the bound buffers (copied each run)."""
+        self._require_loaded()
+        return self._handles[graph].copy_out

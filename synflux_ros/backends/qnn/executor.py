@@ -1,0 +1,331 @@
+"""Qualcomm QNN executor: a synflux-build graph set on a Snapdragon NPU (Hexagon HTP) through ONNX Runtime's
+QNN execution provider (the ``onnxruntime-qnn`` package).
+
+Everything but the execution provider is the onnxruntime executor's (:class:`OnnxRuntimeExecutor`): one
+session per graph, every input and output bound in place to the static buffers (a KV slot's per-layer
+views at their offsets), ``weights.bin`` read once. This class changes how a session is created: the QNN
+execution provider is a plugin library that ``onnxruntime_qnn`` ships; it is registered with onnxruntime
+once per process (``onnxruntime.register_execution_provider_library``) and added to each session for the
+devices it reports (``SessionOptions.add_provider_for_devices``). A graph runs on QNN as a whole or not at
+all: sessions are created with ``session.disable_cpu_ep_fallback``, so a graph holding an operator QNN
+cannot run fails at load, naming that operator, instead of running part of it on the CPU.
+
+Token ids
+---------
+The HTP indexes in int32 (for an int64 graph input the provider adds a Cast to int32 on the device). This
+executor takes graph sets built with ``llm.token_id_dtype: int32`` (``input_ids`` int32, the embedding's
+``Gather`` taking them as they come) and refuses one with int64 ids at load, naming the file. Counts and
+positions (``num_tokens``, ``cache_position``, ``prefix_len``) stay int64 and are cast by the provider.
+
+Precision and the SoC
+---------------------
+The HTP computes float graphs in fp16 arithmetic: graph inputs and outputs stay float32, results differ
+from onnxruntime on the CPU by fp16 rounding (validate with ``synflux-validate --precision reduced``).
+``precision: fp16`` sets ``enable_htp_fp16_precision`` (float32 graphs run as fp16 graphs); ``fp32``, the
+default, leaves it off. On a Snapdragon device the SoC is detected; on an x86-64 host the HTP library is
+Qualcomm's simulator, which needs the target named (``soc_model``: e.g. 43 = SM8550 / HTP v73,
+57 = SM8650 / v75, 69 = SM8750 / v79, 87 = SM8850 / v81; without it graphs fail to finalize).
+
+Context binaries
+----------------
+Creating a session compiles the graph for the HTP ("finalize"). With ``context_cache`` the compiled
+graphs are stored as EPContext models (``<graph>.onnx`` naming a ``<graph>_qnn.bin`` QNN context binary)
+in a subdirectory keyed by the versions of onnxruntime, onnxruntime-qnn and the QNN SDK, the machine, the
+QNN options that shape the binary (backend, SoC, precision, further provider options), ORT's optimisation
+level, the graph set's config hash and the size and modification time of every graph file and the weights
+file. A later load with the same key loads the binaries (milliseconds per graph) instead of compiling; a
+rebuilt graph set gets a fresh subdirectory. Each binary holds its graph's weights, so the bucket graphs
+of a model hold one copy each.
+
+Options (``executor.options`` in the model config)
+--------------------------------------------------
+``backend``                  ``htp`` (default; the Hexagon NPU) or ``gpu`` (Adreno, through QNN's GPU library)
+``precision``                ``fp32`` (default) | ``fp16``, see above
+``soc_model``                QNN SoC id of the target (an integer); required on an x86-64 host
+``performance_mode``         ``htp_performance_mode``: ``default`` (QNN's), ``burst``, ``balanced``,
+                             ``high_performance``, ``sustained_high_performance``, ``power_saver``,
+                             ``low_power_saver``, ``high_power_saver``, ``low_balanced``, ``extreme_power_saver``
+``context_cache``            false (default) | true (``qnn_context/`` beside the graph set) | a directory
+                             (relative paths are relative to the graph set)
+``provider_options``         further QNN provider options passed as they are (``vtcm_mb``, ``htp_arch``,
+                             ``device_id``, ``htp_graph_finalization_optimization_mode``, ...)
+``intra_op_num_threads``, ``inter_op_num_threads``, ``graph_optimization_level``, ``share_weights``,
+``mmap_weights``, ``allow_spinning``: as for the onnxruntime executor (the ORT side of each session).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import threading
+
+from ...graphset import reader as graphset, writer as graphset_writer
+from ...core.config import choices_hint
+from ...core.contract import GraphMeta
+from ...graphset.reader import GraphSetError
+from ..onnxruntime.executor import OnnxRuntimeExecutor
+
+_ORT_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level", "share_weights",
+                "mmap_weights", "allow_spinning")
+_QNN_OPTIONS = ("backend", "precision", "soc_model", "performance_mode", "context_cache", "provider_options")
+_BACKENDS = ("htp", "gpu")
+_PRECISIONS = ("fp32", "fp16")
+_PERFORMANCE_MODES = ("default", "burst", "balanced", "high_performance", "sustained_high_performance",
+                      "power_saver", "low_power_saver", "high_power_saver", "low_balanced", "extreme_power_saver")
+# Provider options the executor sets from its own options (not to be given again in provider_options).
+_OWN_PROVIDER_KEYS = ("backend_type", "backend_path", "soc_model", "enable_htp_fp16_precision",
+                      "htp_performance_mode")
+# Provider options that change the run, not the compiled binary: left out of the context-cache key.
+_RUN_ONLY_PROVIDER_KEYS = ("htp_performance_mode", "rpc_control_latency", "device_id", "profiling_level",
+                           "profiling_file_path")
+_DEVICE_TYPE = {"htp": "NPU", "gpu": "GPU"}
+_SIMULATOR_HOSTS = ("x86_64", "amd64")
+_CONTEXT_DIR = "qnn_context"
+_CACHE_KEY = "qnn_context"
+_CPU_FALLBACK = "assigned to the default CPU EP"
+
+_register_lock = threading.Lock()
+
+
+def qnn_ep_devices(ort, qnn) -> list:
+    """The ``OrtEpDevice`` entries of the QNN execution provider, registering its library with onnxruntime
+    on first use (once per process; onnxruntime refuses a second registration under the same name)."""
+    name = qnn.get_ep_name()
+    with _register_lock:
+        devices = [d for d in ort.get_ep_devices() if d.ep_name == name]
+        if not devices:
+            ort.register_execution_provider_library(name, qnn.get_library_path())
+            devices = [d for d in ort.get_ep_devices() if d.ep_name == name]
+    if not devices:
+        raise RuntimeError(f"qnn executor: onnxruntime {ort.__version__} loaded {qnn.get_library_path()} but "
+                           f"the QNN execution provider reports no device")
+    return devices
+
+
+class QNNExecutor(graphset.ChecksWeightFormat, OnnxRuntimeExecutor):
+    """Runs a synflux-build graph set (int32 token ids) on a Qualcomm NPU with ONNX Runtime's QNN execution
+    provider; buffers, binding and weights as :class:`OnnxRuntimeExecutor` (see the module docstring)."""
+    name = "qnn"
+    weight_dtypes: tuple[str, ...] = ("float32",)  # quantized sets (--weights) are ORT-CPU only for now
+    option_names = _ORT_OPTIONS + _QNN_OPTIONS
+
+    def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
+        super().__init__(graphs, graph_dir, options)
+        import onnxruntime_qnn
+
+        self._qnn = onnxruntime_qnn
+        opts = self.options
+        self.backend = self._choice("backend", _BACKENDS, "htp")
+        self.precision = self._choice("precision", _PRECISIONS, "fp32")
+        self.performance_mode = self._choice("performance_mode", _PERFORMANCE_MODES, "default")
+        soc = opts.get("soc_model")
+        if soc is not None and (isinstance(soc, bool) or not isinstance(soc, int) or soc <= 0):
+            raise ValueError(f"qnn executor: soc_model must be a QNN SoC id (a positive integer, e.g. 43 for "
+                             f"SM8550), got {soc!r}")
+        self.soc_model: int | None = soc
+        if self.backend == "htp" and soc is None and platform.machine().lower() in _SIMULATOR_HOSTS:
+            raise ValueError("qnn executor: on an x86-64 host the HTP backend is Qualcomm's simulator, which "
+                             "needs the target SoC: set executor.options.soc_model (e.g. 43 = SM8550, "
+                             "57 = SM8650, 69 = SM8750); on a Snapdragon device the HTP backend reads it from "
+                             "the device")
+        extra = opts.get("provider_options") or {}
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+            raise ValueError(f"qnn executor: provider_options must be a mapping of QNN provider option names to "
+                             f"values, got {extra!r}")
+        taken = sorted(set(extra) & set(_OWN_PROVIDER_KEYS))
+        if taken:
+            raise ValueError(f"qnn executor: provider_options {taken[0]!r} is set by the executor's own options "
+                             f"(backend, soc_model, precision, performance_mode)")
+        self.provider_options = self._provider_options(extra)
+        cache = opts.get("context_cache", False)
+        if cache is True:
+            cache = _CONTEXT_DIR
+        if cache is False or cache is None:
+            cache = ""
+        if not isinstance(cache, str):
+            raise ValueError(f"qnn executor: context_cache must be true, false or a directory path, got {cache!r}")
+        self.context_cache = cache
+        self._ep_name = onnxruntime_qnn.get_ep_name()
+        self.providers = [(self._ep_name, dict(self.provider_options))]
+        self._cpu_only = False
+        self._devices = self._pick_devices(qnn_ep_devices(self._ort, onnxruntime_qnn))
+        self._context_path = ""
+
+    # ------------------------------------------------------------------ options
+    def _choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
+        value = self.options.get(key, default)
+        if value not in choices:
+            raise ValueError(f"qnn executor: {key} {value!r} is not allowed{choices_hint(value, choices)}")
+        return value
+
+    def _provider_options(self, extra: dict) -> dict[str, str]:
+        """The QNN provider options (ORT takes them as strings)."""
+        opts = {"backend_type": self.backend,
+                "enable_htp_fp16_precision": "1" if self.precision == "fp16" else "0"}
+        if self.soc_model is not None:
+            opts["soc_model"] = str(self.soc_model)
+        if self.performance_mode != "default":
+            opts["htp_performance_mode"] = self.performance_mode
+        for key, value in extra.items():
+            opts[key] = str(int(value)) if isinstance(value, bool) else str(value)
+        return opts
+
+    def _pick_devices(self, devices: list) -> list:
+        """The QNN devices of the backend's kind (the NPU for htp, the GPU for gpu); all of them where the
+        provider reports none of that kind (the simulator on a host reports the CPU)."""
+        kind = _DEVICE_TYPE[self.backend]
+        chosen = [d for d in devices if getattr(d.device.type, "name", str(d.device.type)).endswith(kind)]
+        return chosen or devices
+
+    def device_of(self, graph: str) -> str:
+        return f"{self.name}:{self.backend}"
+
+    # ------------------------------------------------------------------ graph set
+    def load(self) -> "QNNExecutor":
+        if self._loaded:
+            return self
+        self.check_weight_format()
+        self._check_token_ids()
+        return super().load()
+
+    def _check_token_ids(self) -> None:
+        for meta in self.graphs.values():
+            for spec in meta.inputs:
+                if spec.name == "input_ids" and spec.dtype != "int32":
+                    raise GraphSetError(
+                        f"qnn executor: graph {meta.name!r} ({self.graph_path(meta)}) takes input_ids as "
+                        f"{spec.dtype}; the QNN backend needs int32 token ids: rebuild the graph set with "
+                        f"`llm.token_id_dtype: int32` in the config "
+                        f"({graphset.BUILD_HINT.format(dir=self.graph_dir)})")
+
+    def _create_session(self, meta: GraphMeta, path: str, so):
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        # The provider warns on every session about features of other platforms; errors still show.
+        so.log_severity_level = max(so.log_severity_level, 3)
+        so.add_provider_for_devices(self._devices, self.provider_options)
+        try:
+            return self._ort.InferenceSession(path, so)
+        except Exception as exc:  # ORT raises its own exception types; name the graph, file and operators
+            raise RuntimeError(self._load_error(meta, path, exc)) from exc
+
+    def _where(self) -> str:
+        soc = f", soc_model {self.soc_model}" if self.soc_model is not None else ""
+        return f"QNN {self.backend}{soc}"
+
+    def _load_error(self, meta: GraphMeta, path: str, exc: Exception) -> str:
+        text = str(exc)
+        head = f"qnn executor: cannot load graph {meta.name!r} from {path} on {self._where()}"
+        if _CPU_FALLBACK in text:
+            ops, on_qnn = self._unsupported_nodes(meta, path)
+            if ops and not on_qnn:
+                return (f"{head}: QNN took none of its {len(ops)} operators: the QNN {self.backend} backend did "
+                        f"not start on this machine or rejects the whole graph (onnxruntime's log above says why)")
+            if ops:
+                return (f"{head}: QNN cannot run {len(ops)} of its operators ({'; '.join(ops)}); this backend "
+                        f"runs a graph only when every node is on QNN (no CPU fallback)")
+            return f"{head}: some of its operators cannot run on QNN (no CPU fallback): {text}"
+        if "finalize" in text.lower() and self.soc_model is None:
+            return f"{head}: {text} (is soc_model set to the target's SoC?)"
+        return f"{head}: {text}"
+
+    def _unsupported_nodes(self, meta: GraphMeta, path: str) -> tuple[list[str], int]:
+        """The nodes ORT would place on the CPU, as 'OpType name', and how many it would place on QNN (a
+        second session with fallback allowed and ORT recording where each node went); ([], 0) when that
+        cannot be told."""
+        try:
+            so, _ = self._session_options(meta, path, self.graph_optimization_level, False)
+            so.log_severity_level = 3
+            so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+            so.add_provider_for_devices(self._devices, self.provider_options)
+            session = self._ort.InferenceSession(path, so)
+            found, on_qnn = [], 0
+            for sub in session.get_provider_graph_assignment_info():
+                if sub.ep_name == self._ep_name:
+                    on_qnn += len(sub.get_nodes())
+                else:
+                    found += [f"{n.op_type} {n.name!r}" for n in sub.get_nodes()]
+            return found, on_qnn
+        except Exception:  # noqa: BLE001 - the diagnosis is best effort; the first error is reported anyway
+            return [], 0
+
+    # ------------------------------------------------------------------ context binaries
+    @property
+    def context_path(self) -> str:
+        """The context-binary cache directory in use ('' without ``context_cache``)."""
+        return self._context_path
+
+    def _cached_graph_set(self) -> str:
+        if not self.context_cache:
+            return ""
+        self._context_path = self._context_graph_set()
+        return self._context_path
+
+    def _context_fingerprint(self, manifest: dict) -> dict:
+        fingerprint = self._cache_fingerprint(manifest)
+        fingerprint.pop("prepacked", None)
+        fingerprint["providers"] = [self._ep_name]
+        fingerprint.update({
+            "onnxruntime_qnn": getattr(self._qnn, "__version__", ""),
+            "qnn_sdk": getattr(getattr(self._qnn, "build_and_package_info", None), "qnn_version", ""),
+            "provider_options": {k: v for k, v in sorted(self.provider_options.items())
+                                 if k not in _RUN_ONLY_PROVIDER_KEYS}})
+        return fingerprint
+
+    def _context_valid(self, directory: str, fingerprint: dict) -> bool:
+        """A cache of these settings with every file it was written with (EPContext models and binaries)."""
+        if not self._cache_valid(directory, fingerprint, _CACHE_KEY):
+            return False
+        try:
+            files = graphset.read_manifest(directory).get("files") or []
+        except (GraphSetError, OSError):
+            return False
+        return all(os.path.isfile(os.path.join(directory, f)) for f in files)
+
+    def _context_graph_set(self) -> str:
+        """Directory of the EPContext graph set for these settings, compiled when missing or stale."""
+        root = self.context_cache if os.path.isabs(self.context_cache) else \
+            os.path.join(self.graph_dir, self.context_cache)
+        manifest = graphset.read_manifest(self.graph_dir)
+        fingerprint = self._context_fingerprint(manifest)
+        digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+        label = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(manifest.get("model") or "graphs"))
+        target = os.path.join(root, f"{label}-{digest}")
+        if self._context_valid(target, fingerprint):
+            return target
+        work = f"{target}.partial-{os.getpid()}"
+        try:
+            os.makedirs(work, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"qnn executor: context_cache {root} is not writable ({exc}); set executor.options."
+                             f"context_cache to a writable directory or remove it") from exc
+        try:
+            self._open_graph_set(self.graph_dir)
+            for meta in self.graphs.values():
+                src = self.graph_path(meta)
+                so, _ = self._session_options(meta, src, self.graph_optimization_level, False)
+                so.add_session_config_entry("ep.context_enable", "1")
+                so.add_session_config_entry("ep.context_file_path", os.path.join(work, f"{meta.name}.onnx"))
+                so.add_session_config_entry("ep.context_embed_mode", "0")  # the binary beside: <name>_qnn.bin
+                session = self._create_session(meta, src, so)
+                self._check_io(session, meta, src)
+                del session
+            self._release_sessions()
+            metas = [GraphMeta(m.name, m.kind, m.inputs, m.outputs, m.group, f"{m.name}.onnx", dict(m.attrs))
+                     for m in self.graphs.values()]
+            graphset_writer.write_manifest(work, {"model": manifest.get("model", ""),
+                                                  "config_hash": manifest.get("config_hash", ""),
+                                                  "graphs": metas, _CACHE_KEY: fingerprint,
+                                                  "files": sorted(os.listdir(work))})
+            graphset_writer.publish_directory(work, target, lambda d: self._context_valid(d, fingerprint))
+        finally:
+            self._release_sessions()
+            if os.path.isdir(work):
+                shutil.rmtree(work, ignore_errors=True)
+        return target
+
+    def loaded_from_context(self, graph: str) -> bool:
+        """Whether ``graph`` was loaded from a context binary of the cache instead of compiled."""
+        self._require_loaded()
+        return self._from_cache and graph in self.graphs

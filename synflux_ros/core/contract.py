@@ -1,0 +1,244 @@
+"""The static graph set of a model: one spec that drives the mock backend, the build tool and the tests.
+
+For a config with prefill buckets P and decode buckets D (S = max_seq_len, H = hidden, V = vocab,
+L/KV/Dh = layers / kv heads / head dim, T = vision tiles)::
+
+    vision_encoder      pixel_values [T,3,th,tw] f32                  -> vision_embeds [T*tokens_per_tile, H]
+    embed_<p>           input_ids [1,p] ids                           -> inputs_embeds [1,p,H]
+    prefill_<p>         inputs_embeds [1,p,H], num_tokens [1], cache_position [1], past_kv [L,2,KV,S,Dh]
+                                                                      -> logits [1,V], new_kv [L,2,KV,p,Dh]
+    decode_<d>          input_ids [1,1] ids, cache_position [1], past_kv
+                                                                      -> logits [1,V], new_kv [L,2,KV,1,Dh]
+    action_expert_<d>   noisy_actions [1,h,a], time_embedding [1,E], prefix_len [1], past_kv
+                        (, state [1,s] with action.state_dim s)       -> velocity [1,h,a]   (flow matching)
+
+A config with ``llm.mrope_section`` (Qwen3-VL's multimodal rotary embedding) gives prefill and decode one more
+input, ``position_ids [3, n]`` int64: the rotary position of each token on the t, h and w axes (text tokens
+have three equal ones, an image's tokens the grid positions of :func:`mrope_positions`); ``cache_position``
+still says where the tokens go in the cache. A ``qwen3_vl`` vision section with ``deepstack_layers`` (K of
+them) adds ``deepstack_embeds [K, T*tokens_per_tile, H]`` to the vision encoder's outputs and
+``deepstack_embeds [K, p, H]`` to prefill's inputs: row i of map k is added to the hidden state of token i
+after decoder layer k (zero rows for text tokens)::
+
+    vision_encoder      pixel_values              -> vision_embeds [N, H], deepstack_embeds [K, N, H]
+    prefill_<p>         inputs_embeds, num_tokens, cache_position, past_kv, position_ids [3,p] i64,
+                        deepstack_embeds [K,p,H]   -> logits, new_kv
+    decode_<d>          input_ids, cache_position, past_kv, position_ids [3,1] i64 -> logits, new_kv
+
+``time_embedding`` is the sinusoidal embedding of the flow time t (:func:`time_embedding`, E = the action
+expert's width), computed on the host in float64: its highest frequency turns t by ~1571 rad per unit, so
+a device that computed it from an fp16 t would be radians off (the QNN HTP was: velocity cosine 0.95).
+
+A flow-matching VLA (pi0) reads no logits: its action expert attends to the prefix's KV cache only. Its
+graph set has no ``decode_<d>`` graphs (``llm.decode_buckets`` are the action expert's spans) and its
+``prefill_<p>`` returns ``new_kv`` alone (:func:`reads_logits`), so the LM head, for pi0 a 257152-row matrix,
+is neither stored nor read, and nothing after the last layer's key/value projections is computed::
+
+    prefill_<p>         inputs_embeds, num_tokens, cache_position, past_kv -> new_kv   (flow-matching VLA)
+
+A bidirectional prefill (``llm.prefill_attention: bidirectional``, pi0's prefix) starts the cache: it runs
+once, at cache_position 0 (the backbone refuses another start), and its rows attend among themselves, to
+no cache entry. A graph still takes every ``past_kv`` view of the contract, also those nothing in it reads
+(the last layer's in a flow-matching VLA's prefill, every one in a bidirectional prefill): the build puts
+back the inputs the exporter drops, so one binding serves every graph set. A TensorRT engine or an RKNN
+model may leave such an input out; those backends feed the inputs their compiled graphs have.
+
+``ids`` is ``llm.token_id_dtype``: int64 by default, int32 for devices that index in int32 (the qnn
+backend); counts and positions stay int64.
+
+``past_kv`` is the session's whole cache slot, bound in place (``resident``); a graph reads only the
+positions below its bucket (decode / action-expert buckets are attention spans) and returns the new
+entries, which the runtime appends at ``cache_position``. ``logits`` are those of the last valid token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .config import ModelConfig
+
+F32, I64 = "float32", "int64"
+
+
+class ShapeError(ValueError):
+    """A tensor does not match the graph's declared shape or dtype."""
+
+
+class GraphNotFoundError(KeyError):
+    """A graph name that the loaded graph set does not have."""
+
+
+class NonFiniteOutputError(RuntimeError):
+    """A graph produced NaN or Inf: the result must not reach the robot or the caller."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor of a graph with its static shape and dtype; ``resident`` tensors stay on the device."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    resident: bool = False
+    """Inputs only: always bound to a caller-owned device tensor (e.g. a KV-cache slot), so the executor
+    allocates no staging buffer for it."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        if self.resident:
+            d["resident"] = True
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TensorSpec":
+        return cls(d["name"], tuple(int(x) for x in d["shape"]), str(d["dtype"]), bool(d.get("resident", False)))
+
+
+@dataclass(frozen=True)
+class GraphMeta:
+    """Static description of one graph: what goes in, what comes out, which kind of computation."""
+
+    name: str
+    kind: str  # vision_encoder | embed | prefill | decode | action_expert
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    group: str = ""
+    """Graphs of one group never run at the same time and share staging buffers (e.g. all prefill
+    buckets), so memory is sized by the largest member instead of the sum."""
+    file: str = ""
+    attrs: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self):
+        if not self.group:
+            object.__setattr__(self, "group", self.name)
+
+    def input(self, name: str) -> TensorSpec:
+        for t in self.inputs:
+            if t.name == name:
+                return t
+        raise KeyError(f"graph {self.name!r} has no input {name!r}")
+
+    def output(self, name: str) -> TensorSpec:
+        for t in self.outputs:
+            if t.name == name:
+                return t
+        raise KeyError(f"graph {self.name!r} has no output {name!r}")
+
+    def has_output(self, name: str) -> bool:
+        return any(t.name == name for t in self.outputs)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "group": self.group, "file": self.file,
+                "inputs": [t.to_dict() for t in self.inputs],
+                "outputs": [t.to_dict() for t in self.outputs], "attrs": dict(self.attrs)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GraphMeta":
+        return cls(d["name"], d["kind"], tuple(TensorSpec.from_dict(t) for t in d["inputs"]),
+                   tuple(TensorSpec.from_dict(t) for t in d["outputs"]), d.get("group", ""),
+                   d.get("file", ""), dict(d.get("attrs", {})))
+
+
+@dataclass(frozen=True)
+class DeviceTensor:
+    """A caller-owned tensor that lives in device memory (KV-cache slots)."""
+
+    name: str
+    handle: object
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class GraphStats:
+    """Call count and timing of one graph."""
+    calls: int = 0
+    total_ms: float = 0.0
+    last_ms: float = 0.0
+
+    @property
+    def mean_ms(self) -> float:
+        return self.total_ms / self.calls if self.calls else 0.0
+
+TIME_MIN_PERIOD, TIME_MAX_PERIOD = 4e-3, 4.0
+"""Periods of the flow-time embedding (pi0's): the sinusoids span 2*pi/4e-3 .. 2*pi/4 rad per unit of t."""
+
+
+def time_embedding_dim(cfg: ModelConfig) -> int:
+    """E of ``time_embedding``: the action expert's width (even)."""
+    width = cfg.action.expert_hidden_dim or cfg.llm.hidden_dim
+    return 2 * max(width // 2, 1)
+
+
+def reads_logits(cfg: ModelConfig) -> bool:
+    """Whether the model reads the LLM's logits: every model but a flow-matching VLA (whose head reads only
+    the prefix's KV cache). Without them the graph set has no decode graphs and prefill returns new_kv
+    alone."""
+    return not (cfg.mode == "vla" and cfg.action is not None and cfg.action.head_type == "flow_matching")
+
+
+def select_bucket(buckets, needed: int) -> int:
+    """Smallest bucket >= needed."""
+    for b in buckets:
+        if b >= needed:
+            return b
+    raise ValueError(f"{needed} exceeds the largest bucket {buckets[-1]}")
+
+
+def kv_spec(cfg: ModelConfig) -> TensorSpec:
+    return TensorSpec("past_kv", cfg.llm.kv_shape, cfg.llm.kv_dtype, resident=True)
+
+
+def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
+    llm, vis = cfg.llm, cfg.vision
+    L, KV, Dh, H, V = llm.num_layers, llm.num_kv_heads, llm.head_dim, llm.hidden_dim, llm.vocab_size
+    kv = kv_spec(cfg)
+    ids = llm.token_id_dtype
+    graphs = []
+    K = vis.num_deepstack if vis is not None else 0
+    mrope = bool(llm.mrope_section)
+    text_head = reads_logits(cfg)
+    logits = (TensorSpec("logits", (1, V), F32),) if text_head else ()
+    if vis is not None:  # text-only chat models have no vision encoder
+        deepstack_out = (TensorSpec("deepstack_embeds", (K, vis.num_tokens, H), F32),) if K else ()
+        graphs.append(GraphMeta(
+            "vision_encoder", "vision_encoder",
+            (TensorSpec("pixel_values", (vis.num_tiles, 3, *vis.tile_size), F32),),
+            (TensorSpec("vision_embeds", (vis.num_tokens, H), F32), *deepstack_out),
+            file="vision_encoder.onnx"))
+    for p in llm.prefill_buckets:
+        graphs.append(GraphMeta(
+            f"embed_{p}", "embed", (TensorSpec("input_ids", (1, p), ids),),
+            (TensorSpec("inputs_embeds", (1, p, H), F32),), group="embed", file=f"embed_{p}.onnx",
+            attrs={"bucket": p}))
+        graphs.append(GraphMeta(
+            f"prefill_{p}", "prefill",
+            (TensorSpec("inputs_embeds", (1, p, H), F32), TensorSpec("num_tokens", (1,), I64),
+             TensorSpec("cache_position", (1,), I64), kv,
+             *((TensorSpec("position_ids", (3, p), I64),) if mrope else ()),
+             *((TensorSpec("deepstack_embeds", (K, p, H), F32),) if K else ())),
+            (*logits, TensorSpec("new_kv", (L, 2, KV, p, Dh), llm.kv_dtype)),
+            group="prefill", file=f"prefill_{p}.onnx", attrs={"bucket": p}))
+    for d in (llm.decode_buckets if text_head else ()):
+        graphs.append(GraphMeta(
+            f"decode_{d}", "decode",
+            (TensorSpec("input_ids", (1, 1), ids), TensorSpec("cache_position", (1,), I64), kv,
+             *((TensorSpec("position_ids", (3, 1), I64),) if mrope else ())),
+            (TensorSpec("logits", (1, V), F32), TensorSpec("new_kv", (L, 2, KV, 1, Dh), llm.kv_dtype)),
+            group="decode", file=f"decode_{d}.onnx", attrs={"bucket": d, "hidden_dim": H}))
+    act = cfg.action
+    if cfg.mode == "vla" and act.head_type == "flow_matching":
+        for d in llm.decode_buckets:
+            graphs.append(GraphMeta(
+                f"action_expert_{d}", "action_expert",
+                (TensorSpec("noisy_actions", (1, act.action_horizon, act.action_dim), F32),
+                 TensorSpec("time_embedding", (1, time_embedding_dim(cfg)), F32),
+                 TensorSpec("prefix_len", (1,), I64), kv,
+                 *((TensorSpec("state", (1, act.state_dim), F32),) if act.state_dim else ())),
+                (TensorSpec("velocity", (1, act.action_horizon, act.action_dim), F32),),
+                group="action_expert", file=f"action_expert_{d}.onnx", attrs={"bucket": d}))
+    return graphs

@@ -1,0 +1,62 @@
+"""Flow-matching action head (pi0 style).
+
+Start from Gaussian noise at t = 1 and integrate the action expert's velocity field to t = 0 with
+``num_denoise_steps`` Euler steps, ``x <- x + dt * v(x, t)`` with ``dt = -1 / N`` and step k at
+``t = 1 + k * dt`` (computed in float64, then float32), as LeRobot 0.4.3+'s ``PI0Pytorch.sample_actions``
+does (openpi and LeRobot before 0.4.3 accumulate t in float32, which differs by ~1e-7 in t). The expert attends to the prefix (vision + instruction)
+through the KV cache; the noise is seeded per frame. The expert takes the sinusoidal embedding of t, which
+is computed here in float64 for all steps once (``core.graphs.time_embedding``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...core.config import ModelConfig
+from ...core.executor import DeviceTensor, Executor
+from ...core.contract import select_bucket, time_embedding_dim
+from ..time_embedding import time_embedding
+from .base import ActionHead
+
+
+class FlowMatchingHead(ActionHead):
+    """Denoises seeded Gaussian noise into an action chunk with the ``action_expert_<bucket>`` graphs."""
+
+    def __init__(self, cfg: ModelConfig, executor: Executor):
+        self.ex = executor
+        self.seed = cfg.action.seed
+        self.act = cfg.action
+        self.buckets = cfg.llm.decode_buckets
+        self.shape = (1, self.act.action_horizon, self.act.action_dim)
+        n = self.act.num_denoise_steps
+        self.dt = np.float32(-1.0 / n)
+        times = [np.float32(1.0 + k * (-1.0 / n)) for k in range(n)]
+        dim = time_embedding_dim(cfg)
+        self.time_embeddings = [time_embedding(t, dim) for t in times]
+
+    def initial_noise(self, seed: int) -> np.ndarray:
+        return np.random.default_rng(seed).standard_normal(self.shape).astype(np.float32)
+
+    def __call__(self, kv: DeviceTensor, prefix_len: int, logits: np.ndarray | None, seq: int,
+                 state: np.ndarray | None = None) -> np.ndarray:
+        return self.denoise(kv, prefix_len, self.initial_noise(self.seed + seq), state)
+
+    def denoise(self, kv: DeviceTensor, prefix_len: int, noise: np.ndarray,
+                state: np.ndarray | None = None) -> np.ndarray:
+        """Denoise ``noise`` [1, horizon, action_dim] conditioned on the prefix (and, with ``action.state_dim``,
+        the robot state [state_dim]) -> [horizon, action_dim]."""
+        graph = f"action_expert_{select_bucket(self.buckets, prefix_len)}"
+        x = noise.astype(np.float32, copy=True)
+        feeds = {"noisy_actions": x, "prefix_len": np.array([prefix_len], np.int64), "past_kv": kv}
+        if self.act.state_dim:
+            if state is None:
+                raise ValueError("the action expert takes the robot state (action.state_dim), none was given")
+            state = np.asarray(state, np.float32).reshape(-1)
+            if state.shape != (self.act.state_dim,) or not np.isfinite(state).all():
+                raise ValueError(f"robot state: expected {self.act.state_dim} finite values, got "
+                                 f"{state.shape[0]}{'' if np.isfinite(state).all() else ' with non-finite ones'}")
+            feeds["state"] = state[None, :]
+        for emb in self.time_embeddings:
+            feeds["time_embedding"] = emb
+            v = self.ex.run(graph, feeds)
+            x += self.dt * v["velocity"]
+        return x[0]

@@ -1,0 +1,158 @@
+"""π0 through synflux-build -> vla_node (onnxruntime, fp32) equals LeRobot 0.4.4's π0 on the same checkpoint.
+
+A small π0 with random weights is built and saved by LeRobot itself (``test/reference/lerobot_pi0.py
+make-checkpoint``, in the reference venv ``.venv-pi0ref`` made by ``make pi0ref-venv``): LeRobot's config.json,
+model.safetensors and processor files with normalisation statistics. ``synflux-build --from-hf`` imports it;
+vla_node serves it over DDS with one or two cameras and a joint state per frame. For each published chunk the
+reference computes ``PI0Policy.predict_action_chunk`` on the same images (uint8 -> [0, 1], as LeRobot takes
+them), the same instruction tokens, the same raw state, normalised and un-normalised by LeRobot's own processor
+steps, and the same noise (vla_node's: ``default_rng(action.seed + frame_seq)``); the actions must agree to 1e-4.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
+pytest.importorskip("onnxruntime")
+
+import rclpy  # noqa: E402
+from rclpy.qos import qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import Image, JointState  # noqa: E402
+from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.core.config import load_config  # noqa: E402
+from synflux_ros.msg import ActionChunk  # noqa: E402
+from synflux_ros.tools import harness as testing  # noqa: E402
+from synflux_ros.tools.harness import chunk_for_frame, spin_until  # noqa: E402
+from synflux_ros.model.tokenizer import load_tokenizer  # noqa: E402
+
+from checkpoints import write_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.reference
+
+ROOT = Path(__file__).resolve().parents[2]
+REF_PY = ROOT / ".venv-pi0ref" / "bin" / "python"
+REF_SCRIPT = ROOT / "test" / "reference" / "lerobot_pi0.py"
+JOINTS = [f"joint_{i}" for i in range(8)]
+SIDE = 56  # the checkpoint's image_resolution: 4x4 patches of 14 per camera
+INSTRUCTION = "pick up the red block"
+TOLERANCE = 1e-4
+
+pytestmark = pytest.mark.skipif(not REF_PY.exists(), reason="the LeRobot reference venv is missing (make pi0ref-venv)")
+
+
+def reference(*args: str, timeout: float = 600) -> dict:
+    """Run the reference script in its venv; its last stdout line is a JSON result."""
+    proc = subprocess.run([str(REF_PY), str(REF_SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, f"reference {args[0]} failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def base_config(path: Path) -> str:
+    """The config the import starts from: the joint names (not in a LeRobot checkpoint), buckets, executor."""
+    raw = {
+        "name": "pi0-small", "mode": "vla",
+        "vision": {"resolution": [SIDE, SIDE], "tile_size": [SIDE, SIDE], "tokens_per_tile": 16, "patch_size": 14,
+                   "hidden_dim": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64},
+        "llm": {"num_layers": 2, "hidden_dim": 64, "num_heads": 8, "num_kv_heads": 1, "head_dim": 16,
+                "vocab_size": 257152, "prefill_buckets": [32], "decode_buckets": [128], "max_seq_len": 128,
+                "architecture": "gemma"},
+        "action": {"head_type": "flow_matching", "action_dim": 32, "action_horizon": 10, "state_dim": 32,
+                   "state_joints": JOINTS, "state_max_age": 0.1, "seed": 7},
+        "executor": {"backend": "onnxruntime"},
+    }
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=[["base"], ["base", "wrist"]], ids=["1-camera", "2-cameras"])
+def served(request, tmp_path_factory, ros_env):
+    cameras = request.param
+    tmp = tmp_path_factory.mktemp("pi0_" + "_".join(cameras))
+    ckpt = tmp / "checkpoint"
+    made = reference("make-checkpoint", "--out", str(ckpt), "--cameras", ",".join(cameras), "--seed", "3",
+                     "--state-norm", "MEAN_STD", "--action-norm", "QUANTILES" if len(cameras) > 1 else "MEAN_STD")
+    assert made
+    write_tokenizer(str(ckpt), first_specials=("<pad>", "<eos>", "<bos>"))  # ids 0, 1, 2 as in Gemma's
+    out = tmp / "graphs"
+    assert build_tool.main(["--config", base_config(tmp / "base.yaml"), "--out", str(out), "--from-hf", str(ckpt),
+                            "--backend", "onnxruntime"]) == 0
+    cfg = load_config(str(out / "config.yaml"))
+    assert cfg.vision.cameras == tuple(cameras) and cfg.llm.prefill_attention == "bidirectional"
+    assert cfg.action.output_dim == 6 and cfg.action.state_norm is not None and cfg.action.action_norm is not None
+    tok = load_tokenizer(cfg, shipped=str(out / "tokenizer.json"))
+    ids = [tok.special("<bos>")] + tok.encode(INSTRUCTION + "\n")
+    node = rclpy.create_node(f"pi0_parity_{uuid.uuid4().hex[:8]}")
+    chunks = []
+    node.create_subscription(ActionChunk, "/pi0/action_chunk", chunks.append, 50)
+    pubs = {cam: node.create_publisher(Image, f"/pi0/{cam}/image", qos_profile_sensor_data) for cam in cameras}
+    state_pub = node.create_publisher(JointState, "/pi0/joint_states", 50)
+    with testing.NodeProcess("vla_node", {"config": str(out / "config.yaml"), "default_instruction": INSTRUCTION},
+                             env=ros_env, remaps={"__ns": "/pi0"}) as proc:
+        for pub in [*pubs.values(), state_pub]:
+            assert spin_until(node, lambda: pub.get_subscription_count() > 0, 60.0), proc.output()[-3000:]
+        yield dict(ckpt=ckpt, cfg=cfg, ids=ids, node=node, pubs=pubs, state_pub=state_pub, chunks=chunks,
+                   cameras=cameras, tmp=tmp)
+        assert proc.alive(), proc.output()[-3000:]
+    node.destroy_node()
+
+
+def publish_frame(s: dict, stamp: int, images: dict, state) -> None:
+    msg = JointState(name=list(JOINTS), position=[float(v) for v in state])
+    msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp - 5_000_000, 10**9)
+    s["state_pub"].publish(msg)
+    for cam in s["cameras"][1:] + s["cameras"][:1]:  # the first camera's frame last: it triggers inference
+        rgb = images[cam]
+        img = Image(height=rgb.shape[0], width=rgb.shape[1], encoding="rgb8", step=3 * rgb.shape[1],
+                    data=rgb.tobytes())
+        img.header.stamp.sec, img.header.stamp.nanosec = divmod(stamp, 10**9)
+        s["pubs"][cam].publish(img)
+        time.sleep(0.02)
+
+
+def chunk_for(s: dict, stamp: int, images: dict, state, timeout: float = 60.0):
+    """Publish the frame (again with later stamps while best-effort messages are lost) until its chunk comes."""
+    return chunk_for_frame(s["node"], s["chunks"], lambda t: publish_frame(s, t, images, state), stamp, timeout,
+                           wait=2.0)
+
+
+def lerobot_actions(s: dict, images: dict, state, noise: np.ndarray, name: str) -> np.ndarray:
+    inputs = s["tmp"] / f"{name}.npz"
+    np.savez(inputs, lang_tokens=np.array(s["ids"], np.int64), state=np.asarray(state, np.float32),
+             noise=noise.astype(np.float32), **{f"observation.images.{c}": images[c] for c in s["cameras"]})
+    out = s["tmp"] / f"{name}_out.npz"
+    reference("run", "--checkpoint", str(s["ckpt"]), "--inputs", str(inputs), "--out", str(out))
+    return np.load(out)["actions"]
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_actions_equal_lerobot(served, case):
+    s = served
+    rng = np.random.default_rng(100 + case)
+    images = {c: rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8) for c in s["cameras"]}
+    state = rng.uniform(-1.5, 1.5, len(JOINTS)).astype(np.float32)
+    c = chunk_for(s, (200 + 10 * case) * 10**9, images, state)
+    got = np.array(c.actions, np.float32).reshape(c.horizon, c.action_dim)
+    cfg = s["cfg"]
+    assert got.shape == (cfg.action.action_horizon, 6)
+    noise = np.random.default_rng(cfg.action.seed + c.frame_seq).standard_normal(
+        (cfg.action.action_horizon, cfg.action.action_dim)).astype(np.float32)
+    want = lerobot_actions(s, images, state, noise, f"case{case}")
+    assert want.shape == got.shape
+    err = float(np.abs(got - want).max())
+    scale = float(np.abs(want).max())
+    print(f"{len(s['cameras'])} camera(s), case {case}: max |synflux - LeRobot| = {err:.2e} (actions up to {scale:.2f})")
+    assert err <= TOLERANCE * max(1.0, scale), f"max difference {err} (actions up to {scale})"
+    # the comparison has teeth: another state gives other actions in both
+    other = lerobot_actions(s, images, state + 0.5, noise, f"case{case}_other")
+    assert np.abs(other - want).max() > 100 * TOLERANCE

@@ -1,0 +1,179 @@
+"""The import of LeRobot pi0 checkpoints (build/torch_models/lerobot_pi0.py) without LeRobot: a checkpoint
+directory written here in LeRobot's layout (key names, config.json fields, processor files with a normaliser
+state file) from seeded random tensors. The config takes the sizes, cameras and statistics from it, the
+weights land where the graphs read them, and what does not fit is refused with the reason. (Against LeRobot
+itself: parity/test_pi0_lerobot.py.)"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from synflux_ros.build.torch_models import build_graph_modules, config_from_hf  # noqa: E402
+from synflux_ros.core.config import ConfigError, load_config  # noqa: E402
+
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
+JOINTS = [f"j{i}" for i in range(5)]
+W, E, HD, LAYERS, VW = 64, 48, 16, 2, 32
+VLM = "model.paligemma_with_expert.paligemma.model.language_model."
+VIS = "model.paligemma_with_expert.paligemma.model.vision_tower.vision_model."
+EXP = "model.paligemma_with_expert.gemma_expert.model."
+
+
+def gemma_layers(prefix: str, width: int, mlp: int) -> dict:
+    t = {}
+    for i in range(LAYERS):
+        p = f"{prefix}layers.{i}."
+        t.update({p + "self_attn.q_proj.weight": (8 * HD, width), p + "self_attn.k_proj.weight": (HD, width),
+                  p + "self_attn.v_proj.weight": (HD, width), p + "self_attn.o_proj.weight": (width, 8 * HD),
+                  p + "mlp.gate_proj.weight": (mlp, width), p + "mlp.up_proj.weight": (mlp, width),
+                  p + "mlp.down_proj.weight": (width, mlp), p + "input_layernorm.weight": (width,),
+                  p + "post_attention_layernorm.weight": (width,)})
+    t[prefix + "norm.weight"] = (width,)
+    return t
+
+
+def shapes() -> dict:
+    t = {"model.paligemma_with_expert.paligemma.lm_head.weight": (257152, W),
+         "model.paligemma_with_expert.paligemma.model.multi_modal_projector.linear.weight": (W, VW),
+         "model.paligemma_with_expert.paligemma.model.multi_modal_projector.linear.bias": (W,),
+         VIS + "embeddings.patch_embedding.weight": (VW, 3, 14, 14), VIS + "embeddings.patch_embedding.bias": (VW,),
+         VIS + "embeddings.position_embedding.weight": (16, VW), VIS + "post_layernorm.weight": (VW,),
+         VIS + "post_layernorm.bias": (VW,),
+         "model.paligemma_with_expert.gemma_expert.lm_head.weight": (257152, E),  # unused by pi0, saved anyway
+         "model.state_proj.weight": (E, 32), "model.state_proj.bias": (E,),
+         "model.action_in_proj.weight": (E, 32), "model.action_in_proj.bias": (E,),
+         "model.action_time_mlp_in.weight": (E, 2 * E), "model.action_time_mlp_in.bias": (E,),
+         "model.action_time_mlp_out.weight": (E, E), "model.action_time_mlp_out.bias": (E,),
+         "model.action_out_proj.weight": (32, E), "model.action_out_proj.bias": (32,)}
+    for i in range(LAYERS):
+        p = f"{VIS}encoder.layers.{i}."
+        for n in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            t[f"{p}self_attn.{n}.weight"], t[f"{p}self_attn.{n}.bias"] = (VW, VW), (VW,)
+        for n in ("layer_norm1", "layer_norm2"):
+            t[f"{p}{n}.weight"], t[f"{p}{n}.bias"] = (VW,), (VW,)
+        t.update({p + "mlp.fc1.weight": (64, VW), p + "mlp.fc1.bias": (64,), p + "mlp.fc2.weight": (VW, 64),
+                  p + "mlp.fc2.bias": (VW,)})
+    t.update(gemma_layers(VLM, W, 128))
+    t.update(gemma_layers(EXP, E, 96))
+    return t
+
+
+def write_checkpoint(d: Path, cameras=("top", "wrist"), state_mode="MEAN_STD", drop: str = "") -> dict:
+    gen = torch.Generator().manual_seed(0)
+    tensors = {k: torch.randn(s, generator=gen) * 0.1 for k, s in shapes().items() if k != drop}
+    safetensors_torch.save_file(tensors, str(d / "model.safetensors"))
+    feats = {f"observation.images.{c}": {"type": "VISUAL", "shape": [3, 56, 56]} for c in cameras}
+    feats["observation.state"] = {"type": "STATE", "shape": [len(JOINTS)]}
+    (d / "config.json").write_text(json.dumps({
+        "type": "pi0", "paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m",
+        "input_features": feats, "output_features": {"action": {"type": "ACTION", "shape": [6]}},
+        "chunk_size": 12, "num_inference_steps": 5, "image_resolution": [56, 56], "tokenizer_max_length": 20,
+        "max_state_dim": 32, "max_action_dim": 32}))
+    stats = {"observation.state.mean": torch.arange(5.0), "observation.state.std": torch.full((5,), 2.0),
+             "observation.state.q01": torch.zeros(5), "observation.state.q99": torch.ones(5),
+             "action.mean": torch.zeros(6), "action.std": torch.ones(6), "action.min": -torch.ones(6),
+             "action.max": torch.ones(6)}
+    safetensors_torch.save_file(stats, str(d / "policy_preprocessor_step_5_normalizer_processor.safetensors"))
+    safetensors_torch.save_file(stats, str(d / "policy_postprocessor_step_0_unnormalizer_processor.safetensors"))
+    norm_map = {"VISUAL": "IDENTITY", "STATE": state_mode, "ACTION": "MIN_MAX"}
+    for name, step, reg in (("policy_preprocessor", 5, "normalizer_processor"),
+                            ("policy_postprocessor", 0, "unnormalizer_processor")):
+        steps = [{"registry_name": "device_processor", "config": {}}] * step + [{
+            "registry_name": reg, "config": {"eps": 1e-8, "features": {}, "norm_map": norm_map},
+            "state_file": f"{name}_step_{step}_{reg}.safetensors"}]
+        (d / f"{name}.json").write_text(json.dumps({"name": name, "steps": steps}))
+    return tensors
+
+
+def base(**action):
+    cfg = load_config(str(CONFIG_DIR / "vla_pi0.yaml"))
+    return cfg.with_overrides(action={"state_joints": JOINTS, **action},
+                              vision={"hidden_dim": VW, "num_heads": 4},
+                              llm={"num_heads": 8, "head_dim": HD, "num_kv_heads": 1})
+
+
+def test_the_config_comes_from_the_checkpoint(tmp_path):
+    write_checkpoint(tmp_path)
+    cfg = config_from_hf(str(tmp_path), base())
+    v, llm, act = cfg.vision, cfg.llm, cfg.action
+    assert v.cameras == ("top", "wrist") and v.resolution == (56, 56) and v.tokens_per_tile == 16
+    assert (v.hidden_dim, v.num_layers, v.num_heads, v.intermediate_size) == (VW, LAYERS, 4, 64)
+    assert (llm.hidden_dim, llm.num_layers, llm.num_heads, llm.num_kv_heads, llm.head_dim) == (W, LAYERS, 8, 1, HD)
+    assert llm.architecture == "gemma" and llm.prefill_attention == "bidirectional" and llm.tie_word_embeddings
+    assert llm.prefill_buckets == (2 * 16 + 20,) and llm.max_seq_len == 52  # two cameras + tokenizer_max_length
+    assert (act.action_dim, act.output_dim, act.state_dim, act.action_horizon, act.num_denoise_steps) == \
+        (32, 6, 32, 12, 5)
+    assert (act.expert_hidden_dim, act.expert_intermediate_size) == (E, 96)
+    assert act.state_norm.mode == "mean_std" and act.state_norm.mean == (0.0, 1.0, 2.0, 3.0, 4.0)
+    assert act.action_norm.mode == "bounds" and act.action_norm.low == (-1.0,) * 6  # MIN_MAX
+    assert cfg.tokenizer.max_instruction_tokens == 20 and cfg.tokenizer.instruction_bos == "<bos>"
+    quant = tmp_path / "q"
+    quant.mkdir()
+    write_checkpoint(quant, state_mode="QUANTILES")
+    sn = config_from_hf(str(quant), base()).action.state_norm
+    assert sn.mode == "bounds" and sn.high == (1.0,) * 5
+
+
+def test_the_weights_land_where_the_graphs_read_them(tmp_path):
+    tensors = write_checkpoint(tmp_path)
+    cfg = config_from_hf(str(tmp_path), base())
+    gm = build_graph_modules(cfg, hf_dir=str(tmp_path))
+    assert gm.source["model_type"] == "lerobot_pi0" and not gm.source["random"]
+    vision = gm.modules["vision_encoder"]
+    lm = gm.modules[f"prefill_{cfg.llm.prefill_buckets[0]}"].lm
+    expert = gm.modules[f"action_expert_{cfg.llm.decode_buckets[0]}"].expert
+    pairs = [(vision.embeddings.position_embedding, VIS + "embeddings.position_embedding.weight"),
+             (vision.encoder[1].mlp.fc2.weight, VIS + "encoder.layers.1.mlp.fc2.weight"),
+             (vision.multi_modal_projector.bias,
+              "model.paligemma_with_expert.paligemma.model.multi_modal_projector.linear.bias"),
+             (lm.model.embed_tokens.weight, "model.paligemma_with_expert.paligemma.lm_head.weight"),  # tied
+             (lm.model.layers[1].mlp.down_proj.weight, VLM + "layers.1.mlp.down_proj.weight"),
+             (expert.layers[0].self_attn.k_proj.weight, EXP + "layers.0.self_attn.k_proj.weight"),
+             (expert.norm.weight, EXP + "norm.weight"),
+             (expert.state_proj.weight, "model.state_proj.weight"),
+             (expert.action_time_mlp_in.weight, "model.action_time_mlp_in.weight")]
+    for param, key in pairs:
+        torch.testing.assert_close(param.detach(), tensors[key], rtol=0, atol=0, msg=key)
+
+
+def test_what_does_not_fit_is_refused_with_the_reason(tmp_path):
+    write_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match="the checkpoint's state has 5 values; list their 5 joint names"):
+        config_from_hf(str(tmp_path), base(state_joints=["a", "b"]))
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    write_checkpoint(missing, drop=EXP + "layers.1.mlp.up_proj.weight")
+    cfg = config_from_hf(str(missing), base())
+    with pytest.raises(ConfigError, match="does not match pi0's action expert of this config: missing "
+                                          "\\['layers.1.mlp.up_proj.weight'\\]"):
+        build_graph_modules(cfg, hf_dir=str(missing))
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    write_checkpoint(odd, state_mode="PERCENTILE")
+    with pytest.raises(ConfigError, match="normalisation mode 'PERCENTILE' for STATE is not supported"):
+        config_from_hf(str(odd), base())
+    nocam = tmp_path / "nocam"
+    nocam.mkdir()
+    write_checkpoint(nocam, cameras=())
+    with pytest.raises(ConfigError, match="input_features names no camera"):
+        config_from_hf(str(nocam), base())
+    # without processor statistics LeRobot leaves values unchanged, and so does the import
+    for f in tmp_path.glob("policy_*"):
+        f.unlink()
+    act = config_from_hf(str(tmp_path), base()).action
+    assert act.state_norm is None and act.action_norm is None
+
+
+def test_a_checkpoint_without_the_model_prefix_loads_too(tmp_path):
+    tensors = write_checkpoint(tmp_path)
+    safetensors_torch.save_file({k[len("model."):]: v for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    cfg = config_from_hf(str(tmp_path), base())
+    gm = build_graph_modules(cfg, hf_dir=str(tmp_path))
+    expert = gm.modules[f"action_expert_{cfg.llm.decode_buckets[0]}"].expert
+    np.testing.assert_array_equal(expert.action_out_proj.weight.numpy(), tensors["model.action_out_proj.weight"])

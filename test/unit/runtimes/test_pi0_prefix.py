@@ -1,0 +1,200 @@
+"""pi0 as LeRobot runs it, the parts that are not the checkpoint: the bidirectional prefix, several cameras per
+frame, state normalisation / action un-normalisation with LeRobot's formulas, and the instruction's BOS and
+length cut. (Parity with LeRobot itself on a saved checkpoint: parity/test_pi0_lerobot.py.)"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from synflux_ros.core.config import ConfigError, NormalizationConfig, load_config
+from synflux_ros.model.normalization import Normalizer, StateActionMaps
+from synflux_ros.runtimes.robot_state import CameraImages, NoFreshState
+
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
+JOINTS = ["j1", "j2", "j3"]
+
+
+def demo(**sections):
+    """vla_demo_orin (small, mock) as a pi0-style model: bidirectional prefix, state, the given overrides."""
+    cfg = load_config(str(CONFIG_DIR / "vla_demo_orin.yaml"))
+    base = {"llm": {"prefill_attention": "bidirectional"},
+            "action": {"state_dim": 8, "state_joints": JOINTS}, "executor": {"backend": "mock"}}
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value}
+    return cfg.with_overrides(**base)
+
+
+# ------------------------------------------------------------------ config rules
+
+def test_config_rules():
+    cfg = demo(vision={"cameras": ["front", "wrist"]})
+    assert cfg.vision.num_cameras == 2 and cfg.prefix_vision_tokens == 2 * cfg.vision.num_tokens
+    # cameras, their skew and the normalisation shape no graph; the prefix attention does
+    assert cfg.graph_hash() == demo().graph_hash()
+    assert demo().graph_hash() != demo(llm={"prefill_attention": "causal"}).graph_hash()
+    with pytest.raises(ConfigError, match="vision.cameras: names must be unique"):
+        demo(vision={"cameras": ["front", "front"]})
+    with pytest.raises(ConfigError, match="usable in a topic name"):
+        demo(vision={"cameras": ["front cam"]})
+    with pytest.raises(ConfigError, match="bidirectional prefixes are for vla configs"):
+        load_config(str(CONFIG_DIR / "vlm_demo.yaml")).with_overrides(llm={"prefill_attention": "bidirectional"})
+    with pytest.raises(ConfigError, match="must fit the largest bucket"):
+        demo(vision={"cameras": ["a", "b", "c"]})
+    with pytest.raises(ConfigError, match="output_dim: 40 exceeds action_dim"):
+        demo(action={"output_dim": 40})
+    dim = demo().action.action_dim
+    with pytest.raises(ConfigError, match=f"action_norm: 2 dimensions, the published actions have {dim}"):
+        demo(action={"action_norm": {"mode": "mean_std", "mean": [0, 0], "std": [1, 1]}})
+    with pytest.raises(ConfigError, match="action.state_norm.low / high: mode bounds needs both"):
+        demo(action={"state_norm": {"mode": "bounds", "low": [0, 0, 0]}})
+    with pytest.raises(ConfigError, match="action.state_norm.mean / std: not used by mode bounds"):
+        demo(action={"state_norm": {"mode": "bounds", "low": [0] * 3, "high": [1] * 3, "mean": [0] * 3}})
+    with pytest.raises(ConfigError, match="state_norm: 2 dimensions for 3 state_joints"):
+        demo(action={"state_norm": {"mode": "mean_std", "mean": [0, 0], "std": [1, 1]}})
+
+
+# ------------------------------------------------------------------ normalisation
+
+def test_normalisation_follows_lerobots_formulas():
+    x = np.array([0.5, -2.0, 3.0], np.float32)
+    ms = Normalizer(NormalizationConfig(mode="mean_std", mean=(1.0, 0.0, 2.0), std=(2.0, 0.5, 0.0)))
+    # (x - mean) / (std + eps): a zero std divides by eps; back: y * std + mean (no eps)
+    np.testing.assert_allclose(ms.forward(x)[:2], [(0.5 - 1.0) / (2.0 + 1e-8), -2.0 / (0.5 + 1e-8)], rtol=1e-6)
+    assert ms.forward(x)[2] == np.float32(1.0) / np.float32(1e-8)
+    np.testing.assert_allclose(ms.inverse(np.array([1.0, 2.0, 5.0], np.float32)), [3.0, 1.0, 2.0])
+    b = Normalizer(NormalizationConfig(mode="bounds", low=(0.0, -1.0, 4.0), high=(2.0, 3.0, 4.0)))
+    # 2 (x - low) / d - 1, d = high - low (eps where 0); back: (y + 1) d / 2 + low
+    np.testing.assert_allclose(b.forward(x)[:2], [-0.5, -1.5])
+    np.testing.assert_allclose(b.inverse(np.array([0.0, 1.0, 1.0], np.float32)), [1.0, 3.0, 4.0 + 1e-8])
+
+
+def test_the_state_is_normalised_before_padding_and_actions_are_cut_before_unnormalising():
+    cfg = demo(action={"output_dim": 2, "state_norm": {"mode": "mean_std", "mean": [1, 1, 1], "std": [2, 2, 2]},
+                       "action_norm": {"mode": "bounds", "low": [0, 10], "high": [2, 20]}})
+    maps = StateActionMaps(cfg.action)
+    state = np.zeros(8, np.float32)
+    state[:3] = [3.0, 1.0, -1.0]
+    got = maps.state_in(state)
+    np.testing.assert_allclose(got[:3], [1.0, 0.0, -1.0], rtol=1e-6)
+    assert not got[3:].any()  # the padding stays zero (normalising it would move it to -mean/std)
+    actions = np.tile(np.array([0.0, 1.0] + [7.0] * (cfg.action.action_dim - 2), np.float32), (4, 1))
+    out = maps.actions_out(actions)
+    assert out.shape == (4, 2)
+    np.testing.assert_allclose(out[0], [1.0, 20.0])
+
+
+# ------------------------------------------------------------------ cameras
+
+def test_other_cameras_take_the_image_nearest_the_first_cameras_frame():
+    cams = CameraImages(["front", "wrist", "top"], max_skew=0.05)
+    img = {t: np.full((2, 2, 3), i, np.uint8) for i, t in enumerate([9.90, 10.00, 10.03])}
+    for t, im in img.items():
+        cams.add("wrist", t, im)
+    cams.add("top", 10.04, img[10.03])
+    first = np.zeros((2, 2, 3), np.uint8)
+    got = cams.images_for(10.02, first)
+    assert got[0] is first and got[1] is img[10.03] and got[2] is img[10.03]  # 10 ms after beats 20 ms before
+    assert cams.images_for(10.01, first)[1] is img[10.00]
+    cams.add("wrist", 10.13, first)
+    with pytest.raises(NoFreshState, match="nearest 'top' image is 100 ms older than the frame "
+                                           "\\(vision.camera_max_skew: 50 ms\\)"):
+        cams.images_for(10.14, first)
+    with pytest.raises(NoFreshState, match="no 'wrist' image received yet on 'wrist/image'"):
+        CameraImages(["front", "wrist"], 0.05).images_for(1.0, first)
+
+
+def test_the_runtime_runs_one_vision_call_per_camera_in_order():
+    from synflux_ros.runtimes.vla import VLARuntime
+    cfg = demo(vision={"cameras": ["front", "wrist"]})
+    rt = VLARuntime(cfg)
+    try:
+        calls = []
+        encode = rt.vision.encode
+        rt.vision.encode = lambda px: calls.append(px) or encode(px)
+        rng = np.random.default_rng(0)
+        a, b = (rng.integers(0, 256, (120, 160, 3), np.uint8) for _ in range(2))
+        state = np.zeros(8, np.float32)
+        frame = rt.infer([a, b], state=state)
+        assert len(calls) == 2 and frame.prefix_len == 2 * cfg.vision.num_tokens + len(rt._instruction.ids)
+        np.testing.assert_array_equal(calls[0], rt.vision.preprocess(a))
+        np.testing.assert_array_equal(calls[1], rt.vision.preprocess(b))
+        with pytest.raises(ValueError, match="takes 2 camera image\\(s\\) per frame \\(front, wrist\\), got 1"):
+            rt.infer(a, state=state)
+    finally:
+        rt.close()
+
+
+def test_the_instruction_gets_its_bos_and_is_cut_like_lerobots_tokenizer():
+    from synflux_ros.runtimes.vla import VLARuntime
+    cfg = demo(tokenizer={"max_instruction_tokens": 6, "instruction_bos": "<|im_start|>"})
+    rt = VLARuntime(cfg)
+    try:
+        rt.set_instruction("pick up the cup")
+        bos = rt.tokenizer.special("<|im_start|>")
+        assert list(rt._instruction.ids) == [bos] + list(b"pick ")
+        rt.set_instruction("go")
+        assert list(rt._instruction.ids) == [bos] + list(b"go\n")
+    finally:
+        rt.close()
+    with pytest.raises(ConfigError, match="tokenizer.instruction_bos: the tokenizer has no special token '<bos>'"):
+        VLARuntime(demo(tokenizer={"instruction_bos": "<bos>"}))
+
+
+# ------------------------------------------------------------------ the bidirectional prefix in the graphs
+
+def test_prefill_rows_see_every_valid_row_with_a_bidirectional_prefix_and_only_earlier_ones_when_causal():
+    torch = pytest.importorskip("torch")
+    from synflux_ros.build.torch_models import build_graph_modules
+    from synflux_ros.core.contract import graph_set
+
+    def first_row_kv(cfg, embeds, n):
+        meta = next(m for m in graph_set(cfg) if m.kind == "prefill")
+        module = build_graph_modules(cfg, seed=0).modules[meta.name]
+        p = meta.attrs["bucket"]
+        x = torch.zeros(1, p, cfg.llm.hidden_dim)
+        x[0, :embeds.shape[0]] = embeds
+        kv = torch.zeros(cfg.llm.kv_shape)
+        with torch.no_grad():
+            new_kv = module(x, torch.tensor([n]), torch.tensor([0]), kv)[-1]  # pi0's prefill: new_kv alone
+        return new_kv[:, :, :, 0]  # every layer's K/V of row 0
+
+    gen = torch.Generator().manual_seed(0)
+    h = demo().llm.hidden_dim
+    a = torch.randn(6, h, generator=gen) * 0.05
+    b = a.clone()
+    b[4] += 0.5  # a later token changes
+    c = a.clone()
+    c[5] += 0.5  # a padded row (beyond num_tokens = 5) changes
+    bidi, causal = demo(), demo(llm={"prefill_attention": "causal"})
+    # layer 0's K/V come from the token alone; from layer 1 on row 0 has seen the later token iff bidirectional
+    assert (first_row_kv(bidi, a, 5)[1:] - first_row_kv(bidi, b, 5)[1:]).abs().max() > 1e-4
+    torch.testing.assert_close(first_row_kv(causal, a, 5), first_row_kv(causal, b, 5))
+    torch.testing.assert_close(first_row_kv(bidi, a, 5), first_row_kv(bidi, c, 5))  # padding is never seen
+
+
+def test_a_bidirectional_prefix_starts_the_cache(tmp_path):
+    """The prefill graph of a bidirectional prefix attends among its rows alone: it reads none of the cache
+    views it takes, and the backbone refuses to prefill such a prefix anywhere but at position 0."""
+    from synflux_ros.core.contract import graph_set
+    from synflux_ros.runtimes.vla import VLARuntime
+    rt = VLARuntime(demo())
+    try:
+        slot = rt.kv_pool.acquire()
+        embeds = np.zeros((4, rt.cfg.llm.hidden_dim), np.float32)
+        with pytest.raises(ValueError, match=r"a bidirectional prefix \(llm.prefill_attention\) starts the cache: "
+                                             r"prefill at position 0, not 3"):
+            rt.backbone.prefill(rt.kv_pool.tensor(slot), 3, embeds)
+        assert rt.backbone.prefill(rt.kv_pool.tensor(slot), 0, embeds) is None  # pi0's prefill: no logits
+    finally:
+        rt.close()
+    pytest.importorskip("torch")
+    from synflux_ros.build import export as build_tool
+    from synflux_ros.build.torch_models import build_graph_modules
+    cfg = demo()
+    meta = next(m for m in graph_set(cfg) if m.kind == "prefill")
+    model = build_tool.export_graph(build_graph_modules(cfg, seed=0).modules[meta.name], meta, str(tmp_path))
+    views = [n for n, _, _ in build_tool.onnx_inputs(meta) if n.startswith("past_kv.")]
+    assert views and [i.name for i in model.graph.input if i.name.startswith("past_kv.")] == views
+    assert not {i for node in model.graph.node for i in node.input} & set(views)
