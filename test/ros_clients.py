@@ -2,11 +2,8 @@
 ``ChatClient`` (the chat and end_session services, vlm_node)."""
 from __future__ import annotations
 
-import io
 import time
-import uuid
 
-import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
@@ -15,8 +12,7 @@ from trajectory_msgs.msg import JointTrajectory
 
 from synflux_ros.msg import ActionChunk
 from synflux_ros.srv import Chat, EndSession
-from synflux_ros.tools import harness as testing
-from synflux_ros.tools.harness import call_service, rgb_image, spin_until
+from synflux_ros.tools.harness import call_service, spin_until
 
 JOINTS = [f"joint_{i}" for i in range(7)]
 LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)

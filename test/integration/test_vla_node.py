@@ -6,13 +6,10 @@ import time
 
 import numpy as np
 import pytest
-from diagnostic_msgs.msg import DiagnosticArray
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
-from sensor_msgs.msg import CompressedImage, Image, JointState
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import CompressedImage
 from std_msgs.msg import String
-from trajectory_msgs.msg import JointTrajectory
 
-from synflux_ros.msg import ActionChunk
 from synflux_ros.tools.harness import rgb_image, spin_until
 
 from ros_clients import JOINTS, LATCHED, Harness, stamp_ns  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 
 from synflux_ros.tools import harness as testing
 from synflux_ros.tools.harness import call_service, lifecycle_probe, rgb_image
-from synflux_ros.srv import Chat, EndSession
+from synflux_ros.srv import Chat
 
 from ros_clients import TIMEOUT, ChatClient, ok  # noqa: E402
 

@@ -18,9 +18,7 @@ pytest.importorskip("torch", reason="synflux-build needs torch (make test instal
 
 from synflux_ros.backends import BackendUnavailableError, build_executor, resolve_executor_class  # noqa: E402
 from synflux_ros.build.validate import seeded_feeds  # noqa: E402
-from synflux_ros.build.export import build  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
-from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.core.contract import GraphMeta, TensorSpec
 from synflux_ros.core.executor import ShapeError  # noqa: E402
 from synflux_ros.core.memory import PoolFrozenError  # noqa: E402

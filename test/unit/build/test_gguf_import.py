@@ -32,8 +32,8 @@ from synflux_ros.runtimes.base import create_executor  # noqa: E402
 from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime  # noqa: E402
 
 from gguf_files import (  # noqa: E402
-    CONFIG, LLAMA_TYPES, PROMPT, Q, SHAPES, SPECIALS, TEMPLATE, base_yaml, hf_reference, k_quant_blocks,
-    vocabulary, write_gguf)
+    BOS, EOS, HIDDEN, LLAMA_TYPES, PROMPT, Q, QWEN3_TYPES, SHAPES, SPECIALS, TEMPLATE, base_yaml, hf_reference,
+    write_gguf)
 
 
 def backbone(graph_dir: str):

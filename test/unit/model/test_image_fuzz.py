@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import array
 import io
-import struct
-import zlib
 
 import numpy as np
 import pytest
