@@ -101,7 +101,7 @@ def start_node(ros_env, request):
         remaps = dict(kw.pop("remaps", {}))
         if namespace:
             remaps["__ns"] = namespace
-        p = testing.NodeProcess(name, params=params, env=ros_env, remaps=remaps, **kw)
+        p = testing.NodeProcess(name, params=params, env=kw.pop("env", None) or ros_env, remaps=remaps, **kw)
         procs.append(p)
         return p
     yield _start

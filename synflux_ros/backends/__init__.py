@@ -1,17 +1,24 @@
-"""Backend registry: a backend name maps to ``module:Class`` plus the packages it needs.
+"""Backend registry, two tables: ``EXECUTORS`` (run side: ``executor:=NAME``) maps a backend to its executor
+class and the packages it needs; ``BUILDERS`` (build side: ``synflux-build --backend NAME``) to its build
+step, empty for a backend that loads the portable ONNX graph set as it is.
 
-Modules are imported lazily, only when their backend is selected, so a machine without TensorRT can
-still run the mock backend. Two different errors:
+Modules are imported lazily, only when their backend is selected, so a machine without TensorRT can still
+run the mock backend. Two different errors:
 
 * ``UnknownBackendError``: the name is not in the table ("unknown backend 'trt' (choices: ...)");
 * ``BackendUnavailableError``: the name is known but a package it needs is not installed.
 
-Adding a backend = one module implementing the five hooks of :class:`synflux_ros.core.executor.Executor`
-and one row in ``EXECUTORS``.
+Adding a backend = a folder ``backends/<name>/`` with ``executor.py`` (the five hooks of
+:class:`synflux_ros.core.executor.Executor`) and, if it compiles the graphs, ``build.py`` (a
+:class:`synflux_ros.build.builder.Builder`), and one row in each table. A backend in another package
+registers the same two entries under the entry-point groups ``synflux_ros.executors`` and
+``synflux_ros.builders`` (values ``module:Class``).
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 
@@ -54,13 +61,56 @@ EXECUTORS: dict[str, BackendEntry] = {
 }
 
 
+BUILDERS: dict[str, str] = {
+    # backend -> its build step after the portable ONNX graph set ("module:Class"; "": the portable set alone)
+    "onnxruntime": "",
+    "rknn": "synflux_ros.backends.rknn.build:RKNNBuilder",
+    "tensorrt": "synflux_ros.backends.tensorrt.build:TensorRTBuilder",
+}
+
+EXECUTOR_GROUP, BUILDER_GROUP = "synflux_ros.executors", "synflux_ros.builders"
+
+
+@functools.lru_cache(maxsize=None)
+def _plugins(group: str) -> dict[str, str]:
+    """``name -> module:Class`` registered by installed packages under an entry-point group."""
+    return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=group)}
+
+
+def executor_table() -> dict[str, BackendEntry]:
+    """``EXECUTORS`` and the executors other packages register (a built-in name keeps its own row)."""
+    return {**{n: BackendEntry(v) for n, v in _plugins(EXECUTOR_GROUP).items()}, **EXECUTORS}
+
+
+def builder_table() -> dict[str, str]:
+    """``BUILDERS`` and the build steps other packages register (a built-in name keeps its own row)."""
+    return {**_plugins(BUILDER_GROUP), **BUILDERS}
+
+
 def available_backends() -> list[str]:
-    return sorted(EXECUTORS)
+    return sorted(executor_table())
+
+
+def buildable_backends() -> list[str]:
+    return sorted(builder_table())
+
+
+def _import(target: str):
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def resolve_builder(name: str):
+    """The build step registered for ``name`` (an instance), ``None`` for the portable graph set alone."""
+    table = builder_table()
+    if name not in table:
+        raise UnknownBackendError(f"no graph builder for backend {name!r}{choices_hint(name, sorted(table))}")
+    return _import(table[name])() if table[name] else None
 
 
 def resolve_executor_class(name: str):
     """Return the executor class registered as ``name`` (importing its module now)."""
-    entry = EXECUTORS.get(name)
+    entry = executor_table().get(name)
     if entry is None:
         raise UnknownBackendError(f"unknown backend {name!r}{choices_hint(name, available_backends())}")
     for pkg in entry.requires:
@@ -68,9 +118,7 @@ def resolve_executor_class(name: str):
             hint = f" ({entry.install_hint})" if entry.install_hint else ""
             raise BackendUnavailableError(
                 f"backend {name!r} needs the Python package {pkg!r}, which is not installed{hint}")
-    module_name, _, cls_name = entry.target.partition(":")
-    module = importlib.import_module(module_name)
-    return getattr(module, cls_name)
+    return _import(entry.target)
 
 
 def build_executor(name: str, graphs, graph_dir: str = "", options: dict | None = None):

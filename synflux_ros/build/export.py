@@ -32,28 +32,16 @@ import warnings
 
 import yaml
 
+from ..backends import UnknownBackendError, buildable_backends, builder_table, resolve_builder
 from ..core.config import ConfigError, ModelConfig, load_config
 from ..core.contract import GraphMeta, graph_set
 from ..model.time_embedding import time_embedding
 from ..graphset import reader as graphset, writer as graphset_writer
+from .builder import BuildError, flags_given
 
 OPSET = 17
-BUILDERS = {
-    # backend -> what the build step does beyond the portable ONNX files
-    "onnxruntime": "portable ONNX; onnxruntime applies its graph optimisations (fusions) when it loads them",
-    "rknn": "portable ONNX, then one .rknn per graph for a Rockchip NPU (--target; rknn-toolkit2 in .venv-rknn)",
-    "tensorrt": "portable ONNX, shape-polymorphic ONNX per graph kind, then one TensorRT engine per kind with a "
-                "profile per bucket (JetPack's TensorRT; --tensorrt-module tensorrt_rtx_bindings on a CPU)",
-}
-
-
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
 """Files of a checkpoint copied beside its tokenizer.json: the chat template and the special tokens."""
-
-
-class BuildError(RuntimeError):
-    """The graph set cannot be built: unknown backend, a graph without a module, or an exported graph
-    that does not match its contract."""
 
 
 def _versions() -> dict:
@@ -204,8 +192,8 @@ def export_graph(module, meta: GraphMeta, workdir: str):
 
 
 def _remove_graph_files(out: str, old: dict, gone: list[str]) -> None:
-    """Delete the files of the last build's graphs ``gone`` from the set (e.g. the decode graphs of a
-    flow-matching VLA built before it had none), once the new manifest no longer names them."""
+    """Delete the files of the last build's graphs ``gone`` from the set (e.g. decode graphs left in the
+    directory by a build of a config that had them), once the new manifest does not name them."""
     for name in gone:
         try:
             path = graphset.member_path(out, str(old[name].get("file") or f"{name}.onnx"), f"graph {name!r}")
@@ -222,7 +210,7 @@ def restore_unused_inputs(model, declared) -> list[str]:
 
     A flow-matching VLA's prefill computes the new cache entries alone, so the last layer's attention, the
     only reader of that layer's ``past_kv`` views, is dead code; a bidirectional prefill reads no view at all
-    (``core.graphs``). The graph still takes every view of the contract: the same bindings serve every graph
+    (``core.contract``). The graph still takes every view of the contract: the same bindings serve every graph
     set, and a backend is handed one input list per kind."""
     import numpy as np
     from onnx import helper
@@ -276,16 +264,17 @@ def resolve_config(cfg: ModelConfig, hf_dir: str | None) -> ModelConfig:
 
 
 def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str | None = None, seed: int = 0,
-          force: bool = False, threads: int | None = None, target: str | None = None, quantize: str = "fp16",
-          toolkit_python: str | None = None, tensorrt=None, calib: str | None = None,
-          weights: str = "float32", block: int = 32) -> dict:
-    """Build (or bring up to date) the graph set of ``cfg`` in ``out``; returns the manifest. A backend
-    with a compiler of its own (``rknn``: ``target``, ``quantize``, ``calib``; ``tensorrt``: a
-    :class:`~synflux_ros.backends.tensorrt.build.TensorRTOptions`) then compiles the graphs beside it. ``weights``
-    ``int8``/``int4`` quantizes the decoder's MatMul weights block-wise (``block`` rows per scale; see
+          force: bool = False, threads: int | None = None, weights: str = "float32", block: int = 32,
+          options=None) -> dict:
+    """Build (or bring up to date) the graph set of ``cfg`` in ``out``; returns the manifest. A backend with a
+    build step of its own (``BUILDERS``) then compiles the graphs beside it, with ``options`` (its options
+    dataclass, e.g. :class:`~synflux_ros.backends.tensorrt.build.TensorRTOptions`). ``weights`` ``int8``/``int4``
+    quantizes the decoder's MatMul weights block-wise (``block`` rows per scale; see
     :mod:`synflux_ros.build.quantize`), for the onnxruntime backend only."""
-    if backend not in BUILDERS:
-        raise BuildError(f"no graph builder for backend {backend!r} (choices: {', '.join(sorted(BUILDERS))})")
+    try:
+        builder = resolve_builder(backend)
+    except UnknownBackendError as exc:
+        raise BuildError(str(exc)) from exc
     from .quantize import QuantizeError, check_weights
     try:
         check_weights(weights, block)
@@ -294,28 +283,16 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
     if weights != "float32" and backend != "onnxruntime":
         raise BuildError(f"--weights {weights}: quantized graph sets are for --backend onnxruntime only, "
                          f"not {backend!r}")
-    if backend == "rknn":
-        from ..backends.rknn.build import TARGETS, check_quantize
-        if not target:
-            raise BuildError(f"--backend rknn needs --target (choices: {', '.join(TARGETS)})")
-        check_quantize(quantize, calib)  # before exporting anything
-    elif target:
-        raise BuildError(f"--target is for --backend rknn, not {backend!r}")
-    if tensorrt is not None and backend != "tensorrt":
-        raise BuildError(f"TensorRT options are for --backend tensorrt, not {backend!r}")
-    if backend == "tensorrt":
-        from ..backends.tensorrt.build import TensorRTOptions, load_tensorrt
-        tensorrt = tensorrt or TensorRTOptions()
-        load_tensorrt(tensorrt.module)  # before exporting anything
+    wanted = builder.options_type if builder else None
+    if options is not None and (wanted is None or not isinstance(options, wanted)):
+        takes = f"it takes {wanted.__name__}" if wanted else "it takes none"
+        raise BuildError(f"{type(options).__name__} is not an options type of --backend {backend!r} ({takes})")
+    if builder:
+        options = builder.prepare(options, weights)  # before exporting anything
     manifest = _build_onnx(cfg, out, backend, hf_dir, seed, force, threads, weights, block)
-    if backend == "tensorrt":
-        from ..backends.tensorrt.build import build_for_tensorrt
-        build_for_tensorrt(resolve_config(cfg, hf_dir), out, manifest, hf_dir, seed, force, tensorrt,
-                           progress=_progress)
-    if backend == "rknn":
-        from ..backends.rknn.build import compile_graph_set
-        compile_graph_set(out, manifest, target, quantize, force=force, toolkit_python=toolkit_python,
-                          calib=calib, progress=_progress)
+    if builder:
+        builder.compile(resolve_config(cfg, hf_dir), out, manifest, options, hf_dir=hf_dir, seed=seed, force=force,
+                        progress=_progress)
     return manifest
 
 
@@ -438,25 +415,31 @@ def _yaml_ready(obj):
     return obj
 
 
-def _tensorrt_options(args):
-    """The TensorRT builder options of the command line (None unless --backend tensorrt)."""
-    given = args.fp16 or args.int8 or (args.calib and args.backend != "rknn") or args.dla_core is not None \
-        or args.no_gpu_fallback \
-        or args.workspace or args.sm or args.tensorrt_module != "tensorrt"
-    if args.backend != "tensorrt":
-        if given:
-            raise BuildError(f"--fp16/--int8/--calib/--dla-core/--workspace/--sm/--tensorrt-module are for "
-                             f"--backend tensorrt, not {args.backend!r}")
+def _builder_groups(ap: argparse.ArgumentParser) -> dict:
+    """An option group per backend with a build step, holding that backend's flags: backend -> (builder, group)."""
+    groups = {}
+    for name in sorted(builder_table()):
+        builder = resolve_builder(name)
+        if builder is not None:
+            group = ap.add_argument_group(f"--backend {name}", builder.description or None)
+            builder.add_arguments(group)
+            groups[name] = (builder, group)
+    return groups
+
+
+def _backend_options(args, groups: dict):
+    """The build-step options of ``--backend`` from the command line; another backend's flag is an error."""
+    for name, (_, group) in groups.items():
+        given = flags_given(group, args)
+        if given and name != args.backend:
+            raise BuildError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --backend {name}, "
+                             f"not {args.backend!r}")
+    if args.backend not in groups:
+        if args.calib:
+            raise BuildError(f"--calib is for a backend that compiles int8 graphs ({', '.join(sorted(groups))}), "
+                             f"not {args.backend!r}")
         return None
-    from ..backends.tensorrt.build import TensorRTBuildError, TensorRTOptions
-    if args.fp16 and args.int8:
-        raise BuildError("--fp16 and --int8: choose one (--int8 builds the other engines in fp16)")
-    try:
-        return TensorRTOptions(precision="int8" if args.int8 else "fp16" if args.fp16 else "fp32",
-                               calib_dir=args.calib, dla_core=args.dla_core, gpu_fallback=not args.no_gpu_fallback,
-                               workspace_mb=args.workspace, module=args.tensorrt_module, sm=args.sm)
-    except TensorRTBuildError as exc:
-        raise BuildError(str(exc)) from exc
+    return groups[args.backend][0].options_from_args(args)
 
 
 def main(argv=None) -> int:
@@ -464,7 +447,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="model YAML (e.g. config/vlm_demo.yaml)")
     ap.add_argument("--out", required=True, help="output directory of the graph set")
-    ap.add_argument("--backend", default="onnxruntime", help=f"target backend ({', '.join(sorted(BUILDERS))})")
+    ap.add_argument("--backend", default="onnxruntime", help=f"target backend ({', '.join(buildable_backends())})")
     source = ap.add_mutually_exclusive_group()
     source.add_argument("--from-hf", dest="hf_dir", default=None,
                         help="local Hugging Face checkpoint directory (Qwen3, Qwen3-VL, Llama); "
@@ -479,33 +462,14 @@ def main(argv=None) -> int:
                     help="weight-only quantization of the decoder's MatMul weights (symmetric, per block of "
                          "--block input rows; DequantizeLinear, opset 21; onnxruntime fuses it into MatMulNBits)")
     ap.add_argument("--block", type=int, default=32, help="--weights int8|int4: rows per scale (16 .. 256)")
-    ap.add_argument("--target", default=None,
-                    help="--backend rknn: the Rockchip platform to compile for (rk3588, rk3576, ...)")
-    ap.add_argument("--quantize", default="fp16",
-                    help="--backend rknn: fp16 (default); int8 = the vision encoder in int8 (w8a8), the rest fp16; "
-                         "int8:KIND[,KIND] = these graph kinds (vision_encoder, embed, prefill, decode, "
-                         "action_expert, all) in int8; calibrated on --calib DIR (DIR/<graph>/*.npz), else on "
-                         "generated samples (bring-up only)")
-    ap.add_argument("--rknn-python", dest="toolkit_python", default=None,
-                    help="--backend rknn: Python of the venv holding rknn-toolkit2 (default: .venv-rknn beside "
-                         "this package's venv, made by `make rknn-venv`)")
-    trt = ap.add_argument_group("--backend tensorrt")
-    trt.add_argument("--fp16", action="store_true", help="build the engines in fp16 (needed for DLA)")
-    trt.add_argument("--int8", action="store_true", help="vision encoder in int8, calibrated on --calib")
-    trt.add_argument("--calib", default=None, metavar="DIR",
-                     help="--int8: npz batches of the engine inputs (also --backend rknn --quantize int8)")
-    trt.add_argument("--dla-core", type=int, default=None, metavar="N",
-                     help="build the vision encoder and action expert for DLA core N (GPU fallback per layer)")
-    trt.add_argument("--no-gpu-fallback", action="store_true",
-                     help="with --dla-core: a layer DLA cannot run is an error instead of running on the GPU")
-    trt.add_argument("--workspace", type=int, default=0, metavar="MB", help="builder workspace limit (0: TensorRT's)")
-    trt.add_argument("--sm", default=None, help="compute capability to build for (default: the device's; 8.7 = Orin)")
-    trt.add_argument("--tensorrt-module", default="tensorrt",
-                     help="Python module of TensorRT (tensorrt_rtx_bindings: TensorRT-RTX, builds without a GPU)")
+    ap.add_argument("--calib", default=None, metavar="DIR",
+                    help="calibration data of an int8 build (--backend rknn --quantize int8, --backend tensorrt "
+                         "--int8): npz batches of the graphs' inputs")
     ap.add_argument("--check", nargs="?", const="", metavar="BACKEND",
                     help="after building, load each graph on BACKEND (default: --backend; e.g. openvino) and report "
                          "per graph whether it compiles and which operators it does not support; exit 1 if any")
     ap.add_argument("--check-options", default="{}", help="with --check: executor options of that backend, JSON")
+    groups = _builder_groups(ap)
     args = ap.parse_args(argv)
     for flag, value in (("--from-hf", args.hf_dir), ("--from-gguf", args.gguf_file)):
         if value is not None and not value.strip():  # e.g. a shell lookup that found nothing
@@ -513,16 +477,15 @@ def main(argv=None) -> int:
             return 2
     try:
         cfg = load_config(args.config)
-        trt_opts = _tensorrt_options(args)
+        options = _backend_options(args, groups)
         with contextlib.ExitStack() as stack:
             hf_dir = args.hf_dir
             if args.gguf_file:  # converted into a temporary checkpoint inside --out, then the --from-hf path
                 from .gguf_import import gguf_checkpoint, record_source, text_only
                 cfg = text_only(cfg, args.gguf_file, _progress)
                 hf_dir = stack.enter_context(gguf_checkpoint(args.gguf_file, args.out, progress=_progress))
-            build(cfg, args.out, args.backend, hf_dir, args.seed, args.force, args.threads, target=args.target,
-                  quantize=args.quantize, toolkit_python=args.toolkit_python, tensorrt=trt_opts,
-                  calib=args.calib if args.backend == "rknn" else None, weights=args.weights, block=args.block)
+            build(cfg, args.out, args.backend, hf_dir, args.seed, args.force, args.threads, weights=args.weights,
+                  block=args.block, options=options)
             if args.gguf_file:
                 record_source(args.out, args.gguf_file, hf_dir)
     except (ConfigError, BuildError) as exc:
@@ -532,20 +495,19 @@ def main(argv=None) -> int:
         from .check import check_graph_set, report
         backend = args.check or args.backend
         try:
-            options = json.loads(args.check_options)
+            check_options = json.loads(args.check_options)
         except json.JSONDecodeError as exc:
             print(f"synflux-build: error: --check-options: not JSON ({exc})", file=sys.stderr)
             return 2
-        if backend == "tensorrt":
-            from ..backends.tensorrt.build import TensorRTBuildError, check_engines
-            try:
-                rows = check_engines(args.out, graphset.graph_metas(args.out, graphset.read_manifest(args.out)),
-                                     trt_opts)
-            except TensorRTBuildError as exc:
-                print(f"synflux-build: error: {exc}", file=sys.stderr)
-                return 2
-        else:
-            rows = check_graph_set(args.out, backend, options)
+        builder, _ = groups.get(backend, (None, None))
+        try:
+            rows = builder.check(args.out, graphset.graph_metas(args.out, graphset.read_manifest(args.out)),
+                                 options if backend == args.backend else None) if builder else None
+        except BuildError as exc:
+            print(f"synflux-build: error: {exc}", file=sys.stderr)
+            return 2
+        if rows is None:
+            rows = check_graph_set(args.out, backend, check_options)
         print(report(rows, backend))
         return 0 if all(r.ok for r in rows) else 1
     return 0

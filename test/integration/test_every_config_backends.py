@@ -25,6 +25,7 @@ from ros_clients import Harness  # noqa: E402
 from ros_clients import ChatClient, ok  # noqa: E402
 from checkpoints import demo_size  # noqa: E402
 
+from synflux_ros.backends.rknn.build import RKNNOptions  # noqa: E402
 from synflux_ros.backends.rknn.executor import default_simulator_pythons  # noqa: E402
 
 BACKENDS = ["onnxruntime"] + [b for b, module in (("openvino", "openvino"), ("qnn", "onnxruntime_qnn"))
@@ -74,7 +75,7 @@ def built(tmp_path_factory):
                 raw["llm"]["token_id_dtype"] = "int32"
                 raw.setdefault("executor", {})["options"] = dict(QNN_OPTIONS)
             elif flavour == "rknn":
-                kw = {"backend": "rknn", "target": "rk3588"}
+                kw = {"backend": "rknn", "options": RKNNOptions(target="rk3588")}
             d = tmp_path_factory.mktemp(f"{name.replace('.yaml', '')}_{flavour}")
             (d / name).write_text(yaml.safe_dump(raw))
             build(load_config(str(d / name)), str(d / "graphs"), **kw)

@@ -43,7 +43,7 @@ def demo_config(tmp_path, name: str) -> str:
 def vla_set(tmp_path_factory):
     d = tmp_path_factory.mktemp("trt_vla")
     cfg = load_config(demo_config(d, "vla_demo_orin.yaml"))
-    build(cfg, str(d / "graphs"), "tensorrt", tensorrt=RTX)
+    build(cfg, str(d / "graphs"), "tensorrt", options=RTX)
     return cfg, d / "graphs"
 
 
@@ -58,9 +58,9 @@ def test_every_config_builds_one_engine_per_kind_with_a_profile_per_bucket(tmp_p
     out = tmp_path / "graphs"
     if cfg.llm.mrope_section:  # Qwen3-VL's multimodal positions are not in the TensorRT graphs yet: refused
         with pytest.raises(plan.PlanError, match="does not take the LLM inputs deepstack_embeds, position_ids"):
-            build(cfg, str(out), "tensorrt", tensorrt=RTX)
+            build(cfg, str(out), "tensorrt", options=RTX)
         return
-    build(cfg, str(out), "tensorrt", tensorrt=RTX)
+    build(cfg, str(out), "tensorrt", options=RTX)
     side = sidecar(out)
     metas = graphset.graph_metas(str(out), graphset.read_manifest(str(out)))
     expected = plan.plan_engines(metas)
@@ -83,14 +83,14 @@ def test_unchanged_engines_are_not_rebuilt_and_force_rebuilds(vla_set, capsys):
     edir = trt_build.engine_dir(str(out), "8.6", RTX)
     before = {f: os.stat(os.path.join(edir, f)).st_mtime_ns for f in os.listdir(edir) if f.endswith(".engine")}
     capsys.readouterr()
-    build(cfg, str(out), "tensorrt", tensorrt=RTX)
+    build(cfg, str(out), "tensorrt", options=RTX)
     err = capsys.readouterr().out
     assert err.count("unchanged, skipped") == len(before) + 1  # + the profiled ONNX
     assert "building" not in err
     assert before == {f: os.stat(os.path.join(edir, f)).st_mtime_ns for f in before}
     # another precision / device is another build beside it, keyed separately
     assert plan.device_tag("8.6", None, "fp32") == os.path.basename(edir)
-    build(cfg, str(out), "tensorrt", tensorrt=RTX, force=True)
+    build(cfg, str(out), "tensorrt", options=RTX, force=True)
     err = capsys.readouterr().out
     assert err.count("building") == len(before)
     assert all(os.stat(os.path.join(edir, f)).st_mtime_ns != t for f, t in before.items())
@@ -99,11 +99,11 @@ def test_unchanged_engines_are_not_rebuilt_and_force_rebuilds(vla_set, capsys):
 def test_a_changed_graph_set_rebuilds_only_its_engines(tmp_path, capsys):
     cfg = load_config(demo_config(tmp_path, "vlm_demo.yaml"))
     out = str(tmp_path / "graphs")
-    build(cfg, out, "tensorrt", tensorrt=RTX)
+    build(cfg, out, "tensorrt", options=RTX)
     capsys.readouterr()
     more = cfg.with_overrides(llm={"decode_buckets": list(cfg.llm.decode_buckets) + [cfg.llm.max_seq_len * 2],
                                    "max_seq_len": cfg.llm.max_seq_len * 2})
-    build(more, out, "tensorrt", tensorrt=RTX)
+    build(more, out, "tensorrt", options=RTX)
     err = capsys.readouterr().out
     # the vision encoder's and the embedding's ONNX and profiles did not change; the llm has a new profile
     assert "vision_encoder: unchanged, skipped" in err and "embed: unchanged, skipped" in err
@@ -173,7 +173,7 @@ def test_cli_errors_are_clear(vla_set, tmp_path):
     res = run_build("--config", cfg, "--out", str(out), "--backend", "tensorrt", "--int8")
     assert res.returncode == 2 and "--int8 needs --calib" in res.stderr
     res = run_build("--config", cfg, "--out", str(out), "--backend", "onnxruntime", "--fp16")
-    assert res.returncode == 2 and "are for --backend tensorrt" in res.stderr
+    assert res.returncode == 2 and "--fp16 is for --backend tensorrt, not 'onnxruntime'" in res.stderr
     res = run_build("--config", cfg, "--out", str(out), "--backend", "tensorrt", "--sm", "87",
                     "--tensorrt-module", "tensorrt_rtx_bindings")
     assert res.returncode == 2 and "expected MAJOR.MINOR" in res.stderr

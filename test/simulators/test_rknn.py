@@ -26,7 +26,8 @@ from synflux_ros.backends import BackendUnavailableError, build_executor, resolv
 from synflux_ros.backends.rknn import executor as rknn_backend  # noqa: E402
 from synflux_ros.build.validate import validate  # noqa: E402
 from synflux_ros.backends.rknn import build as rknn_build  # noqa: E402
-from synflux_ros.build.export import BuildError, build  # noqa: E402
+from synflux_ros.backends.rknn.build import RKNNOptions  # noqa: E402
+from synflux_ros.build.export import BuildError, build, main as build_main  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.core.contract import graph_set  # noqa: E402
@@ -73,7 +74,7 @@ def rknn_sets(tmp_path_factory):
         d = tmp_path_factory.mktemp(f"{name}_rknn")
         t0 = time.perf_counter()
         cfg = load_config(str(REPO / "config" / f"{name}.yaml"))
-        build(cfg.with_overrides(llm=SHRUNK[name]), str(d), backend="rknn", target=TARGET)
+        build(cfg.with_overrides(llm=SHRUNK[name]), str(d), backend="rknn", options=RKNNOptions(target=TARGET))
         print(f"{name}: ONNX export + rknn compile {time.perf_counter() - t0:.1f} s")
         out[name] = str(d)
     return out
@@ -97,16 +98,19 @@ def test_registry_row_and_errors_without_a_runtime(tmp_path):
                 build_executor("rknn", [], str(tmp_path), {"runtime": "board"})
 
 
-def test_build_options_are_checked(tmp_path):
+def test_build_options_are_checked(tmp_path, capsys):
     cfg = load_config(str(REPO / "config" / "vlm_demo.yaml"))
     with pytest.raises(BuildError, match=r"--backend rknn needs --target \(choices: .*rk3588"):
         build(cfg, str(tmp_path), backend="rknn")
-    with pytest.raises(BuildError, match=r"--target is for --backend rknn"):
-        build(cfg, str(tmp_path), backend="onnxruntime", target="rk3588")
+    with pytest.raises(BuildError, match=r"RKNNOptions is not an options type of --backend 'onnxruntime' \(it takes none\)"):
+        build(cfg, str(tmp_path), backend="onnxruntime", options=RKNNOptions(target="rk3588"))
+    assert build_main(["--config", str(REPO / "config" / "vlm_demo.yaml"), "--out", str(tmp_path / "cli"),
+                       "--target", "rk3588"]) == 2
+    assert "--target is for --backend rknn, not 'onnxruntime'" in capsys.readouterr().err
     with pytest.raises(rknn_build.RKNNBuildError, match=r"--target 'rk9999' is not an RKNN platform"):
         rknn_build.compile_graph_set(str(tmp_path), {"graphs": []}, "rk9999")
     with pytest.raises(BuildError, match=r"--quantize 'int4' is not allowed \(--quantize fp16, int8 "):
-        build(cfg, str(tmp_path / "q"), backend="rknn", target=TARGET, quantize="int4")
+        build(cfg, str(tmp_path / "q"), backend="rknn", options=RKNNOptions(target=TARGET, quantize="int4"))
     assert not (tmp_path / "q").exists()  # refused before exporting anything
     with pytest.raises(rknn_build.RKNNBuildError, match=r"--rknn-python /nonexistent: no such file; run `make rknn-venv`"):
         rknn_build.compile_graph_set(str(tmp_path), {"graphs": []}, TARGET, toolkit_python="/nonexistent")

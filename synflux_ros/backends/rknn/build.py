@@ -5,81 +5,12 @@
     synflux-build --config config/vlm_demo.yaml --out engines/vlm_demo --backend rknn --target rk3588
     synflux-build ... --backend rknn --target rk3588 --quantize int8 --calib /data/calib   # vision encoder int8
 
-The portable ONNX graph set is built (or brought up to date) first; then every graph is compiled with
-rknn-toolkit2 into ``DIR/rknn/<target>/<graph>.rknn``, described by ``DIR/rknn/<target>/rknn.json``::
-
-    {"format": "synflux-rknn/1", "target": "rk3588", "toolkit": "2.5.0", "dtype": "int8",
-     "quantize": "int8:vision_encoder",
-     "graphs": {"decode_256": {"file": "decode_256.rknn", "source": "decode_256.rknn.onnx", "dtype": "fp16",
-                               "key": "...", "onnx_key": "...", "inputs": [[name, shape], ...],
-                               "outputs": [name, ...], "seconds": 1.9},
-                "vision_encoder": {..., "dtype": "int8",
-                                   "quantization": {"dtype": "w8a8", "algorithm": "normal", "method": "channel",
-                                                    "dataset": "calib/vision_encoder/dataset.txt", "samples": 4,
-                                                    "calib_sha256": "...", "calib_source": "generated"}}, ...}}
-
-``file`` and ``quantization.dataset`` are relative to that directory, ``source`` (the ONNX file the toolkit
-compiled, which the x86 simulator builds again) to DIR. ``onnx_key`` is the graph's skip-unchanged key in
-the graph set's manifest; ``key`` adds backend, target, toolkit version, the graph's dtype, for an int8
-graph the quantization choices and the SHA-256 of its calibration data, and this compiler's source, so a
-graph whose ONNX, target, toolkit and quantization are unchanged is not compiled again. Several targets can
-live side by side; per target there is one compiled set: building again with another ``--quantize`` or
-other calibration data recompiles only the graphs whose key changed (the fp16 graphs of an int8 build are
-the files of the fp16 build), and the top-level ``dtype`` (``int8`` when any graph is) and ``quantize``
-say what the set holds. To keep an fp16 and an int8 set of the same model, build them into two graph dirs.
-
-Quantization (``--quantize``)
------------------------------
-``fp16`` (default)     every graph in fp16 (rknn-toolkit2's ``float_dtype``)
-``int8``               the vision encoder in int8, every other graph fp16 (= ``int8:vision_encoder``)
-``int8:KIND[,KIND]``   these graph kinds in int8 (``vision_encoder``, ``embed``, ``prefill``, ``decode``,
-                       ``action_expert``, or ``all``), the others fp16
-
-An int8 graph is built with ``rknn.config(quantized_dtype="w8a8", quantized_algorithm="normal",
-quantized_method="channel")`` and ``rknn.build(do_quantization=True, dataset=...)`` (rk3588 offers only
-w8a8 of the toolkit's quantized dtypes; ``mmse`` took 44 s instead of 2.5 s on the demo vision encoder for
-the same cosine). The toolkit quantizes float inputs and outputs at the graph boundary (the runtime
-converts float32 feeds); integer inputs (token ids, positions, counts) stay integers and are not quantized.
-Measured in the simulator against onnxruntime (``synflux-validate --precision reduced``, w8a8 on 4
-generated samples; demo sets, random weights): the vision encoder reaches cosine 0.9993, embed 0.99996,
-prefill logits / new KV 0.999-0.9997, decode logits 0.993-0.999 but new KV down to 0.979, the action
-expert 0.52-0.78. Graph by graph the LLM passes 0.99, yet greedy decoding of the VLM demo agrees on 0 of 24
-tokens with every LLM graph in int8 (3-7 of 24 with only embed, only prefill or only decode in int8), and
-the VLA action chunk drops from 0.99995 to 0.997 with everything in int8. Hence ``int8`` quantizes the
-vision encoder alone (VLA chunks 0.99995, VLM greedy tokens 24 of 24).
-
-Calibration data. ``--calib DIR`` holds, per int8 graph, ``DIR/<graph>/*.npz`` (e.g.
-``DIR/vision_encoder/frame_0001.npz``): one sample per file, one array per graph input named as the ONNX
-input, in the graph's exact shape (``pixel_values`` [T, 3, h, w] float32, preprocessed as the node does,
-``synflux_ros.model.image``; token ids and positions as integers; the KV cache either as ``past_kv`` [L, 2,
-KV, S, Dh] or as its views ``past_kv.<l>.<k|v>``). For the vision encoder, ``*.npz`` files directly in
-``DIR`` holding ``pixel_values`` (the ``--backend tensorrt --calib`` layout) are taken when
-``DIR/vision_encoder/`` does not exist. A sample that lacks an input, has another shape, float values for
-an integer input or non-finite values is refused naming the file, graph and input. Without ``--calib`` the
-graphs are calibrated on 4 generated samples per graph (``synflux_ros.core.contract.seeded_feeds``,
-seeded: Gaussian pixel values, in-range token ids and positions, a random KV cache). That is for bring-up
-only: a deployment calibrates on recorded camera frames and prompts (20-100 samples). The calibrated range
-bounds what an int8 input can carry: calibrated on 8 preprocessed frames (values in [-1, 1]) the demo
-vision encoder reaches 0.9989 on held-out frames (0.9974 when calibrated on the Gaussian samples) and the
-VLA action chunks 0.99998, but ``synflux-validate``'s per-graph check, which feeds Gaussian pixel values
-beyond [-1, 1], then reads 0.946 for it. The samples are kept
-as ``.npy`` files with the toolkit's ``dataset.txt`` (one line per sample, the input files of a
-multi-input graph space-separated in input order) in ``DIR/rknn/<target>/calib/<graph>/``: the x86
-simulator, which cannot run ``.rknn`` files, quantizes again from them at load; a board needs only the
-``.rknn`` files.
-
-The toolkit pins numpy <= 1.26.4 and onnx <= 1.18, so it runs in its own venv (``make rknn-venv`` ->
-``.venv-rknn``) as a subprocess: ``rknn_compile.py`` beside this file, one process for all stale graphs.
-A graph that fails is named with the toolkit's error lines (they name the node or operator when the
-toolkit does); the toolkit's whole log is kept in ``DIR/rknn/<target>/compile.log``.
-
-Source rewrite: a ``past_kv.<l>.<k|v>`` input that a graph reads without slicing it (the decode graph
-whose span is the whole cache) is passed through an ``Identity`` node first. Without it rknn-toolkit2
-2.5.0 computes that graph wrongly (measured in the simulator: cosine 0.66 against onnxruntime on the
-logits of decode at full span; with the Identity 0.99999). A view that nothing reads (a flow-matching
-VLA's prefill does not read its last layer's) is left out of the inputs: the toolkit refuses an input no
-node reads, and the sidecar's ``inputs`` list only those fed. Such graphs are compiled from a rewritten
-copy, ``<graph>.rknn.onnx`` beside the original (same weights file); the others from ``<graph>.onnx``.
+The portable ONNX graph set is built first; then each graph is compiled with rknn-toolkit2 into
+``DIR/rknn/<target>/<graph>.rknn``, described by ``rknn.json`` there, and compiled again only when its key
+(ONNX, target, toolkit, dtype, quantization and calibration data, this compiler) changes. The toolkit pins
+old numpy and onnx, so it runs in its own venv (``.venv-rknn``) as a subprocess: ``compile.py`` beside this
+file. The sidecar format, ``--quantize``, calibration data and the ONNX rewrites made before compiling are
+described in docs/internals/build.md.
 """
 from __future__ import annotations
 
@@ -93,13 +24,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from .executor import toolkit_env
 from ...graphset import reader as graphset
 from ...core.contract import GraphMeta
-from ...build.export import BuildError
+from ...build.builder import BuildError, Builder
 
 TARGETS = ("rk3562", "rk3566", "rk3568", "rk3576", "rk3588")
 """Platforms of rknn-toolkit2 whose NPU takes these graphs; rk3588 is the one exercised here."""
@@ -108,7 +40,7 @@ DTYPES = ("fp16", "int8")
 KINDS = ("vision_encoder", "embed", "prefill", "decode", "action_expert")
 """Graph kinds ``--quantize int8:KIND,...`` can name."""
 DEFAULT_INT8_KINDS = ("vision_encoder",)
-"""What ``--quantize int8`` quantizes (see the module docstring for the measurements behind it)."""
+"""What ``--quantize int8`` quantizes (docs/internals/build.md says why the vision encoder alone)."""
 INT8 = {"dtype": "w8a8", "algorithm": "normal", "method": "channel"}
 """rknn.config(quantized_dtype=, quantized_algorithm=, quantized_method=) of an int8 graph."""
 CALIB_SAMPLES = 4
@@ -427,7 +359,7 @@ def read_sidecar(out: str, target: str) -> dict:
 def prepare_source(out: str, name: str, onnx_file: str) -> tuple[str, list[str]]:
     """The ONNX file (relative to ``out``) to compile ``name`` from, and the inputs it leaves out:
     ``onnx_file`` itself, or a copy whose unsliced ``past_kv`` views go through an Identity node and which
-    takes no view that nothing reads (see the module docstring)."""
+    takes no view that nothing reads (docs/internals/build.md says why)."""
     import onnx
     from onnx import helper
 
@@ -595,3 +527,52 @@ def _log_tail(path: str, lines: int = 15) -> str:
             return "".join(fh.readlines()[-lines:])
     except OSError:
         return ""
+
+
+@dataclass(frozen=True)
+class RKNNOptions:
+    """``synflux-build --backend rknn`` options: the platform, which graph kinds run in int8 and on what
+    calibration data, and the Python of the venv holding rknn-toolkit2."""
+    target: str | None = None
+    quantize: str = "fp16"
+    calib: str | None = None
+    toolkit_python: str | None = None
+
+    def __post_init__(self):
+        if self.target is not None and self.target not in TARGETS:
+            raise RKNNBuildError(f"--target {self.target!r} is not an RKNN platform (choices: {', '.join(TARGETS)})")
+        check_quantize(self.quantize, self.calib)
+
+
+class RKNNBuilder(Builder):
+    """``synflux-build --backend rknn``: one .rknn per graph for a Rockchip NPU, compiled by rknn-toolkit2 in
+    its own venv."""
+
+    name = "rknn"
+    options_type = RKNNOptions
+    description = ("portable ONNX, then one .rknn per graph for a Rockchip NPU (--target; rknn-toolkit2 in "
+                   ".venv-rknn)")
+
+    def add_arguments(self, group) -> None:
+        group.add_argument("--target", default=None, help=f"the Rockchip platform to compile for ({', '.join(TARGETS)})")
+        group.add_argument("--quantize", default="fp16",
+                           help="fp16 (default); int8 = the vision encoder in int8 (w8a8), the rest fp16; "
+                                "int8:KIND[,KIND] = these graph kinds (vision_encoder, embed, prefill, decode, "
+                                "action_expert, all) in int8; calibrated on --calib DIR (DIR/<graph>/*.npz), else on "
+                                "generated samples (bring-up only)")
+        group.add_argument("--rknn-python", dest="toolkit_python", default=None,
+                           help="Python of the venv holding rknn-toolkit2 (default: .venv-rknn beside this package's "
+                                "venv, made by `make rknn-venv`)")
+
+    def options_from_args(self, args) -> RKNNOptions:
+        return RKNNOptions(target=args.target, quantize=args.quantize, calib=args.calib,
+                           toolkit_python=args.toolkit_python)
+
+    def prepare(self, options, weights: str) -> RKNNOptions:
+        if options is None or not options.target:
+            raise RKNNBuildError(f"--backend rknn needs --target (choices: {', '.join(TARGETS)})")
+        return options
+
+    def compile(self, cfg, out, manifest, options, *, hf_dir, seed, force, progress) -> None:
+        compile_graph_set(out, manifest, options.target, options.quantize, force=force,
+                          toolkit_python=options.toolkit_python, calib=options.calib, progress=progress)

@@ -6,35 +6,13 @@
     synflux-build ... --backend tensorrt --fp16 --dla-core 0          # vision encoder + action expert on DLA
     synflux-build ... --backend tensorrt --int8 --calib DIR          # vision encoder in int8 (calibrated)
 
-Steps (each skipped while its key is unchanged; ``--force`` redoes them):
-
-1. the portable ONNX graph set (as for every backend);
-2. the shape-polymorphic ONNX of the profiled kinds (``tensorrt/onnx/{embed,llm,action_expert}.onnx``,
-   :mod:`synflux_ros.backends.tensorrt.build_onnx`) from the same weights;
-3. one engine per :class:`~synflux_ros.backends.tensorrt.plan.EngineSpec`, into
-   ``tensorrt/<sm..-precision[-dlaN]>/<engine>.engine``, described by ``tensorrt.json`` there::
-
-       {"format": "synflux-tensorrt/1", "tensorrt": "10.3.0", "module": "tensorrt", "sm": "8.7",
-        "dla_core": null, "precision": "fp16", "flags": {...},
-        "engines": {"llm": {"file": "llm.engine", "onnx": "tensorrt/onnx/llm.onnx", "key": "...",
-                            "profiles": ["prefill_96", ..., "decode_256"], "dla": false, "bytes": 123,
-                            "seconds": 4.2, "dla_fallback_layers": [...]}, ...}}
-
-   The key covers the ONNX bytes, the profiles, the TensorRT version, the device (SM, DLA core) and the
-   flags. The builder's timing cache is kept beside the engines (``timing.cache``) and reused.
-
-Precision: ``fp32`` (default), ``--fp16`` (``BuilderFlag.FP16``; required for DLA), ``--int8 --calib DIR``
-(``BuilderFlag.INT8`` with an entropy calibrator over ``DIR/*.npz`` batches of the vision encoder's
-``pixel_values``, for the vision encoder; the other engines build in fp16). DLA (``--dla-core N``): the
-vision encoder and the action expert are built for that core, per graph (DLA engines are static), with
-GPU fallback for the layers DLA cannot run; the layers that fall back are listed per engine. With
-``--no-gpu-fallback`` such a layer is a build error naming it.
-
-Which TensorRT: the ``tensorrt`` module of JetPack (TensorRT 10) on the robot. ``--tensorrt-module
-tensorrt_rtx_bindings`` selects TensorRT-RTX (PyPI ``tensorrt-rtx-cu12-bindings``), which parses ONNX and
-builds engines on a machine without a GPU: that is how the parse/build path of every config is verified
-in ``make test``. TensorRT-RTX engines run only on RTX GPUs (no Jetson, no DLA), it has no FP16/INT8
-builder flags (it builds the types of the network as given) and its timing cache is a no-op.
+Builds the portable ONNX set, the shape-polymorphic ONNX of the profiled kinds
+(:mod:`synflux_ros.backends.tensorrt.build_onnx`), then one engine per
+:class:`~synflux_ros.backends.tensorrt.plan.EngineSpec` into ``tensorrt/<sm..-precision[-dlaN]>/``, described
+by ``tensorrt.json`` there; each step is skipped while its key is unchanged (``--force`` redoes it).
+``--tensorrt-module tensorrt_rtx_bindings`` (TensorRT-RTX) parses and builds without a GPU, which is how the
+tests check the build path of every config. The sidecar format, precisions and DLA fallback are described
+in docs/internals/build.md.
 """
 from __future__ import annotations
 
@@ -51,7 +29,7 @@ from dataclasses import dataclass
 
 from . import plan
 from ...graphset import reader as graphset
-from ...build.export import BuildError
+from ...build.builder import BuildError, Builder
 
 JETPACK_HINT = ("TensorRT comes with JetPack on a Jetson (python3-libnvinfer); on an x86 workstation with an "
                 "NVIDIA GPU, NVIDIA's tensorrt wheel")
@@ -402,7 +380,7 @@ def export_profiled(cfg, out: str, manifest: dict, hf_dir: str | None, seed: int
 
 def build_for_tensorrt(cfg, out: str, manifest: dict, hf_dir: str | None, seed: int, force: bool,
                        opts: TensorRTOptions, progress=print) -> dict:
-    """Steps 2 and 3 of the module docstring; returns the engines' sidecar."""
+    """The shape-polymorphic ONNX, then the engines (the portable set exists); returns the engines' sidecar."""
     export_profiled(cfg, out, manifest, hf_dir, seed, force, progress)
     return build_engines(out, graphset.graph_metas(out, manifest), opts, force=force, progress=progress)
 
@@ -424,3 +402,45 @@ def _check_engine(trt, graph_dir: str, spec: plan.EngineSpec, opts: TensorRTOpti
     except TensorRTBuildError as exc:
         return GraphCheck(spec.name, False, str(exc))
     return GraphCheck(spec.name, True, unsupported=[(n, f"{t}, GPU fallback") for n, t in fallback])
+
+
+class TensorRTBuilder(Builder):
+    """``synflux-build --backend tensorrt``: the shape-polymorphic ONNX per graph kind, then one engine per kind
+    with a profile per bucket, cached under the device and flags it was built for."""
+
+    name = "tensorrt"
+    options_type = TensorRTOptions
+    description = ("portable ONNX, shape-polymorphic ONNX per graph kind, then one TensorRT engine per kind with a "
+                   "profile per bucket (JetPack's TensorRT; --tensorrt-module tensorrt_rtx_bindings on a CPU)")
+
+    def add_arguments(self, group) -> None:
+        group.add_argument("--fp16", action="store_true", help="build the engines in fp16 (needed for DLA)")
+        group.add_argument("--int8", action="store_true", help="vision encoder in int8, calibrated on --calib")
+        group.add_argument("--dla-core", type=int, default=None, metavar="N",
+                           help="build the vision encoder and action expert for DLA core N (GPU fallback per layer)")
+        group.add_argument("--no-gpu-fallback", action="store_true",
+                           help="with --dla-core: a layer DLA cannot run is an error instead of running on the GPU")
+        group.add_argument("--workspace", type=int, default=0, metavar="MB",
+                           help="builder workspace limit (0: TensorRT's)")
+        group.add_argument("--sm", default=None,
+                           help="compute capability to build for (default: the device's; 8.7 = Orin)")
+        group.add_argument("--tensorrt-module", default="tensorrt",
+                           help="Python module of TensorRT (tensorrt_rtx_bindings: TensorRT-RTX, builds without a GPU)")
+
+    def options_from_args(self, args) -> TensorRTOptions:
+        if args.fp16 and args.int8:
+            raise BuildError("--fp16 and --int8: choose one (--int8 builds the other engines in fp16)")
+        return TensorRTOptions(precision="int8" if args.int8 else "fp16" if args.fp16 else "fp32",
+                               calib_dir=args.calib, dla_core=args.dla_core, gpu_fallback=not args.no_gpu_fallback,
+                               workspace_mb=args.workspace, module=args.tensorrt_module, sm=args.sm)
+
+    def prepare(self, options, weights: str) -> TensorRTOptions:
+        options = options or TensorRTOptions()
+        load_tensorrt(options.module)
+        return options
+
+    def compile(self, cfg, out, manifest, options, *, hf_dir, seed, force, progress) -> None:
+        build_for_tensorrt(cfg, out, manifest, hf_dir, seed, force, options, progress=progress)
+
+    def check(self, out, metas, options) -> list:
+        return check_engines(out, metas, options or TensorRTOptions())

@@ -1,30 +1,14 @@
 """Shape-polymorphic ONNX graphs, one per graph kind, for engines with one optimization profile per bucket.
 
-A TensorRT engine per kind holds one copy of the weights and one profile (min = opt = max) per bucket
-(see ``synflux_ros.backends.tensorrt.plan``). Its network comes from these graphs, exported from the same
-torch modules (same weights) as the static per-bucket graph set, with two dynamic dims, ``T`` (new rows)
-and ``D`` (cache positions attended, the length of the shape-only input ``attention_span``)::
-
-    embed          input_ids [1,T] ids                                      -> inputs_embeds [1,T,H] f32
-    llm            inputs_embeds [1,T,H] f32, num_tokens [1] i64, cache_position [1] i64,
-                   past_kv.<l>.<j> [KV,S,Dh] kv (2 L views), attention_span [D] f32
-                                                                            -> logits [1,V] f32,
-                                                                               new_kv [L,2,KV,T,Dh] kv
-                   (a flow-matching VLA, which reads no logits: new_kv alone)
-    action_expert  noisy_actions [1,h,a] f32, time_embedding [1,E] f32, prefix_len [1] i64,
-                   past_kv.<l>.<j> [KV,S,Dh] kv, attention_span [D] f32 (, state [1,s] f32)
-                                                                            -> velocity [1,h,a] f32
-
-``llm`` at (T = p, D = S) is ``prefill_<p>``; ``embed`` at T = 1 followed by ``llm`` at (T = 1, D = d,
-num_tokens = 1) is ``decode_<d>``; ``action_expert`` at D = d is ``action_expert_<d>``. The vision
-encoder keeps its static graph.
+Exported from the same torch modules (same weights) as the static per-bucket graph set, with two dynamic
+dims, ``T`` (new rows) and ``D`` (cache positions attended, the length of the shape-only input
+``attention_span``): ``llm`` at (T = p, D = S) is ``prefill_<p>``, ``embed`` then ``llm`` at T = 1 is
+``decode_<d>``, ``action_expert`` at D = d is ``action_expert_<d>``. The graphs share one ``weights.bin``
+(external data, as TensorRT's ``OnnxParser.parse_from_file`` reads it). Each kind's inputs and outputs are
+listed in docs/internals/build.md.
 
     gm = build_graph_modules(cfg, seed=0)
     paths = export_profiled_graphs(cfg, gm, "engines/x/tensorrt/onnx")   # {"embed": ".../embed.onnx", ...}
-
-The graphs (standard ONNX ops, opset :data:`~.export.OPSET`) share one ``weights.bin`` in ``out_dir``
-(external data, paths relative to the ``.onnx`` files, as TensorRT's ``OnnxParser.parse_from_file``
-reads them).
 """
 from __future__ import annotations
 
@@ -37,7 +21,8 @@ from .plan import PROFILED_KINDS, SPAN_DTYPE, SPAN_INPUT
 from ...graphset import reader as graphset, writer as graphset_writer
 from ...core.config import ModelConfig
 from ...core.contract import graph_set, reads_logits, time_embedding_dim
-from ...build.export import OPSET, BuildError, example_tensors, restore_unused_inputs
+from ...build.builder import BuildError
+from ...build.export import OPSET, example_tensors, restore_unused_inputs
 
 DYNAMIC_DIMS = ("T", "D")
 STANDARD_DOMAINS = ("", "ai.onnx")

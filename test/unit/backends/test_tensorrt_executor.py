@@ -186,7 +186,7 @@ def test_gpu_engines_match_onnxruntime(tmp_path_factory, name, precision):
     with open(os.path.join(CONFIG, name), encoding="utf-8") as fh:
         (d / name).write_text(fh.read())
     out = str(d / "graphs")
-    build(load_config(str(d / name)), out, "tensorrt", tensorrt=TensorRTOptions(precision=precision))
+    build(load_config(str(d / name)), out, "tensorrt", options=TensorRTOptions(precision=precision))
     rows = validate(out, "tensorrt", options={"precision": precision, "cuda_graphs": True},
                     precision="fp32" if precision == "fp32" else "reduced")
     assert not failures(rows), failures(rows)
