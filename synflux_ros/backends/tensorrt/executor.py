@@ -32,13 +32,10 @@ load; default none), ``engine_dir`` (default ``tensorrt/<tag>`` in the graph set
 device index, default 0), ``cuda_graphs`` (default false), ``module`` (the TensorRT Python module,
 default ``tensorrt``).
 
-What ran where
---------------
-No NVIDIA runtime can be installed on the machines this package is developed on, so this module's device
-path has not run here: the plan it follows (profiles, routes, view offsets, 2-D copies, keys) is
-unit-tested, the builder is run for every config through TensorRT-RTX on CPU in ``make test``, and the
-tests of this runtime (``test/unit/backends/test_tensorrt_executor.py``, marker ``gpu``) and
-``synflux-validate --backend tensorrt`` run on a machine with TensorRT and a GPU (a Jetson).
+Where it runs in tests: the plan it follows (profiles, routes, view offsets, 2-D copies, keys) is unit-tested
+everywhere; its CUDA side (pool, pinned staging, streams, 2-D copies, CUDA-graph capture and replay) runs on
+a CUDA device in ``test/gpu`` with only the engine stood in; real engines need TensorRT (a Jetson): the
+``gpu`` tests of ``test/unit/backends/test_tensorrt_executor.py`` and ``synflux-validate --backend tensorrt``.
 """
 from __future__ import annotations
 
@@ -338,6 +335,9 @@ class TensorRTExecutor(graphset.ChecksWeightFormat, Executor):
 
     def _zero_device(self, buf: DeviceBuffer, shape, dtype) -> None:
         self._cuda(self.cudart.cudaMemset(buf.ptr, 0, buf.nbytes), "cudaMemset")
+        # cudaMemset may return before it is done, and the executor's streams are non-blocking (not ordered
+        # after the legacy stream): finish it before a call can read the tensor (a fresh KV slot)
+        self._cuda(self.cudart.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
     def _h2d(self, data: np.ndarray, buf: DeviceBuffer) -> None:
         data = np.ascontiguousarray(data)

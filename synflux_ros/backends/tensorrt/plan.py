@@ -259,14 +259,16 @@ def region_copy(shape, dtype: str, index: tuple) -> tuple[int, int, int, int]:
     bytes / rows, for ``cudaMemcpy2DAsync``. ``index`` is full slices over leading axes, then one slice
     (the KV append ``[:, :, :, a:b]``), then full trailing axes. Raises ValueError for other indices."""
     shape = tuple(int(d) for d in shape)
-    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    index = index if isinstance(index, tuple) else (index,)
+    index = index + (slice(None),) * (len(shape) - len(index))
     if len(index) != len(shape):
         raise ValueError(f"index {index} has more axes than the tensor {list(shape)}")
     cut = [i for i, s in enumerate(index) if not (isinstance(s, slice) and s.indices(shape[i]) == (0, shape[i], 1))]
     if len(cut) > 1:
         raise ValueError(f"index {index}: only one axis may be cut for a 2-D copy")
-    if not cut:
-        return 0, 0, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize, 1
+    if not cut:  # one row; its pitch is its width (CUDA wants width <= pitch)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return 0, nbytes, nbytes, 1
     axis = cut[0]
     sel = index[axis]
     if not isinstance(sel, slice):

@@ -148,7 +148,7 @@ def test_region_copy_refuses_what_one_2d_copy_cannot_do():
         plan.region_copy((4, 8), "float32", (slice(0, 2), slice(0, 3)))
     with pytest.raises(ValueError, match="step 1"):
         plan.region_copy((4, 8), "float32", (slice(None), slice(0, 8, 2)))
-    assert plan.region_copy((4, 8), "float32", ()) == (0, 0, 128, 1)
+    assert plan.region_copy((4, 8), "float32", ()) == (0, 128, 128, 1)  # one row: pitch = width
 
 
 def test_engine_keys_change_with_everything_an_engine_depends_on():
