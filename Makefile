@@ -88,9 +88,9 @@ $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
 # Both processes keep their files under build/ (pytest-main, pytest-simulators: about 3.5 GiB, replaced by the
 # next run; test/conftest.py puts the started processes' temporary files there too); with less free there, the
 # failures that follow come from a full disk, which the first line says.
-TEST_DIRS := unit integration parity simulators launch
+TEST_DIRS := unit integration parity simulators gpu launch
 TEST_DISK_GIB := 4
-test: install rknn-venv pi0ref-venv
+test: install rknn-venv pi0ref-venv docs
 	@mkdir -p $(BUILD); free=$$(df -Pk $(BUILD) | awk 'NR==2 {print int($$4 / 1048576)}'); [ "$$free" -ge $(TEST_DISK_GIB) ] || \
 	  echo "make test: WARNING: $$free GiB free on the disk of $(abspath $(BUILD)); the tests write about \
 	$(TEST_DISK_GIB) GiB there, and a full disk makes them fail"
@@ -105,6 +105,18 @@ test: install rknn-venv pi0ref-venv
 	  echo "== NPU simulator tests (marker simulator), run beside the others =="; \
 	  cat $(abspath $(BUILD))/test-simulators.log; \
 	  [ $$rc -eq 0 ] && [ $$sim_rc -eq 0 ]
+
+# The documentation site (mkdocs, in a venv of its own): docs/benchmarks.md must be what the benchmarks' JSONL
+# gives, and the site must build with --strict (a broken link or a missing page fails); out: build/site.
+DOCS_VENV := .venv-docs
+DOCS_PY := $(abspath $(DOCS_VENV))/bin/python
+$(DOCS_VENV)/.stamp-docs: requirements-docs.txt
+	python3 -m venv $(DOCS_VENV)
+	$(DOCS_PY) -m pip install --quiet -r requirements-docs.txt
+	touch $@
+
+docs: $(DOCS_VENV)/.stamp-docs
+	bash .ci/docs.sh $(DOCS_PY)
 
 # The edit loop: the unit tests (the layer and security scans among them) without the simulators, about a
 # minute.

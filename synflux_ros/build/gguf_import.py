@@ -5,35 +5,12 @@
     with gguf_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf", workdir=out) as hf_dir:
         build(cfg, out, hf_dir=hf_dir)            # then exactly the --from-hf path
 
-:func:`gguf_checkpoint` checks the file (:func:`inspect_gguf`: GGUF magic, architecture, tensor names,
-shapes and types, before anything heavy is done) and writes a temporary checkpoint directory that the
-``--from-hf`` path reads unchanged:
-
-* ``model.safetensors`` (sharded with an index beyond 2 GiB): every tensor dequantized to float32 with
-  llama.cpp's own reference code (``gguf.quants.dequantize``, the code transformers' GGUF loader uses),
-  renamed to the Hugging Face layout; Llama's Q/K rows un-permuted (llama.cpp interleaves the rotary
-  halves), as transformers does;
-* ``config.json`` with the model dimensions of the GGUF metadata (``<arch>.block_count``, ...), tied
-  embeddings when the file has no ``output.weight``, rope scaling (``linear``; Llama 3's ``rope_freqs``
-  tensor as ``llama3`` parameters) and the file's SHA-256, which makes the build's weights fingerprint
-  (skip-unchanged key) follow the file's content;
-* ``ggml_blocks.safetensors`` (:data:`BLOCKS_FILE`): the tensors stored as ``Q4_0``, ``Q4_1`` or ``Q8_0``
-  once more as their raw blocks (per row of 32 values: the integers, the fp16 scale ``d`` and for ``Q4_1``
-  the fp16 minimum ``m``, both widened to float32), rows in the order of the float32 tensor. ``synflux-build
-  --weights int4|int8`` carries these blocks into the graphs exactly instead of quantizing the dequantized
-  values again (:mod:`synflux_ros.build.quantize`);
-* ``tokenizer.json`` from transformers' GGUF tokenizer conversion (``AutoTokenizer.from_pretrained(...,
-  gguf_file=...)``: byte-level BPE and sentencepiece vocabularies) and ``tokenizer_config.json`` with the
-  file's ``tokenizer.chat_template`` and its ``bos_token`` / ``eos_token`` / ``unk_token`` / ``pad_token``,
-  which the graph set then ships beside the tokenizer for the runtimes.
-
-The model is text-only: ``synflux-build`` builds a ``vlm`` config without its ``vision`` section
-(:func:`text_only`).
-
-Supported: the ``llama`` architecture (Llama 1/2/3, Mistral 7B, SmolLM, TinyLlama, ... as llama.cpp
-writes them) and ``qwen3``; tensor types F32, F16, BF16 and every quantized type ``gguf`` dequantizes
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ*, TQ*, MXFP4). Anything else is a :class:`GGUFImportError`
-(a ConfigError: ``synflux-build`` exits with 2) naming the file and what it does not support.
+:func:`gguf_checkpoint` checks the file first (:func:`inspect_gguf`) and writes a temporary checkpoint
+directory that the ``--from-hf`` path reads unchanged: the tensors dequantized to float32 with llama.cpp's
+own code, ``config.json``, the tokenizer and, for ``Q4_0``/``Q4_1``/``Q8_0`` tensors, their raw blocks
+(:data:`BLOCKS_FILE`), which ``--weights int4|int8`` carries into the graphs exactly. Architectures ``llama``
+and ``qwen3``, text only; anything else is a :class:`GGUFImportError` naming what is not supported. The
+files written are described in docs/internals/build.md.
 """
 from __future__ import annotations
 
@@ -515,8 +492,8 @@ def _importer_version() -> str:
 
 def convert(path: str, out_dir: str, progress: Callable[[str], None] | None = None,
             model: GGUFModel | None = None) -> GGUFModel:
-    """Write the Hugging Face checkpoint of the GGUF file ``path`` into ``out_dir`` (see the module doc;
-    ``model``: what :func:`inspect_gguf` found, if already known)."""
+    """Write the Hugging Face checkpoint of the GGUF file ``path`` into ``out_dir`` (the files of
+    docs/internals/build.md; ``model``: what :func:`inspect_gguf` found, if already known)."""
     say = progress or (lambda msg: None)
     model = model or inspect_gguf(path)
     digest = file_sha256(path)

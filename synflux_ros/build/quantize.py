@@ -1,54 +1,12 @@
 """Weight-only quantization of exported graphs (``synflux-build --weights int8|int4 [--block B]``).
 
-Each large constant ``MatMul`` weight ``W [K, N]`` (``x @ W``: the decoder's fused QKV, o, gate-up and
-down projections and the LM head) of the decoder graphs (``prefill_<p>``, ``decode_<d>``) is replaced by
-block-wise quantized integers and their scales, and the graph computes
-
-    MatMul(x, DequantizeLinear(Wq, scale, axis=0, block_size=B))
-
-which is standard ONNX (``DequantizeLinear`` with ``block_size`` is opset 21; a quantized graph set is
-converted to opset 21). The graphs stay portable; onnxruntime (>= 1.20, level ``extended`` or ``all``)
-fuses each ``DequantizeLinear`` + ``MatMul`` into its ``com.microsoft.MatMulNBits`` kernel when it loads
-them.
-
-Quantization is **symmetric** per block of ``B`` consecutive rows of the input axis (K) and one output
-column, round-to-nearest, computed in numpy from the fp32 weights:
-
-    scale = max(|w|) / qmax      q = clip(round(w / scale), -qmax, qmax)      w ~ q * scale
-
-with ``qmax = 127`` for ``int8`` (ONNX ``INT8``) and ``qmax = 7`` for ``int4`` (ONNX ``INT4``, two values
-per byte, low nibble first); no zero points. The error of one weight is at most ``scale / 2``, i.e.
-``max(|w| in its block) / (2 * qmax)``. A block of zeros gets scale 1.
-
-Not quantized: norms, biases, the embedding table (read by ``Gather``), weights whose K is not a multiple
-of ``B``, weights smaller than :data:`MIN_ELEMENTS` and initializers that any non-MatMul node also reads.
-
-GGUF blocks carried over
-------------------------
-A checkpoint imported from a llama.cpp GGUF file (``--from-gguf``) is float32, dequantized from the file's
-blocks, and also ships those blocks (``gguf_import.BLOCKS_FILE``). With ``--block 32`` (GGML's block
-size), a weight all of whose output columns are rows of ``Q4_0``, ``Q4_1`` or ``Q8_0`` tensors (found by
-the exact bytes of their dequantized values, so Q/K/V fused into one matrix and permuted rows are found
-too) is stored with those blocks instead of being quantized again; the graph computes bitwise the values
-the file holds:
-
-=======  ==================  =====================================================================
-GGML     ``--weights int4``  ``--weights int8``
-=======  ==================  =====================================================================
-Q4_0     INT4 ``q - 8``, d   INT8 ``q - 8``, d
-Q8_0     INT8 ``q``, d       INT8 ``q``, d
-Q4_1     UINT4 ``q``, d, +m  UINT8 ``q`` (0..15), d, +m
-=======  ==================  =====================================================================
-
-Q4_1 is affine (``x = d * q + m``, ``m`` a float per block), which ``DequantizeLinear`` cannot express
-with its integer zero point, so it is written in standard ONNX as
-
-    MatMul(x, Reshape(Add(Reshape(DequantizeLinear(Wq_u4, d, axis=0, block_size=32), [K/32, 32, N]),
-                          m [K/32, 1, N]), [K, N]))
-
-(``Wq_u8`` with ``--weights int8``: the same 4-bit values in 8-bit storage, so a Q4_1 file's weights are
-exact at either size), which onnxruntime's optimiser does not fuse; the onnxruntime executor rewrites it at
-load into a 4-bit ``MatMulNBits`` plus a block-minimum correction (``backends/ort_quant.py``).
+Each large constant ``MatMul`` weight of the decoder graphs becomes block-wise symmetric integers and their
+scales, used as ``MatMul(x, DequantizeLinear(Wq, scale, axis=0, block_size=B))``: standard ONNX (opset 21),
+which onnxruntime fuses into its ``MatMulNBits`` kernel at load. Weights imported from a GGUF file's
+``Q4_0``, ``Q4_1`` or ``Q8_0`` blocks are carried over exactly instead of being quantized again (affine
+``Q4_1`` as a DequantizeLinear + Add chain, which the onnxruntime executor rewrites at load,
+``backends/onnxruntime/quant.py``). The scheme, what stays unquantized and the GGML block mapping are
+described in docs/internals/build.md.
 """
 from __future__ import annotations
 
@@ -80,7 +38,7 @@ def check_weights(dtype: str, block: int) -> None:
 
 def weights_info(dtype: str, block: int, carried: dict | None = None) -> dict:
     """The manifest's record of the weight format (merged into its ``weights`` entry); ``carried``: how
-    many weights of each GGML type were carried over (see the module doc)."""
+    many weights of each GGML type were carried over (docs/internals/build.md)."""
     if dtype == "float32":
         return {"dtype": dtype}
     info = {"dtype": dtype, "block": int(block), "scheme": "symmetric"}
@@ -189,7 +147,7 @@ def unpack_int4(raw: bytes, count: int) -> np.ndarray:
 # -------------------------------------------------------------------------------------------- ONNX
 def _quantized_tensors(name: str, w: np.ndarray, dtype: str, block: int, carry: GGMLBlocks | None = None):
     """(quantized weight, scale, minimum or None, GGML type carried or "") for ``w``: the GGUF blocks where
-    :class:`GGMLBlocks` holds them and ``dtype`` can express them (module doc), else quantized here."""
+    :class:`GGMLBlocks` holds them and ``dtype`` can express them (docs/internals/build.md), else quantized here."""
     from onnx import TensorProto, helper, numpy_helper
 
     found = carry.lookup(w) if carry is not None and block == 32 else None
@@ -221,7 +179,7 @@ def quantize_model(model, dtype: str, block: int, cache: dict | None = None,
                    carry: GGMLBlocks | None = None) -> dict:
     """Rewrite ``model`` (an ``onnx.ModelProto`` with its weights in memory) in place: each eligible
     constant MatMul weight becomes ``DequantizeLinear(Wq, scale, axis=0, block_size=block)`` (or the
-    affine form of a carried Q4_1 weight, see the module doc); the model is converted to opset 21.
+    affine form of a carried Q4_1 weight, see docs/internals/build.md); the model is converted to opset 21.
     ``cache`` (content hash -> quantized tensors) saves quantizing the same weight again for the next graph;
     ``carry``: GGUF blocks to carry over. Returns ``{"tensors": n, "fp32_bytes": ..., "quantized_bytes":
     ..., "carried": {GGML type: n}}``."""

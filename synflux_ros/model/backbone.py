@@ -67,7 +67,7 @@ class LLMBackbone:
     def prefill(self, slot: DeviceTensor, start: int, embeds: np.ndarray, positions: np.ndarray | None = None,
                 deepstack: np.ndarray | None = None) -> np.ndarray | None:
         """Append ``embeds`` [n, H] at cache position ``start``; return the last token's logits [V] (None for
-        a model whose prefill computes none, a flow-matching VLA: ``core.graphs.reads_logits``).
+        a model whose prefill computes none, a flow-matching VLA: ``core.contract.reads_logits``).
         Multimodal-rope models take the tokens' rotary ``positions`` [3, n] (default: text positions, the
         cache positions on every axis) and, with DeepStack, the maps ``deepstack`` [K, n, H] (default: zeros,
         as for text tokens)."""
@@ -77,7 +77,7 @@ class LLMBackbone:
         if start + n > self.max_seq:
             raise ContextOverflowError(f"{start} cached + {n} new tokens exceed the context of {self.max_seq}")
         if self.bidirectional and start != 0:
-            # The graph attends among the new rows alone (core.graphs): the prefix starts the cache.
+            # The graph attends among the new rows alone (core.contract): the prefix starts the cache.
             raise ValueError(f"a bidirectional prefix (llm.prefill_attention) starts the cache: prefill at "
                              f"position 0, not {start}")
         if self.bidirectional and n > self.prefill_buckets[-1]:

@@ -5,9 +5,9 @@ pins numpy <= 1.26.4 and onnx <= 1.18, which the project's venv cannot take. It 
 the standard library, numpy and ``rknn.api``; ``synflux_ros.backends.rknn.build`` (``synflux-build --backend
 rknn``) writes the job and reads the results.
 
-    python rknn_compile.py --version
+    python compile.py --version
         prints {"toolkit": "<rknn-toolkit2 version>"} (without importing the toolkit)
-    python rknn_compile.py --job JOB.json --results-fd N --log LOG
+    python compile.py --job JOB.json --results-fd N --log LOG
         compiles every graph of the job; one JSON line per graph goes to file descriptor N:
         {"graph": name, "ok": true, "seconds": s} or {"graph": name, "ok": false, "stage": ...,
         "error": ..., "messages": [the toolkit's error lines for this graph]}
@@ -30,7 +30,8 @@ import re
 import sys
 import time
 
-# This file's directory holds synflux_ros/build/rknn.py, which would shadow the toolkit's ``rknn`` package.
+# This script's directory (synflux_ros/backends/rknn/) is sys.path[0] when it runs; its modules (build.py,
+# executor.py, worker.py) must not shadow what the toolkit imports, so the directory leaves the path.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 

@@ -1,9 +1,10 @@
 """Shape-polymorphic graph modules: one per graph *kind*, for engines with one optimization profile per
 bucket (TensorRT, see ``synflux_ros.backends.tensorrt.plan``).
 
-They wrap the same :class:`~.decoder.CausalLM` / :class:`~.action_expert.ActionExpert` objects as the
-static per-bucket modules (so the weights are identical) and compute the same thing, with the bucket
-sizes taken from the input shapes instead of Python ints, so a trace exports them as dynamic dims:
+They wrap the same :class:`~synflux_ros.build.torch_models.decoder.CausalLM` /
+:class:`~synflux_ros.build.torch_models.action_expert.ActionExpert` objects as the static per-bucket
+modules (so the weights are identical) and compute the same thing, with the bucket sizes taken from the
+input shapes instead of Python ints, so a trace exports them as dynamic dims:
 
 * ``T`` = ``inputs_embeds.shape[1]`` / ``input_ids.shape[1]``: the number of new rows;
 * ``D`` = ``attention_span.shape[0]``: the number of cache positions attended. ``attention_span`` is a

@@ -5,8 +5,8 @@ backbone's number of layers, attention heads, KV heads and head dim, so that its
 to the prefix keys/values that backbone layer ``l`` left in the KV cache:
 
 * input: ``action_in_proj(noisy_actions)`` concatenated with the sinusoidal embedding of the flow time (an
-  input, computed on the host: ``core.graphs.time_embedding``), mixed by a two-layer MLP with SiLU (pi0's
-  ``action_time_mlp_in`` / ``action_time_mlp_out``);
+  input, computed on the host: ``synflux_ros.model.time_embedding``), mixed by a two-layer MLP with SiLU
+  (pi0's ``action_time_mlp_in`` / ``action_time_mlp_out``);
 * layer ``l``: queries, keys and values of the action tokens from the expert's own projections (RoPE at
   positions ``prefix_len + i``, looked up in a build-time table of positions 0 .. max_seq_len + h - 1 as
   in the decoder, see ``decoder.rope_table``); keys = [cache positions j < prefix_len of layer l | action

@@ -6,14 +6,10 @@ Everything here works on one sequence (batch 1) and on static shapes, so that ``
 * attention is written out (MatMul, masked Softmax, MatMul), grouped-query heads by broadcasting;
 * which cache positions a query may see is a boolean mask built by comparing constant position ranges
   against the ``cache_position`` / ``num_tokens`` *input values*, never by Python control flow;
-* RoPE (rotate-half convention) is looked up, not computed, in the graph: ``cos/sin(pos * inv_freq)`` of
-  every position is a table computed at build time in float32 (:func:`rope_table`; parameters ``rope_cos``
-  / ``rope_sin`` [N, Dh] of :class:`CausalLM`, N = max_seq_len, and of the action expert, N = max_seq_len
-  + action_horizon: one initializer each, shared by every graph that uses it), which the graphs ``Gather``
-  by the clamped position (:func:`rope_lookup`). Devices that run the graphs in fp16 (an NPU, TensorRT
-  fp16) then only round the table's values (absolute error <= 2^-12) instead of computing
-  ``pos * inv_freq`` in fp16, whose spacing is 2 at position 4095 (angles off by up to a radian). In
-  float32 the values are those :func:`rope_cos_sin` gives the positions, so results are unchanged.
+* RoPE (rotate-half convention) is looked up, not computed, in the graph: a float32 table of
+  ``cos/sin(pos * inv_freq)`` built at build time (:func:`rope_table`), which the graphs ``Gather`` by the
+  clamped position (:func:`rope_lookup`), so fp16 devices round table values instead of computing angles
+  in fp16 (docs/internals/build.md).
 
 Parameter names follow the Hugging Face layout (``model.embed_tokens.weight``,
 ``model.layers.N.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight``), so a
@@ -128,8 +124,8 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     ONNX export spelled ``(0.5 x) (1 + tanh(sqrt(2/pi) (x + 0.044715 Pow(x, 3))))``, the form ONNX Runtime's
     optimiser fuses into one ``FastGelu`` kernel (``FastGeluFusion``; the exporter's own spelling of
     ``F.gelu(approximate="tanh")`` multiplies ``x * x * x`` and halves last, matches none of its patterns and
-    runs as nine element-wise kernels: measured on the small pi0, 0.9 ms of a 16 ms prefix and of a 10 ms vision
-    tower, 2 threads). Standard ops only; other backends' compilers see the same function."""
+    stays a chain of element-wise kernels). Standard ops only; other backends' compilers see the same
+    function."""
     if not torch.onnx.is_in_onnx_export():
         return F.gelu(x, approximate="tanh")
     return (0.5 * x) * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * torch.pow(x, 3.0))))
@@ -179,8 +175,8 @@ def fuse_projections(module: nn.Module, join: bool = True) -> nn.Module:
       gate and up as one ``[W, 2 I]`` matrix, so a decode step runs two matrix-vector products per block
       instead of five; without (a backbone that only prefills, a flow-matching VLA's): one matrix each, since
       a product of hundreds of rows gains nothing from the join and pays a copy to split it (ONNX
-      ``Slice``/``Split`` copy; measured on the small pi0: 0.5 ms of its 13 ms prefix). The action expert
-      keeps the join: at its ~50 rows the split costs less than the extra products' launches;
+      ``Slice``/``Split`` copy). The action expert keeps the join: at its few dozen rows the split costs
+      less than launching the extra products;
     * every matrix stored ``[in, out]`` and used by a plain ``MatMul``: ONNX Runtime's CPU kernels run a
       one-row product against an ``[in, out]`` constant faster than ``Gemm(transB=1)`` against ``[out, in]``,
       and compilers (TensorRT, NPU toolchains) take either form.
@@ -197,12 +193,12 @@ def fuse_projections(module: nn.Module, join: bool = True) -> nn.Module:
 def layer_kv(past, layer: int, span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [KV, span, Dh] (float32) of ``layer`` from the cache ``past``: either the contract
     tensor [L, 2, KV, S, Dh] or its per-layer views, a sequence of L (keys, values) pairs [KV, S, Dh]
-    (how the build tool exports the graphs, see ``graphset.VIEW_INPUTS``: each view is bound in place,
-    so a layer that reads the whole cache copies nothing). Only the first ``span`` positions are read
-    (default all); reading fewer copies just those. ``span`` is an int (static graphs: a span equal to
-    the cache length exports no Slice) or a traced size (a 0-d tensor, e.g. ``attention_span.shape[0]``
-    of the shape-polymorphic graphs, see :mod:`.profiled`): then the views are always sliced, to that
-    dynamic length."""
+    (how the build tool exports the graphs, see ``graphset.reader.VIEW_INPUTS``: each view is bound in
+    place, so a layer that reads the whole cache copies nothing). Only the first ``span`` positions are read
+    (default all); reading fewer copies just those. ``span`` is an int (static graphs: a span equal to the
+    cache length exports no Slice) or a traced size (a 0-d tensor, e.g. ``attention_span.shape[0]`` of the
+    shape-polymorphic graphs, see :mod:`synflux_ros.backends.tensorrt.build_models`): then the views are
+    always sliced, to that dynamic length."""
     if isinstance(past, torch.Tensor):
         kv, s, dh = past.shape[2], past.shape[3], past.shape[4]
         span = s if span is None else span
@@ -236,7 +232,7 @@ def attention_bias(allowed: torch.Tensor) -> torch.Tensor:
     """allowed [T, S + T] bool -> the additive mask every layer adds to its scores: 0 where attention is
     allowed, -inf elsewhere (float32). Built once per graph. Adding it gives the scores masked_fill would,
     bit for bit, and onnxruntime runs the per-layer Add + Softmax far faster than a Where broadcast over the
-    heads (measured, [8, 304, 608] scores, 2 threads: 0.35 ms against 5.85 ms)."""
+    heads."""
     return torch.where(allowed, torch.tensor(0.0), torch.tensor(float("-inf")))
 
 

@@ -2,34 +2,11 @@
 ``"type": "pi0"``): the model's dimensions, cameras, state/action sizes and normalisation into a
 :class:`ModelConfig`, and its weights into the graph modules.
 
-A LeRobot 0.4 pi0 checkpoint directory holds ``config.json`` (PI0Config), ``model.safetensors`` (keys under
-``model.``: ``paligemma_with_expert.paligemma.model.{vision_tower,multi_modal_projector,language_model}``,
-``paligemma_with_expert.gemma_expert.model``, ``state_proj``, ``action_in_proj``, ``action_time_mlp_{in,out}``,
-``action_out_proj``) and the processor pipelines ``policy_preprocessor.json`` /
-``policy_postprocessor.json`` whose normalizer steps name a safetensors file of statistics
-(``observation.state.mean``, ``action.std``, ...).
-
-How the parts map onto the graphs (the pipeline the reference runs, see :mod:`.action_expert`):
-
-* SigLIP vision tower + projector -> ``vision_encoder`` (:class:`~.vision.VitVisionEncoder`, one image per
-  call, no pooling: (resolution / 14)^2 tokens per camera); pixels in [-1, 1] (mean = std = 0.5);
-* PaliGemma's Gemma -> prefill with ``llm.prefill_attention: bidirectional`` (pi0's prefix: every valid
-  prefix token sees every other); language embeddings scaled by sqrt(width), image embeddings not;
-* the Gemma action expert, ``state_proj``, ``action_in_proj``, the action-time MLP and ``action_out_proj``
-  -> ``action_expert_<d>``, one call per Euler step;
-* the normalizer statistics -> ``action.state_norm`` / ``action.action_norm``; the true action dimension
-  (``output_features.action``) -> ``action.output_dim``; ``tokenizer_max_length`` ->
-  ``tokenizer.max_instruction_tokens``; the image feature keys ``observation.images.<name>`` ->
-  ``vision.cameras`` (in the checkpoint's order, the order of their tokens in the prefix).
-
-The widths come from the tensor shapes; the head split (heads x head_dim) is not in them, so it is taken
-from the base config when that config's split fits the shapes, else from the variant named in config.json
-(LeRobot's ``gemma_2b`` / ``gemma_300m``: 8 heads, 1 KV head, head_dim 256).
-
-Not imported: LeRobot's masked "empty cameras" (their tokens are masked out, so leaving them out is the
-same), pi0.5 (adaRMS time conditioning) and bfloat16 checkpoints' mixed precision (weights are read to
-float32). The PaliGemma tokenizer is not part of a LeRobot checkpoint: give ``tokenizer.path`` (its
-tokenizer.json) or put tokenizer.json beside the checkpoint.
+SigLIP and its projector become ``vision_encoder``, PaliGemma's Gemma the bidirectional prefill, the Gemma
+action expert with pi0's action projections ``action_expert_<d>``, the normalizer statistics
+``action.state_norm`` / ``action.action_norm``. The PaliGemma tokenizer is not part of the checkpoint: give
+``tokenizer.path`` or put tokenizer.json beside it. The checkpoint layout, the full mapping and what is not
+imported are described in docs/internals/build.md.
 """
 from __future__ import annotations
 
@@ -149,7 +126,7 @@ def _norm(kind: str, feature: str, hf_dir: str, pipeline: str, step: str, dim: i
 
 
 def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
-    """``base`` with everything the pi0 checkpoint in ``hf_dir`` fixes (see the module doc) and buckets of the
+    """``base`` with everything the pi0 checkpoint in ``hf_dir`` fixes (docs/internals/build.md) and buckets of the
     prefix's size (cameras' tokens + ``tokenizer_max_length``: one prefill bucket, one action-expert span, the
     KV cache); KV dtype, executor and the joint names (``action.state_joints``, which the checkpoint does not
     name) stay from ``base``."""

@@ -1,46 +1,15 @@
 """Qwen3-VL vision tower at a fixed resolution, as the ``vision_encoder`` graph (``vision.architecture: qwen3_vl``).
 
-Graph contract (``core/graphs.py``)::
+Graph contract (``core/contract.py``)::
 
     pixel_values [T, 3, th, tw] f32  ->  vision_embeds [T * tokens_per_tile, llm.hidden_dim] f32
 
-``pixel_values`` are the Preprocessor's tiles (resized to the fixed resolution, ``(x/255 - mean)/std``
-with the checkpoint's mean/std). Each tile is encoded as one independent image (for Qwen3-VL configs
-T = 1: the tile is the whole image), and the result is what Qwen3-VL's vision tower and patch merger
-produce for that image, i.e. the embeddings the language model receives at the image-pad positions,
-in the same order (row-major over the merged ``th/(p*m) x tw/(p*m)`` token grid).
-
-The tower, per tile (p = patch size, m = spatial merge size, D = vision width)::
-
-    patches      p x p patches; a still image is the same frame repeated over the temporal patch size,
-                 so the 3-D patch convolution equals a 2-D one with the kernel summed over time
-    order        patches grouped by m x m merge block (block row, block column, row in block,
-                 column in block), the order the merger expects
-    + pos        learned square position table, bilinearly resampled (corners aligned) to the grid
-    blocks       pre-norm ViT blocks (LayerNorm eps 1e-6, full attention within the tile, 2-D rotary
-                 embedding: a quarter of each head's frequencies per axis, laid out [h | w | h | w]),
-                 MLP with tanh-GELU
-    merger       LayerNorm(D), each m*m consecutive tokens concatenated, Linear, GELU, Linear -> out dim
-    DeepStack    after each block listed in ``deepstack_layers``: concatenate m*m tokens first, then
-                 LayerNorm(m*m*D), Linear, GELU, Linear -> out dim (see :meth:`forward_with_deepstack`)
-
-Everything that depends only on the resolution (merge-block order, interpolation taps of the position
-table, rotary tables) is computed at construction. Under :meth:`Qwen3VLVision.folded` (which the
-exporter enters) the weight-only terms, the resampled position table and the time-summed patch kernel,
-are constants too, so the exported graph is a Conv followed by the transformer, in standard ONNX ops
-only (Conv, MatMul, Gemm, Softmax, LayerNormalization, Reshape/Transpose/Slice/Concat/Gather, elementwise).
-
-Weights are random (seeded) or read from a Hugging Face Qwen3-VL checkpoint (``model.visual.*`` in its
-safetensors files; parameter names here are those names without the prefix, matched strictly).
-
-DeepStack and M-RoPE live on the language-model side and are not part of this graph:
-
-* DeepStack: the k-th DeepStack feature (from vision block ``deepstack_layers[k]``) is added to the
-  LLM hidden states at the image-token positions right after decoder layer k (k = 0, 1, ...), i.e. the
-  first ``len(deepstack_layers)`` decoder layers each receive one feature map.
-* M-RoPE: the image tokens get 3-D positions (t, h, w) = (s, s + row, s + col) over the merged token
-  grid, s being the position of the first image token; text after the image continues at
-  ``s + max(rows, cols)``.
+Each tile is encoded as one independent image and yields what Qwen3-VL's vision tower and patch merger
+produce for it: the embeddings the language model receives at the image-pad positions, in their order.
+What depends only on the resolution is computed at construction, and under :meth:`Qwen3VLVision.folded`
+(which the exporter enters) the weight-only terms too, so the graph is a Conv followed by the transformer in
+standard ONNX ops. DeepStack and M-RoPE are applied on the language-model side. The tower's stages and the
+DeepStack / M-RoPE contract are described in docs/internals/build.md.
 """
 from __future__ import annotations
 

@@ -137,8 +137,7 @@ class VitVisionEncoder(nn.Module):
 
     def forward(self, pixel_values):
         # The blocks run on [T * patches, W] rows: a [T, patches, W] activation makes ONNX Runtime wrap each of
-        # the block's six biased products (fused into Gemm, which takes 2-D operands) in two Reshapes (48 of the
-        # 127 kernels of the small pi0's 4-block tower, about 0.1 of its 8 ms at 2 threads).
+        # the block's six biased products (fused into Gemm, which takes 2-D operands) in two Reshapes.
         x = self.embeddings(pixel_values).reshape(-1, self.width)
         for block in self.encoder:
             x = block(x)

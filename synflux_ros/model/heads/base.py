@@ -18,6 +18,6 @@ class ActionHead(abc.ABC):
     def __call__(self, kv: DeviceTensor, prefix_len: int, logits: np.ndarray | None, seq: int,
                  state: np.ndarray | None = None) -> np.ndarray:
         """``kv`` holds the prefix of ``prefix_len`` positions whose last logits are ``logits`` (None for a
-        flow-matching head, whose prefill computes none: ``core.graphs.reads_logits``); ``seq``
+        flow-matching head, whose prefill computes none: ``core.contract.reads_logits``); ``seq``
         is the frame's sequence number (seeds the flow-matching noise); ``state`` is the robot-state vector
         [action.state_dim] of the frame (heads with a state input only)."""

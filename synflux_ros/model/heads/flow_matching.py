@@ -3,9 +3,10 @@
 Start from Gaussian noise at t = 1 and integrate the action expert's velocity field to t = 0 with
 ``num_denoise_steps`` Euler steps, ``x <- x + dt * v(x, t)`` with ``dt = -1 / N`` and step k at
 ``t = 1 + k * dt`` (computed in float64, then float32), as LeRobot 0.4.3+'s ``PI0Pytorch.sample_actions``
-does (openpi and LeRobot before 0.4.3 accumulate t in float32, which differs by ~1e-7 in t). The expert attends to the prefix (vision + instruction)
-through the KV cache; the noise is seeded per frame. The expert takes the sinusoidal embedding of t, which
-is computed here in float64 for all steps once (``core.graphs.time_embedding``).
+does (openpi and LeRobot releases older than 0.4.3 accumulate t in float32, which differs by ~1e-7 in t).
+The expert attends to the prefix (vision + instruction) through the KV cache; the noise is seeded per
+frame. The expert takes the sinusoidal embedding of t, which is computed here in float64 for all steps
+once (``synflux_ros.model.time_embedding``).
 """
 from __future__ import annotations
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Documentation check and build: docs/benchmarks.md must be what docs/benchmarks/results.jsonl gives, and the
+# site must build with `mkdocs build --strict` (a broken link, a missing page or a bad anchor fails it).
+#
+#   bash .ci/docs.sh [PYTHON]     # PYTHON: an interpreter with mkdocs (requirements-docs.txt);
+#                                 # default .venv-docs/bin/python
+# Set-up once:  python3 -m venv .venv-docs && .venv-docs/bin/pip install -r requirements-docs.txt
+# Output: build/site/index.html
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${1:-.venv-docs/bin/python}"
+if ! "$PY" -c "import mkdocs" 2>/dev/null; then
+  echo "docs: $PY cannot import mkdocs; make the venv first:" >&2
+  echo "  python3 -m venv .venv-docs && .venv-docs/bin/pip install -r requirements-docs.txt" >&2
+  exit 2
+fi
+"$PY" docs/gen_benchmarks.py --check
+"$PY" -m mkdocs build --strict --clean -f mkdocs.yml -d build/site
+echo "docs: built build/site/index.html"
