@@ -43,7 +43,10 @@ from ..model.image import ImageError, decode_compressed, decode_raw
 from ..core.pipeline import source_rate
 from ..runtimes.robot_state import CameraImages, NoFreshState, RobotStateBuffer
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
-from .common import COMMON_PARAMS, OK, WARN, Param, SynfluxNode, median, run_lifecycle_node
+from .diagnostics import OK, WARN, median
+from .lifecycle import SynfluxNode
+from .params import COMMON_PARAMS, Param
+from .process import run_lifecycle_node
 
 PARAMS = [
     Param("config", "vla_demo_orin.yaml", "model YAML: a path, or a file name in the package's config directory"),

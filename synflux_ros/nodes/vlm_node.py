@@ -23,7 +23,11 @@ from ..model.image import ImageError, decode_raw
 from ..runtimes.sessions import RequestError
 from ..runtimes.vlm import ChatRequest, VLMRuntime
 from ..srv import Chat, EndSession
-from .common import COMMON_PARAMS, OK, Param, ResponseSender, SynfluxNode, median, ros_text, run_lifecycle_node
+from .dds_workarounds import ResponseSender
+from .diagnostics import OK, median, ros_text
+from .lifecycle import SynfluxNode
+from .params import COMMON_PARAMS, Param
+from .process import run_lifecycle_node
 
 PARAMS = [
     Param("config", "vlm_demo.yaml", "model YAML: a path, or a file name in the package's config directory"),

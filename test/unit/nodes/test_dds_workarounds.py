@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("rclpy", reason="the node helpers need rclpy (run `make test`, which sets up .venv)")
 
-from synflux_ros.nodes.common import ResponseSender  # noqa: E402
+from synflux_ros.nodes.dds_workarounds import ResponseSender  # noqa: E402
 
 TIMEOUT_WARNING = ("failed to send response (timeout): client will not receive response, at "
                    "/project/src/rmw_response.cpp:164")
