@@ -2,7 +2,7 @@
 
 A node publishes one ``DiagnosticStatus`` per period (:func:`diagnostic_array`): a level (:data:`OK`,
 :data:`WARN`, :data:`ERROR`), a one-line message and key/value pairs, floats with three decimals.
-:func:`subscribe_diagnostics` is the reading side, for tools and benchmarks.
+:func:`subscribe_diagnostics` is the reading side, for the soak run and other clients.
 """
 from __future__ import annotations
 

@@ -39,17 +39,11 @@ class ShutdownRequested(BaseException):
 class ShutdownSignals:
     """SIGINT and SIGTERM handling of a node process: both mean "stop, clean up, exit with 0".
 
-    By default ``rclpy.init`` installs handlers for both signals that shut the ROS context down at once,
-    under whatever is running: a pipeline stage publishing its chunk or a service answering a request then
-    fails on an invalid context. The node instead initialises rclpy without them and installs these:
-
-    * while :attr:`interruptible` (start-up and model loading, which run in the main thread and can take
-      seconds) the first signal raises :class:`ShutdownRequested` there and the load is abandoned;
-    * otherwise it is recorded in :attr:`received`; the main thread spins in slices of
-      ``SPIN_SLICE_S``, sees it and shuts down in order: callbacks finished, pipeline drained and its
-      threads joined, device memory freed, entities destroyed, then the ROS context.
-
-    A second signal is ignored, so it cannot cut that cleanup short.
+    Installed instead of rclpy's handlers, which shut the ROS context down at once under a running callback.
+    While :attr:`interruptible` (start-up and model loading in the main thread) the first signal raises
+    :class:`ShutdownRequested` and the load is abandoned; otherwise it is recorded in :attr:`received`, which
+    the main thread checks every ``SPIN_SLICE_S`` before it shuts down in order. A second signal is ignored,
+    so it cannot cut that cleanup short.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
