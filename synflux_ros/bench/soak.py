@@ -32,7 +32,8 @@ import time
 import numpy as np
 import yaml
 
-from ..nodes.common import LIVE_THREADS_MESSAGE, subscribe_diagnostics
+from ..nodes.diagnostics import subscribe_diagnostics
+from ..nodes.process import LIVE_THREADS_MESSAGE
 from ..tools.harness import NodeProcess, client_node, config_path, ros_env, spin_until, stream_camera
 
 NAMESPACE = "/soak"

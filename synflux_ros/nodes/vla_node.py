@@ -1,27 +1,10 @@
 """VLA node: camera frames + instruction -> action chunks.
 
-Subscribes ``image`` (sensor_msgs/Image, sensor-data QoS; or ``image/compressed`` with
-``image_transport:=compressed``) and ``instruction`` (std_msgs/String, reliable; from volatile publishers
-such as ``ros2 topic pub`` and from latched (transient-local) ones, whose last message it gets on joining);
-publishes ``action_chunk`` (synflux_ros/msg/ActionChunk), optionally ``joint_trajectory``
-(trajectory_msgs/JointTrajectory) and ``/diagnostics``. A model whose action expert takes the robot state
-(``action.state_dim``) also subscribes ``joint_states`` (sensor_msgs/JointState, best effort, so reliable and
-best-effort publishers both match): each frame gets the joint state at its header stamp
-(:mod:`synflux_ros.runtimes.robot_state`); a frame without one within ``action.state_max_age`` is counted
-(``frames_no_state``) and skipped, never run on zeros.
-
-A model with several cameras (``vision.cameras: [front, wrist]``) subscribes ``<name>/image`` (or
-``<name>/image/compressed``) per camera instead of ``image``; frames of the first camera trigger inference and
-take each other camera's image nearest in stamp; a frame for which some camera has none within
-``vision.camera_max_skew`` is counted (``frames_no_camera``) and skipped.
-
-Lifecycle: configure loads the model (executor, graphs, KV slots); activate starts the pipeline
-threads; deactivate stops them; cleanup frees the device memory. With ``autostart`` (default) the node
-configures and activates itself, so ``ros2 run`` and plain launch files work without a lifecycle manager.
-
-Concurrency: the image and instruction callbacks only decode and enqueue (mutually exclusive group);
-the pipeline's three stage threads do the work and publish from the last stage; diagnostics run on a
-timer in their own group.
+Subscribes ``image`` (or one ``<camera>/image`` per camera; ``.../compressed`` with
+``image_transport:=compressed``), ``instruction`` and, for a model that takes the robot state,
+``joint_states``; publishes ``action_chunk``, optionally ``joint_trajectory``, and ``/diagnostics``. The
+callbacks only decode and enqueue; the pipeline's stage threads run the model and publish. Topics and QoS:
+docs/ros-interfaces.md; threads and lifecycle: docs/internals/nodes.md.
 """
 from __future__ import annotations
 
@@ -43,7 +26,10 @@ from ..model.image import ImageError, decode_compressed, decode_raw
 from ..core.pipeline import source_rate
 from ..runtimes.robot_state import CameraImages, NoFreshState, RobotStateBuffer
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
-from .common import COMMON_PARAMS, OK, WARN, Param, SynfluxNode, median, run_lifecycle_node
+from .diagnostics import OK, WARN, median
+from .lifecycle import SynfluxNode
+from .params import COMMON_PARAMS, Param
+from .process import run_lifecycle_node
 
 PARAMS = [
     Param("config", "vla_demo_orin.yaml", "model YAML: a path, or a file name in the package's config directory"),

@@ -1,16 +1,8 @@
 """VLM node: multi-turn chat service with a KV cache per session.
 
-Services ``chat`` (synflux_ros/srv/Chat) and ``end_session`` (synflux_ros/srv/EndSession); publishes
-``/diagnostics``. A refused request answers ``success: false`` with the reason in ``error``; the node
-keeps serving.
-
-Concurrency: both services share one mutually exclusive callback group, because the model runs one
-turn at a time on the accelerator; diagnostics run on their own group so they keep flowing during a
-long generation. Lifecycle transitions run on the node's default group, so a cleanup can arrive while
-a turn is running: the services hold ``_serving`` while they use the runtime and ``teardown`` takes it
-before the runtime is freed, so the turn in flight completes and is answered. The services are created
-at the first configure and live as long as the node (destroying one could drop the answer of a turn
-that has just finished); while the node is not active they refuse with "node is not active".
+Services ``chat`` and ``end_session``; publishes ``/diagnostics``. A refused request answers
+``success: false`` with the reason in ``error`` and the node keeps serving. The model runs one turn at a
+time; a cleanup waits for the turn in flight to be answered (docs/internals/nodes.md).
 """
 from __future__ import annotations
 
@@ -23,7 +15,11 @@ from ..model.image import ImageError, decode_raw
 from ..runtimes.sessions import RequestError
 from ..runtimes.vlm import ChatRequest, VLMRuntime
 from ..srv import Chat, EndSession
-from .common import COMMON_PARAMS, OK, Param, ResponseSender, SynfluxNode, median, ros_text, run_lifecycle_node
+from .dds_workarounds import ResponseSender
+from .diagnostics import OK, median, ros_text
+from .lifecycle import SynfluxNode
+from .params import COMMON_PARAMS, Param
+from .process import run_lifecycle_node
 
 PARAMS = [
     Param("config", "vlm_demo.yaml", "model YAML: a path, or a file name in the package's config directory"),
@@ -60,6 +56,8 @@ class VLMNode(SynfluxNode):
 
     def setup(self, p: dict, cfg) -> str:
         self.runtime = self.load_runtime(VLMRuntime, cfg)
+        # Created once and kept for the node's life: destroying a service at cleanup could drop the answer
+        # of a turn that has just finished; while inactive the services refuse instead.
         if not self._chat_services:
             group = MutuallyExclusiveCallbackGroup()
             self._chat_services = [

@@ -1,14 +1,10 @@
 """`make demo`: both nodes, a synthetic camera, action chunks and a chat.
 
-``make demo`` runs the VLA on the mock executor (random actions) and chats with a trained model,
-SmolLM2-135M-Instruct built by synflux-build from the registry's GGUF (``--vlm-config`` = its graph
-set's ``config.yaml``). Without arguments both nodes run their demo configs on the mock executor;
-``make demo-onnx`` runs both on random-weight graphs with onnxruntime.
-
-Starts ``vla_node`` and ``vlm_node`` as processes (as ``ros2 launch synflux_ros synflux.launch.py``
-would), publishes a moving test pattern at 10 Hz with an instruction, prints the action chunks that
-come back with their latencies, holds a three-turn conversation (turn 2 and 3 reuse the session's KV
-cache), ends the session and shuts everything down.
+Starts ``vla_node`` and ``vlm_node`` as processes (as ``synflux.launch.py`` would), publishes a moving test
+pattern at 10 Hz with an instruction and prints the action chunks with their latencies, holds a three-turn
+chat (later turns reuse the session's KV cache), then stops both. Without arguments the nodes run their demo
+configs; ``make demo`` and ``make demo-onnx`` pass others. Each section names the model, the backend and
+whether the weights are trained (random weights give meaningless outputs).
 """
 from __future__ import annotations
 

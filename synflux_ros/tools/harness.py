@@ -24,7 +24,7 @@ from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
 
 from ..msg import ActionChunk
-from ..nodes.common import PACKAGE, share_dir
+from ..nodes.params import PACKAGE, share_dir
 
 
 def executable(name: str) -> str:

@@ -1,5 +1,5 @@
 """SIGINT and SIGTERM stop vla_node and vlm_node cleanly: exit code 0 within ``BOUND_S`` of the signal, and no
-thread left running after cleanup (the node reports such threads on stderr; see ``nodes/common.py``).
+thread left running after cleanup (the node reports such threads on stderr; see ``nodes/process.py``).
 
 Two moments per node and signal:
 
@@ -26,7 +26,7 @@ from sensor_msgs.msg import Image
 
 from synflux_ros.core.config import load_config
 from synflux_ros.msg import ActionChunk
-from synflux_ros.nodes.common import LIVE_THREADS_MESSAGE
+from synflux_ros.nodes.process import LIVE_THREADS_MESSAGE
 from synflux_ros.tools.harness import call_service, config_path, rgb_image, spin_until
 from synflux_ros.srv import Chat
 

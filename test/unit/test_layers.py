@@ -118,6 +118,7 @@ def test_every_import_points_down():
     ("backends", "from sensor_msgs.msg import Image\n", "outside nodes/"),
     ("runtimes", "import torch\n", "run-time code imports torch"),
     ("nodes", "from ..build.export import build\n", "upward"),
+    ("nodes", "from ..tools.harness import config_path\n", "upward"),
     ("build", "from ..nodes import vla_node\n", "upward"),
     ("backends", "from ..build import check\n", "upward"),
 ])

@@ -1,20 +1,30 @@
-"""The model nodes send a service response again when the middleware could not deliver it yet.
+"""The work-arounds of nodes/dds_workarounds.py, each against the rclpy behaviour it works around.
 
-rmw_fastrtps drops a response whose client's response reader is not matched within 100 ms; rclpy reports
-that as the RuntimeWarning "failed to send response (timeout): ...". These tests drive ResponseSender with
-a service stand-in that fails the way rclpy does; the node-level behaviour (a fresh client calling a node
-that has just started) runs over DDS in test_vlm_node.py.
+ResponseSender: rmw_fastrtps drops a response whose client's response reader is not matched within 100 ms;
+rclpy reports that as the RuntimeWarning "failed to send response (timeout): ...". These tests drive
+ResponseSender with a service stand-in that fails the way rclpy does; the node-level behaviour (a fresh
+client calling a node that has just started) runs over DDS in test_vlm_node.py.
+
+NodeExecutor: rclpy's MultiThreadedExecutor destroys its guard condition before it joins its worker pool;
+NodeExecutor joins the pool (rclpy's private ``_executor``) first. The test fails when an rclpy release
+moves that pool, which would otherwise turn the work-around off without a sign.
 """
 from __future__ import annotations
 
 import threading
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 pytest.importorskip("rclpy", reason="the node helpers need rclpy (run `make test`, which sets up .venv)")
 
-from synflux_ros.nodes.common import ResponseSender  # noqa: E402
+import rclpy  # noqa: E402
+from rclpy.context import Context  # noqa: E402
+from rclpy.executors import MultiThreadedExecutor  # noqa: E402
+
+from synflux_ros.nodes.dds_workarounds import NodeExecutor, ResponseSender  # noqa: E402
 
 TIMEOUT_WARNING = ("failed to send response (timeout): client will not receive response, at "
                    "/project/src/rmw_response.cpp:164")
@@ -94,3 +104,26 @@ def test_failures_are_told_apart_per_thread_and_other_warnings_still_show():
         warnings.simplefilter("always")
         warnings.warn("something else", RuntimeWarning)
     assert [str(w.message) for w in seen] == ["something else"]
+
+
+def guard_alive_while_a_callback_runs(executor_cls) -> bool:
+    """Shut an executor down while its worker pool still runs a callback; True when the executor's guard
+    condition was still there when the callback finished."""
+    context = Context()
+    rclpy.init(context=context)
+    try:
+        ex = executor_cls(num_threads=2, context=context)
+        assert isinstance(ex._executor, ThreadPoolExecutor)  # the pool NodeExecutor joins
+        seen = []
+        ex._executor.submit(lambda: (time.sleep(0.2), seen.append(ex._guard is not None)))
+        time.sleep(0.05)
+        ex.shutdown()
+        return seen == [True]
+    finally:
+        rclpy.shutdown(context=context)
+
+
+def test_node_executor_finishes_running_callbacks_before_tearing_down():
+    assert guard_alive_while_a_callback_runs(NodeExecutor)
+    # the rclpy behaviour it works around: a plain MultiThreadedExecutor destroys the guard first
+    assert not guard_alive_while_a_callback_runs(MultiThreadedExecutor)

@@ -1,0 +1,100 @@
+"""Every place where the nodes work around a behaviour of rclpy or of the DDS middleware under it.
+
+Each work-around lives here, so that an rclpy or rmw upgrade has one module to check:
+
+* :class:`ResponseSender`: rmw_fastrtps sends a service response only once the server has matched the
+  client's response reader, and waits 100 ms for that. When the wait runs out, rclpy's
+  ``Service.send_response`` neither raises nor returns a status: it emits the RuntimeWarning "failed to send
+  response (timeout)" and the response is gone. A client that calls right after it discovered a node that
+  has just started (or one busy loading a model) hits this: the request arrived, the answer never does.
+  The sender wraps ``send_response`` and sends again until the reader is matched, for up to
+  :data:`RESPONSE_RESEND_S`.
+* :func:`_ensure_send_failure_hook`: that warning is the only sign of the failure, so a
+  ``warnings.showwarning`` hook counts it per thread (rclpy emits it in the sending thread) and keeps it
+  off stderr.
+* :class:`NodeExecutor`: ``MultiThreadedExecutor.shutdown`` destroys the executor's guard condition before
+  it joins its worker threads, so a callback already handed to a worker takes its message and then fails
+  on the destroyed guard condition. It joins rclpy's private worker pool (``_executor``) first.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+from rclpy.executors import MultiThreadedExecutor
+
+RESPONSE_RESEND_S = 5.0
+"""How long a service response is sent again while the client's response reader is not matched."""
+_SEND_TIMEOUT = "failed to send response (timeout)"
+_send_failures = threading.local()
+
+
+def _ensure_send_failure_hook() -> None:
+    """Count rclpy's send-timeout warnings per thread (they are emitted in the sending thread). Checked on
+    every send: ``warnings.catch_warnings`` elsewhere restores the previous hook and filters when it exits."""
+    if getattr(warnings.showwarning, "synflux_send_hook", False):
+        return
+    warnings.filterwarnings("always", message=r"failed to send response \(timeout\)", category=RuntimeWarning)
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if category is RuntimeWarning and str(message).startswith(_SEND_TIMEOUT):
+            _send_failures.count = getattr(_send_failures, "count", 0) + 1
+            return
+        shown(message, category, filename, lineno, file, line)
+    showwarning.synflux_send_hook = True
+    warnings.showwarning = showwarning
+
+
+class ResponseSender:
+    """Wraps a service's ``send_response`` (called by the executor after the callback) so that a response
+    the middleware could not deliver yet is sent again; counts what was resent and what was lost."""
+
+    def __init__(self, node, service, resend_s: float = RESPONSE_RESEND_S):
+        self.node, self.service, self.resend_s = node, service, resend_s
+        resolve = getattr(node, "resolve_service_name", None)
+        self.name = resolve(service.srv_name) if resolve is not None else service.srv_name
+        self.resent = 0  # responses that needed more than one attempt
+        self.lost = 0  # responses still undeliverable after resend_s (the client is gone or never matched)
+        self._send = service.send_response
+        service.send_response = self.send
+
+    def send(self, response, header) -> None:
+        deadline = time.monotonic() + self.resend_s
+        attempts = 0
+        while True:
+            _ensure_send_failure_hook()
+            before = getattr(_send_failures, "count", 0)
+            self._send(response, header)
+            attempts += 1
+            if getattr(_send_failures, "count", 0) == before:
+                if attempts > 1:
+                    self.resent += 1
+                    self.node.get_logger().info(f"{self.name}: response delivered on attempt "
+                                                f"{attempts} (the client's reader was not yet matched)")
+                return
+            if time.monotonic() >= deadline:
+                self.lost += 1
+                self.node.get_logger().error(
+                    f"{self.name}: response lost: the client's response reader was not matched "
+                    f"within {self.resend_s:.0f} s ({attempts} attempts); the client has gone or cannot be "
+                    f"reached")
+                return
+            time.sleep(0.05)
+
+
+class NodeExecutor(MultiThreadedExecutor):
+    """MultiThreadedExecutor whose shutdown first finishes the callbacks already handed to its threads.
+
+    ``MultiThreadedExecutor.shutdown`` destroys the executor's guard condition and then joins its threads;
+    a callback still queued at that moment takes its message (an image, a chat request) and then fails on
+    the destroyed guard condition before it runs, so the message is lost and the failure printed at exit.
+    Joining the threads first lets each such callback run while the node is still whole.
+    """
+
+    def shutdown(self, timeout_sec: float | None = None, *, wait_for_threads: bool = True) -> bool:
+        pool = getattr(self, "_executor", None)  # the thread pool of rclpy's MultiThreadedExecutor (private)
+        if wait_for_threads and pool is not None:
+            pool.shutdown(wait=True)
+        return super().shutdown(timeout_sec, wait_for_threads=wait_for_threads)

@@ -1,0 +1,141 @@
+"""The lifecycle both model nodes share (:class:`SynfluxNode`).
+
+A subclass sets ``MODE`` and ``PARAMS`` and implements the hooks; the base reads and checks the parameters,
+loads the model config, publishes ``/diagnostics`` while configured and frees the runtime's device memory on
+cleanup and shutdown. A failed configure is reported and leaves the node ready for the next attempt.
+"""
+from __future__ import annotations
+
+from diagnostic_msgs.msg import DiagnosticArray
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.lifecycle import Node as LifecycleNode
+from rclpy.lifecycle import State, TransitionCallbackReturn
+
+from ..core.config import ConfigError, ModelConfig
+from .diagnostics import ERROR, diagnostic_array
+from .params import Param, ParameterError, declare, load_node_config, read
+
+
+class SynfluxNode(LifecycleNode):
+    """Lifecycle shared by the model nodes.
+
+    configure: read and validate parameters, load the model config, ``setup()`` (runtime, ROS
+    entities), start diagnostics; activate/deactivate: ``activate()``/``deactivate()``;
+    cleanup/shutdown: ``teardown()`` then free the runtime's device memory. Subclasses set ``MODE``
+    ('vla' or 'vlm') and ``PARAMS`` and implement the hooks.
+    """
+
+    MODE = ""
+    PARAMS: list[Param] = []
+
+    def __init__(self, node_name: str, **kwargs):
+        super().__init__(node_name, **kwargs)
+        declare(self, self.PARAMS)
+        self.last_error = ""
+        self.runtime = None
+        self._active = False
+        self._timer = None
+        self._diag = None
+
+    # hooks -------------------------------------------------------------
+    def setup(self, params: dict, cfg: ModelConfig) -> str:
+        """Create the runtime and ROS entities; return a one-line summary. Raise ParameterError."""
+        raise NotImplementedError
+
+    def activate(self) -> None:
+        pass
+
+    def deactivate(self) -> None:
+        pass
+
+    def teardown(self) -> None:
+        pass
+
+    def diagnostics(self) -> tuple[int, str, dict]:
+        """(level, message, values) for /diagnostics."""
+        raise NotImplementedError
+
+    # helpers -------------------------------------------------------------
+    def fail(self, param: str, problem: str) -> ParameterError:
+        return ParameterError(f"[{self.get_name()}] parameter '{param}': {problem}")
+
+    def load_runtime(self, runtime_cls, cfg: ModelConfig):
+        try:
+            return runtime_cls(cfg)
+        except (ConfigError, ImportError, ValueError) as exc:
+            raise ParameterError(f"[{self.get_name()}] cannot load model {cfg.name!r} with executor "
+                                 f"{cfg.executor.backend!r}: {exc}") from None
+
+    # lifecycle -----------------------------------------------------------
+    def on_configure(self, state: State) -> TransitionCallbackReturn:
+        self.last_error = ""  # a failed configure must not poison the next attempt
+        try:
+            p = read(self, self.PARAMS)
+            if p["diagnostics_period"] <= 0:
+                raise self.fail("diagnostics_period", f"must be > 0, got {p['diagnostics_period']!r}")
+            cfg = load_node_config(self, self.MODE, p["config"], p["executor"], p["graph_dir"])
+            self.get_logger().info(f"loading {cfg.name!r} on {cfg.executor.backend!r}")
+            summary = self.setup(p, cfg)
+        except ParameterError as exc:
+            self.last_error = str(exc)
+        except Exception as exc:  # anything else while loading: report it, do not crash the process
+            self.last_error = f"[{self.get_name()}] configure failed: {type(exc).__name__}: {exc}"
+        if self.last_error:
+            self.get_logger().error(self.last_error)
+            self.release_resources()
+            return TransitionCallbackReturn.FAILURE
+        self.cfg = cfg
+        self._diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._timer = self.create_timer(p["diagnostics_period"], self._publish_diagnostics,
+                                        callback_group=MutuallyExclusiveCallbackGroup())
+        self.get_logger().info(f"configured {summary}, "
+                               f"{self.runtime.executor.device_bytes / 2**20:.1f} MiB device memory")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: State) -> TransitionCallbackReturn:
+        self.activate()
+        self._active = True
+        return super().on_activate(state)
+
+    def on_deactivate(self, state: State) -> TransitionCallbackReturn:
+        self._active = False
+        self.deactivate()
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: State) -> TransitionCallbackReturn:
+        self.release_resources()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: State) -> TransitionCallbackReturn:
+        self.release_resources()
+        return TransitionCallbackReturn.SUCCESS
+
+    def release_resources(self) -> None:
+        self._active = False
+        self.teardown()
+        if self._timer is not None:
+            self.destroy_timer(self._timer)
+            self._timer = None
+        if self._diag is not None:
+            self.destroy_publisher(self._diag)
+            self._diag = None
+        if self.runtime is not None:
+            if self.runtime_in_use():
+                self.get_logger().error("the model is still in use by a device call; its memory is freed at "
+                                        "process exit instead")
+            else:
+                self.runtime.close()
+            self.runtime = None
+
+    def runtime_in_use(self) -> bool:
+        """A thread is still inside the runtime (e.g. a device call that outlived a stop)."""
+        return False
+
+    def _publish_diagnostics(self):
+        if self.runtime is None:
+            return
+        level, message, values = self.diagnostics()
+        if not self._active:
+            level, message = ERROR, "inactive"
+        self._diag.publish(diagnostic_array(self, f"{self.get_fully_qualified_name()}: {self.MODE}",
+                                            f"synflux/{self.cfg.executor.backend}", level, message, values))
