@@ -49,6 +49,8 @@ class Frame:
     actions: np.ndarray | None = None
     instruction: str = ""
     state: np.ndarray | None = None  # robot state [action.state_dim] for the action expert (configs with one)
+    rtc: Any = None  # flow matching: a RTCGuidance (model.heads.rtc) steering the chunk towards the last one
+    raw_actions: np.ndarray | None = None  # the head's output before un-normalisation [horizon, action_dim]
     timings: dict = field(default_factory=dict)
 
 
@@ -156,9 +158,15 @@ class VLARuntime(ModelRuntime):
         try:
             if state is not None and self.maps is not None:
                 state = self.maps.state_in(state)
-            actions = self.head(self.kv_pool.tensor(frame.slot), frame.prefix_len, frame.logits, frame.seq, state)
+            if frame.rtc is not None:
+                actions = self.head(self.kv_pool.tensor(frame.slot), frame.prefix_len, frame.logits, frame.seq,
+                                    state, rtc=frame.rtc)
+            else:
+                actions = self.head(self.kv_pool.tensor(frame.slot), frame.prefix_len, frame.logits, frame.seq,
+                                    state)
         finally:
             self.release(frame)
+        frame.raw_actions = actions
         if self.maps is not None:
             actions = self.maps.actions_out(actions)
         frame.actions = unnormalize(actions, self.cfg.action)  # norm_q01/q99 (OpenVLA style), when given
@@ -186,10 +194,11 @@ class VLARuntime(ModelRuntime):
     def stages(self) -> list[tuple[str, Callable]]:
         return [("vision", self.stage_vision), ("backbone", self.stage_backbone), ("head", self.stage_head)]
 
-    def infer(self, image, seq: int = 0, state: np.ndarray | None = None) -> Frame:
-        """Run one frame (an image, or a list of one per camera with ``vision.cameras``; and its robot state in
-        robot units, for configs with one) through all stages in the calling thread."""
-        frame = Frame(seq, image, state=state)
+    def infer(self, image, seq: int = 0, state: np.ndarray | None = None, rtc=None) -> Frame:
+        """Run one frame (an image, or a list of one per camera with ``vision.cameras``; its robot state in
+        robot units, for configs with one; a Real-Time Chunking guidance for flow heads) through all stages in
+        the calling thread."""
+        frame = Frame(seq, image, state=state, rtc=rtc)
         for _, fn in self.stages:
             fn(frame)
         return frame
