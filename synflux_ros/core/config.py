@@ -477,6 +477,113 @@ class PipelineConfig:
     queue_depth: int = _spec(1, min=1, max=64, doc="frames waiting between two stages")
 
 
+EXECUTION_MODES = ("replace", "rtc", "weighted_average", "average", "conservative", "latest_only",
+                   "temporal_ensemble")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LimitsConfig:
+    """``execution.limits``: what no command may exceed, per joint in ``execution.joints`` order (empty = no
+    such limit). Units are the joints' (rad or m for positions)."""
+    _RELATIVE_ERRORS = True
+    position_min: tuple[float, ...] = _spec(default_factory=tuple, doc="lowest position per joint")
+    position_max: tuple[float, ...] = _spec(default_factory=tuple, doc="highest position per joint")
+    max_velocity: tuple[float, ...] = _spec(default_factory=tuple, doc="largest speed per joint (units/s) "
+                                                                       "between two commands")
+    max_acceleration: tuple[float, ...] = _spec(default_factory=tuple, doc="largest change of speed per joint "
+                                                                           "(units/s^2) between two commands")
+    max_relative_target: tuple[float, ...] = _spec(
+        default_factory=tuple, doc="largest distance of a command from the measured joint position (LeRobot's "
+                                   "max_relative_target): one value for every joint, or one per joint")
+
+    def check(self, joints: tuple[str, ...]) -> None:
+        """ConfigError naming the field and the joint when the limits do not fit ``joints`` or contradict."""
+        for name in ("position_min", "position_max", "max_velocity", "max_acceleration"):
+            v = getattr(self, name)
+            if v and len(v) != len(joints):
+                raise ConfigError(f"limits.{name}: {len(v)} values for {len(joints)} joints {list(joints)}")
+        if bool(self.position_min) != bool(self.position_max):
+            raise ConfigError("limits.position_min / position_max: give both or neither")
+        for i, joint in enumerate(joints):
+            if self.position_min and not self.position_min[i] < self.position_max[i]:
+                raise ConfigError(f"limits: joint {joint!r} has position_min {self.position_min[i]} not below "
+                                  f"position_max {self.position_max[i]}")
+            for name in ("max_velocity", "max_acceleration"):
+                v = getattr(self, name)
+                if v and not v[i] > 0:
+                    raise ConfigError(f"limits.{name}: joint {joint!r} has {v[i]}, a limit must be above 0")
+        r = self.max_relative_target
+        if r and len(r) not in (1, len(joints)):
+            raise ConfigError(f"limits.max_relative_target: {len(r)} values, give 1 or one per joint "
+                              f"({len(joints)})")
+        for i, value in enumerate(r):
+            if not value > 0:
+                joint = joints[i] if len(r) > 1 else "every joint"
+                raise ConfigError(f"limits.max_relative_target: {joint!r} has {value}, a limit must be above 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RTCConfig:
+    """``execution.rtc``: Real-Time Chunking of flow-matching heads (Black et al. 2025)."""
+    guidance: str = _spec("lerobot", choices=("lerobot", "vjp"),
+                          doc="lerobot: LeRobot 0.4.4's correction (the weighted error); vjp: the paper's "
+                              "vector-Jacobian product through the action expert")
+    schedule: str = _spec("linear", choices=("zeros", "ones", "linear", "exp"),
+                          doc="prefix weights over the previous chunk's leftover")
+    execution_horizon: int = _spec(10, min=1, doc="steps of the previous chunk that guide the new one")
+    max_guidance_weight: float = _spec(10.0, min=0.0, doc="clamp of the guidance weight")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutionConfig:
+    """``execution``: how action chunks become commands on the robot's clock (vla configs). Without
+    ``joints`` the node publishes action chunks only."""
+    _RELATIVE_ERRORS = True
+    joints: tuple[str, ...] = _spec(default_factory=tuple, doc="commanded joints in action order, one per "
+                                                                 "published action value; empty = no commands")
+    mode: str = _spec("replace", choices=EXECUTION_MODES, doc="how a new chunk merges with the one executing")
+    control_rate_hz: float = _spec(100.0, min=1.0, max=2000.0, doc="rate of joint_command")
+    lookahead: float = _spec(0.0, min=0.0, doc="seconds added to the measured delay for the hop to the "
+                                               "controller")
+    interpolation: str = _spec("linear", choices=("linear", "cubic"), doc="between action steps")
+    request: str = _spec("every_frame", choices=("every_frame", "threshold"),
+                         doc="infer on every frame, or only when the queue is below chunk_size_threshold")
+    chunk_size_threshold: float = _spec(0.5, min=0.0, max=1.0, doc="request: threshold; share of a chunk left")
+    temporal_ensemble_coeff: float = _spec(0.01, min=0.0, doc="temporal_ensemble: weights exp(-m*i), i=0 the "
+                                                              "oldest prediction")
+    delta_mask: tuple[bool, ...] = _spec(default_factory=tuple, doc="per joint: true = the action is a delta "
+                                                                    "against the joint state of its frame")
+    autoenable: bool = _spec(False, doc="commands flow from the start (else after ~/enable)")
+    chunk_timeout: float = _spec(1.0, min=0.0, doc="seconds without a fresh chunk before the watchdog holds "
+                                                   "(0 = off)")
+    state_timeout: float = _spec(0.25, min=0.0, doc="seconds a joint state may age before the watchdog holds "
+                                                    "(0 = commands do not need a joint state)")
+    on_timeout: str = _spec("hold", choices=("hold", "safe_action"), doc="what the watchdog commands")
+    safe_action: tuple[float, ...] = _spec(default_factory=tuple, doc="on_timeout safe_action: the position per "
+                                                                      "joint moved to within the limits")
+    limits: LimitsConfig = _spec(default_factory=LimitsConfig)
+    rtc: RTCConfig = _spec(default_factory=RTCConfig)
+
+    def __post_init__(self):
+        joints = self.joints
+        if len(set(joints)) != len(joints) or not all(j.strip() for j in joints):
+            raise ConfigError(f"joints: names must be unique and not empty, got {list(joints)}")
+        if self.delta_mask and len(self.delta_mask) != len(joints):
+            raise ConfigError(f"delta_mask: {len(self.delta_mask)} values for {len(joints)} joints")
+        if self.on_timeout == "safe_action" and len(self.safe_action) != len(joints):
+            raise ConfigError(f"safe_action: on_timeout safe_action needs one position per joint ({len(joints)}), "
+                              f"got {len(self.safe_action)}")
+        if self.mode == "rtc" and any(self.delta_mask):
+            raise ConfigError("mode: rtc steers the new chunk towards the last one in the model's action space, "
+                              "which delta actions (delta_mask) do not share between frames")
+        self.limits.check(joints)
+        lo, hi = self.limits.position_min, self.limits.position_max
+        for i, v in enumerate(self.safe_action):
+            if lo and not lo[i] <= v <= hi[i]:
+                raise ConfigError(f"safe_action: joint {joints[i]!r} at {v} lies outside its limits "
+                                  f"[{lo[i]}, {hi[i]}]")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """One model YAML, validated: every field checked at load with its path and the allowed values."""
@@ -491,6 +598,7 @@ class ModelConfig:
     session: SessionConfig = _spec(default_factory=SessionConfig)
     executor: ExecutorConfig = _spec(default_factory=ExecutorConfig)
     pipeline: PipelineConfig = _spec(default_factory=PipelineConfig)
+    execution: ExecutionConfig = _spec(default_factory=ExecutionConfig)
     default_instruction: str = _spec("pick up the object")
     source: str = _spec("", doc="file the config was loaded from (set by the loader)")
 
@@ -516,6 +624,16 @@ class ModelConfig:
         if self.vision is not None and self.vision.cameras and self.mode != "vla":
             raise ConfigError("vision.cameras: several cameras per frame are for vla configs (a chat turn takes "
                               "its images from the request)")
+        if self.execution.joints:
+            if self.mode != "vla":
+                raise ConfigError("execution.joints: commands are for vla configs")
+            if len(self.execution.joints) != self.action.published_dim:
+                raise ConfigError(f"execution.joints: {len(self.execution.joints)} joints for "
+                                  f"{self.action.published_dim} action values per step (action.output_dim, "
+                                  f"else action_dim)")
+        if self.execution.mode == "rtc" and (self.action is None or self.action.head_type != "flow_matching"):
+            raise ConfigError("execution.mode: rtc guides a flow-matching head; this model's head is "
+                              f"{self.action.head_type if self.action else 'none'}")
         if self.llm.prefill_attention == "bidirectional":
             if self.mode != "vla":
                 raise ConfigError("llm.prefill_attention: bidirectional prefixes are for vla configs (chat prefill "
@@ -655,6 +773,17 @@ def _build(cls, raw: dict, prefix: str):
         if getattr(cls, "_RELATIVE_ERRORS", False):
             raise ConfigError(f"{prefix}{exc}") from None
         raise
+
+
+def options_from_dict(cls, raw, prefix: str = "executor.options."):
+    """Validate the mapping ``raw`` into the dataclass ``cls`` as a config section is validated (types, choices,
+    ranges, unknown keys with "did you mean"), errors naming ``prefix`` + the field: how a backend checks the
+    ``executor.options`` it takes."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.')}: expected a mapping, got {raw!r}")
+    return _build(cls, raw, prefix)
 
 
 def from_dict(raw: dict, source: str = "") -> ModelConfig:
