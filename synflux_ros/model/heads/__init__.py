@@ -7,6 +7,7 @@ from ...core.executor import Executor
 from .action_tokens import ActionTokenHead
 from .base import ActionHead
 from .flow_matching import FlowMatchingHead
+from .rtc import RTCGuidance
 
 
 def action_head(cfg: ModelConfig, executor: Executor, backbone) -> ActionHead:
@@ -16,4 +17,4 @@ def action_head(cfg: ModelConfig, executor: Executor, backbone) -> ActionHead:
     return ActionTokenHead(cfg, backbone)
 
 
-__all__ = ["ActionHead", "ActionTokenHead", "FlowMatchingHead", "action_head"]
+__all__ = ["ActionHead", "ActionTokenHead", "FlowMatchingHead", "RTCGuidance", "action_head"]

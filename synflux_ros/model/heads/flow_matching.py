@@ -6,7 +6,8 @@ Start from Gaussian noise at t = 1 and integrate the action expert's velocity fi
 does (openpi and LeRobot releases older than 0.4.3 accumulate t in float32, which differs by ~1e-7 in t).
 The expert attends to the prefix (vision + instruction) through the KV cache; the noise is seeded per
 frame. The expert takes the sinusoidal embedding of t, which is computed here in float64 for all steps
-once (``synflux_ros.model.time_embedding``).
+once (``synflux_ros.model.time_embedding``). With a Real-Time Chunking guidance (:mod:`.rtc`) each step uses
+the guided velocity instead.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ...core.executor import DeviceTensor, Executor
 from ...core.contract import select_bucket, time_embedding_dim
 from ..time_embedding import time_embedding
 from .base import ActionHead
+from .rtc import RTCGuidance, lerobot_velocity
 
 
 class FlowMatchingHead(ActionHead):
@@ -30,7 +32,8 @@ class FlowMatchingHead(ActionHead):
         self.shape = (1, self.act.action_horizon, self.act.action_dim)
         n = self.act.num_denoise_steps
         self.dt = np.float32(-1.0 / n)
-        times = [np.float32(1.0 + k * (-1.0 / n)) for k in range(n)]
+        self.times = [1.0 + k * (-1.0 / n) for k in range(n)]  # float64, as LeRobot hands t to its RTC step
+        times = [np.float32(t) for t in self.times]
         dim = time_embedding_dim(cfg)
         self.time_embeddings = [time_embedding(t, dim) for t in times]
 
@@ -38,14 +41,19 @@ class FlowMatchingHead(ActionHead):
         return np.random.default_rng(seed).standard_normal(self.shape).astype(np.float32)
 
     def __call__(self, kv: DeviceTensor, prefix_len: int, logits: np.ndarray | None, seq: int,
-                 state: np.ndarray | None = None) -> np.ndarray:
-        return self.denoise(kv, prefix_len, self.initial_noise(self.seed + seq), state)
+                 state: np.ndarray | None = None, rtc: RTCGuidance | None = None) -> np.ndarray:
+        return self.denoise(kv, prefix_len, self.initial_noise(self.seed + seq), state, rtc)
 
     def denoise(self, kv: DeviceTensor, prefix_len: int, noise: np.ndarray,
-                state: np.ndarray | None = None) -> np.ndarray:
+                state: np.ndarray | None = None, rtc: RTCGuidance | None = None) -> np.ndarray:
         """Denoise ``noise`` [1, horizon, action_dim] conditioned on the prefix (and, with ``action.state_dim``,
-        the robot state [state_dim]) -> [horizon, action_dim]."""
+        the robot state [state_dim]) -> [horizon, action_dim]; ``rtc`` steers it towards the previous chunk."""
         graph = f"action_expert_{select_bucket(self.buckets, prefix_len)}"
+        guide = None
+        if rtc is not None:
+            if not isinstance(rtc, RTCGuidance):
+                raise TypeError(f"rtc: expected an RTCGuidance, got {type(rtc).__name__}")
+            guide = rtc.arrays(self.act.action_horizon, self.act.action_dim)
         x = noise.astype(np.float32, copy=True)
         feeds = {"noisy_actions": x, "prefix_len": np.array([prefix_len], np.int64), "past_kv": kv}
         if self.act.state_dim:
@@ -56,8 +64,10 @@ class FlowMatchingHead(ActionHead):
                 raise ValueError(f"robot state: expected {self.act.state_dim} finite values, got "
                                  f"{state.shape[0]}{'' if np.isfinite(state).all() else ' with non-finite ones'}")
             feeds["state"] = state[None, :]
-        for emb in self.time_embeddings:
+        for t, emb in zip(self.times, self.time_embeddings):
             feeds["time_embedding"] = emb
-            v = self.ex.run(graph, feeds)
-            x += self.dt * v["velocity"]
+            v = self.ex.run(graph, feeds)["velocity"]
+            if guide is not None:
+                v = lerobot_velocity(x, v, t, *guide, rtc.max_guidance_weight)
+            x += self.dt * v
         return x[0]
