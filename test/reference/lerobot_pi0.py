@@ -8,6 +8,7 @@ Subcommands
     check            import LeRobot's π0 here and run a minute model once (the venv's smoke test)
     make-checkpoint  build a small π0 with random weights and save it as a LeRobot 0.4.4 checkpoint directory
     run              load such a checkpoint with LeRobot and compute one action chunk from an .npz of inputs
+                     (with --rtc, also the chunks LeRobot's Real-Time Chunking guides towards given leftovers)
 
 Why a compatibility layer is needed
     LeRobot 0.4.4's π0 requires ``transformers @ git+…@fix/lerobot_openpi``, a branch that exists only on
@@ -760,7 +761,7 @@ def verify_weights(policy, saved: dict) -> None:
         raise RuntimeError("lm_head and embed_tokens are no longer tied")
 
 
-def read_inputs(path: Path, config) -> dict:
+def read_inputs(path: Path, config, rtc_cases: list | None = None) -> dict:
     data = np.load(path)
     images = {}
     for key in config.image_features:
@@ -771,7 +772,11 @@ def read_inputs(path: Path, config) -> dict:
             images[key] = img
     if not images:
         raise ValueError(f"{path} has none of the cameras {list(config.image_features)}")
-    extra = sorted(set(data.files) - set(images) - {"lang_tokens", "state", "noise"})
+    leftovers = {case["prev_chunk"] for case in rtc_cases or []}
+    missing = sorted(leftovers - set(data.files))
+    if missing:
+        raise ValueError(f"{path} lacks the RTC leftovers {missing}")
+    extra = sorted(set(data.files) - set(images) - leftovers - {"lang_tokens", "state", "noise"})
     if extra:
         raise ValueError(f"{path}: unexpected arrays {extra}")
     state = data["state"].astype(np.float32).reshape(-1)
@@ -781,7 +786,54 @@ def read_inputs(path: Path, config) -> dict:
     noise = data["noise"].astype(np.float32)
     if noise.shape != (config.chunk_size, config.max_action_dim):
         raise ValueError(f"noise must be [{config.chunk_size}, {config.max_action_dim}], got {list(noise.shape)}")
-    return {"images": images, "lang_tokens": data["lang_tokens"].astype(np.int64), "state": state, "noise": noise}
+    prev = {}
+    for key in leftovers:
+        prev[key] = data[key].astype(np.float32)
+        if prev[key].ndim != 2 or prev[key].shape[0] > config.chunk_size or prev[key].shape[1] > config.max_action_dim:
+            raise ValueError(f"{key}: an RTC leftover is [steps <= {config.chunk_size}, dims <= "
+                             f"{config.max_action_dim}], got {list(prev[key].shape)}")
+    return {"images": images, "lang_tokens": data["lang_tokens"].astype(np.int64), "state": state, "noise": noise,
+            "prev": prev}
+
+
+RTC_KEYS = {"prev_chunk", "inference_delay", "execution_horizon", "schedule", "max_guidance_weight"}
+
+
+def read_rtc_cases(path: str | None) -> list:
+    """The --rtc file: a JSON list of {prev_chunk: name of a leftover array in the inputs .npz (normalised model
+    actions [steps, dims]), inference_delay, execution_horizon, schedule: ZEROS|ONES|LINEAR|EXP,
+    max_guidance_weight}."""
+    if not path:
+        return []
+    cases = json.loads(Path(path).read_text())
+    if not isinstance(cases, list) or not all(isinstance(c, dict) and set(c) == RTC_KEYS for c in cases):
+        raise ValueError(f"{path}: expected a JSON list of objects with exactly the keys {sorted(RTC_KEYS)}")
+    return cases
+
+
+def rtc_chunk(policy, batch, noise, prev, case: dict):
+    """LeRobot's predict_action_chunk with Real-Time Chunking enabled in the policy's config (the guidance's
+    autograd call needs grad mode, so this runs under no_grad, not inference_mode)."""
+    import torch
+    from lerobot.configs.types import RTCAttentionSchedule
+    from lerobot.policies.rtc.configuration_rtc import RTCConfig
+
+    policy.config.rtc_config = RTCConfig(
+        enabled=True,
+        prefix_attention_schedule=RTCAttentionSchedule(case["schedule"]),
+        max_guidance_weight=float(case["max_guidance_weight"]),
+        execution_horizon=int(case["execution_horizon"]),
+    )
+    policy.init_rtc_processor()
+    if not (policy.model._rtc_enabled() and policy.model.rtc_processor is policy.rtc_processor):
+        raise RuntimeError("RTC did not reach the π0 model")
+    try:
+        with torch.no_grad():
+            return policy.predict_action_chunk(batch, noise=noise.clone(), prev_chunk_left_over=torch.from_numpy(prev),
+                                               inference_delay=int(case["inference_delay"]))
+    finally:
+        policy.config.rtc_config = None
+        policy.init_rtc_processor()
 
 
 def run(args) -> dict:
@@ -797,7 +849,8 @@ def run(args) -> dict:
     config = PreTrainedConfig.from_pretrained(checkpoint)
     if config.type != "pi0":
         raise SystemExit(f"{checkpoint} holds a {config.type!r} policy, not pi0")
-    inputs = read_inputs(Path(args.inputs), config)
+    rtc_cases = read_rtc_cases(getattr(args, "rtc", None))
+    inputs = read_inputs(Path(args.inputs), config, rtc_cases)
     policy, preprocessor, postprocessor = load_reference(checkpoint, inputs["lang_tokens"])
 
     # What lerobot-record / predict_action do with a robot observation: uint8 HWC -> float [0,1] CHW with a batch
@@ -805,11 +858,16 @@ def run(args) -> dict:
     observation = {key: img.copy() for key, img in inputs["images"].items()}
     observation["observation.state"] = inputs["state"].copy()
     noise = torch.from_numpy(inputs["noise"])[None]
-    with torch.inference_mode():
+    # RTC's guidance takes an autograd gradient, which inference tensors (inference_mode) do not allow.
+    with torch.no_grad() if rtc_cases else torch.inference_mode():
         observation = prepare_observation_for_inference(observation, torch.device("cpu"), task="", robot_type="")
         batch = preprocessor(observation)
         normalized = policy.predict_action_chunk(batch, noise=noise.clone())
         actions = postprocessor(normalized.clone())
+        guided = []
+        for case in rtc_cases:
+            chunk = rtc_chunk(policy, batch, noise, inputs["prev"][case["prev_chunk"]], case)
+            guided.append((chunk, postprocessor(chunk.clone())))
 
         timing = None
         if args.time:
@@ -835,6 +893,8 @@ def run(args) -> dict:
             state_normalized=batch["observation.state"][0].numpy().astype(np.float32),
             lang_tokens=batch["observation.language.tokens"][0].numpy(),
             lang_mask=batch["observation.language.attention_mask"][0].numpy(),
+            **{f"actions_rtc_{i}": a[0].numpy().astype(np.float32) for i, (_, a) in enumerate(guided)},
+            **{f"actions_normalized_rtc_{i}": n[0].numpy().astype(np.float32) for i, (n, _) in enumerate(guided)},
         )
         result["out"] = str(args.out)
     if timing:
@@ -932,6 +992,10 @@ def main(argv=None) -> None:
                                                     "[n], state float32 [state dim], noise float32 [chunk, 32]")
     rn.add_argument("--out", help=".npz to write: actions [chunk, action dim] float32, actions_normalized, "
                                   "state_normalized, lang_tokens, lang_mask")
+    rn.add_argument("--rtc", metavar="JSON", help="Real-Time Chunking cases, a JSON list of {prev_chunk (an array "
+                                                  "in --inputs), inference_delay, execution_horizon, schedule, "
+                                                  "max_guidance_weight}; writes actions_rtc_<i> and "
+                                                  "actions_normalized_rtc_<i>")
     rn.add_argument("--time", type=int, default=0, metavar="N", help="also time N calls of predict_action_chunk")
     rn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 

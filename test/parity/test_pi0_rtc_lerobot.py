@@ -1,0 +1,152 @@
+"""Real-Time Chunking on π0 (``rtc.guidance: lerobot``, onnxruntime, fp32) equals LeRobot 0.4.4's RTC on the same
+checkpoint.
+
+The small random π0 of test_pi0_lerobot.py is saved by LeRobot and imported by ``synflux-build --from-hf``; the
+runtime runs in this process. A previous chunk is computed for an earlier frame, and the part of it not executed
+yet (normalised model actions, as LeRobot's action queue keeps them: fewer steps than the horizon and only the
+robot's dimensions, or all of the model's) guides the chunk of the next frame. The reference runs
+``PI0Policy.predict_action_chunk`` with RTC enabled in the policy's config (schedule, execution horizon,
+max_guidance_weight) and ``prev_chunk_left_over`` / ``inference_delay``, on the same images, instruction, state
+and noise; normalised and un-normalised actions must agree to 1e-4 for every schedule and several delays.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
+pytest.importorskip("onnxruntime")
+
+from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.core.config import load_config  # noqa: E402
+from synflux_ros.model.heads.rtc import RTCGuidance  # noqa: E402
+from synflux_ros.model.tokenizer import load_tokenizer  # noqa: E402
+from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
+
+from checkpoints import write_tokenizer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+REF_PY = ROOT / ".venv-pi0ref" / "bin" / "python"
+REF_SCRIPT = ROOT / "test" / "reference" / "lerobot_pi0.py"
+JOINTS = [f"joint_{i}" for i in range(8)]
+SIDE = 56
+INSTRUCTION = "pick up the red block"
+TOLERANCE = 1e-4
+PREV_SEQ, SEQ = 4, 5  # frame numbers (they seed the noise) of the previous chunk and of the guided one
+
+pytestmark = [pytest.mark.reference,
+              pytest.mark.skipif(not REF_PY.exists(), reason="the LeRobot reference venv is missing "
+                                                             "(make pi0ref-venv)")]
+
+# (schedule, inference delay, execution horizon, max guidance weight, leftover)
+CASES = [(schedule, delay, 6, 10.0, "robot_dims") for schedule in ("zeros", "ones", "linear", "exp")
+         for delay in (2, 4)]
+CASES += [("linear", 3, 10, 5.0, "model_dims"), ("exp", 1, 5, 2.5, "model_dims")]
+LEFTOVERS = {"robot_dims": 3, "model_dims": 2}  # steps of the previous chunk executed before the new frame
+
+
+def reference(*args: str, timeout: float = 600) -> dict:
+    proc = subprocess.run([str(REF_PY), str(REF_SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, f"reference {args[0]} failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def base_config(path: Path) -> str:
+    raw = {
+        "name": "pi0-small", "mode": "vla",
+        "vision": {"resolution": [SIDE, SIDE], "tile_size": [SIDE, SIDE], "tokens_per_tile": 16, "patch_size": 14,
+                   "hidden_dim": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64},
+        "llm": {"num_layers": 2, "hidden_dim": 64, "num_heads": 8, "num_kv_heads": 1, "head_dim": 16,
+                "vocab_size": 257152, "prefill_buckets": [32], "decode_buckets": [128], "max_seq_len": 128,
+                "architecture": "gemma"},
+        "action": {"head_type": "flow_matching", "action_dim": 32, "action_horizon": 10, "state_dim": 32,
+                   "state_joints": JOINTS, "seed": 7},
+        "executor": {"backend": "onnxruntime"},
+    }
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """Our chunks (plain and guided) and LeRobot's for the same inputs, from one reference run."""
+    tmp = tmp_path_factory.mktemp("pi0_rtc")
+    ckpt = tmp / "checkpoint"
+    assert reference("make-checkpoint", "--out", str(ckpt), "--cameras", "base", "--seed", "3",
+                     "--state-norm", "MEAN_STD", "--action-norm", "MEAN_STD")
+    write_tokenizer(str(ckpt), first_specials=("<pad>", "<eos>", "<bos>"))
+    out = tmp / "graphs"
+    assert build_tool.main(["--config", base_config(tmp / "base.yaml"), "--out", str(out), "--from-hf", str(ckpt),
+                            "--backend", "onnxruntime"]) == 0
+    cfg = load_config(str(out / "config.yaml"))
+    assert cfg.action.output_dim == 6 and cfg.action.action_norm is not None
+    tok = load_tokenizer(cfg, shipped=str(out / "tokenizer.json"))
+    ids = [tok.special("<bos>")] + tok.encode(INSTRUCTION + "\n")
+
+    rng = np.random.default_rng(11)
+    image = rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
+    state = rng.uniform(-1.5, 1.5, len(JOINTS)).astype(np.float32)
+    padded_state = np.r_[state, np.zeros(cfg.action.state_dim - len(JOINTS), np.float32)]
+    rt = VLARuntime(cfg)
+    try:
+        rt.set_instruction(INSTRUCTION)
+        # the previous chunk, from the frame before (another state and noise): its normalised actions
+        previous = rt.infer(image, seq=PREV_SEQ, state=padded_state - 0.2).raw_actions
+        leftovers = {"robot_dims": previous[LEFTOVERS["robot_dims"]:, :cfg.action.output_dim],
+                     "model_dims": previous[LEFTOVERS["model_dims"]:]}
+        plain = rt.infer(image, seq=SEQ, state=padded_state)
+        ours = []
+        for schedule, delay, horizon, weight, left in CASES:
+            guidance = RTCGuidance(leftovers[left], inference_delay=delay, execution_horizon=horizon,
+                                   schedule=schedule, max_guidance_weight=weight)
+            frame = rt.infer(image, seq=SEQ, state=padded_state, rtc=guidance)
+            ours.append((frame.actions, frame.raw_actions[:, :cfg.action.output_dim]))
+    finally:
+        rt.close()
+
+    noise = np.random.default_rng(cfg.action.seed + SEQ).standard_normal(
+        (cfg.action.action_horizon, cfg.action.action_dim)).astype(np.float32)
+    inputs, cases = tmp / "inputs.npz", tmp / "rtc.json"
+    np.savez(inputs, lang_tokens=np.array(ids, np.int64), state=state, noise=noise,
+             **{"observation.images.base": image}, **{f"prev_{k}": v for k, v in leftovers.items()})
+    cases.write_text(json.dumps([
+        {"prev_chunk": f"prev_{left}", "inference_delay": delay, "execution_horizon": horizon,
+         "schedule": schedule.upper(), "max_guidance_weight": weight}
+        for schedule, delay, horizon, weight, left in CASES]))
+    result = tmp / "lerobot.npz"
+    reference("run", "--checkpoint", str(ckpt), "--inputs", str(inputs), "--rtc", str(cases), "--out", str(result))
+    want = np.load(result)
+    return dict(plain=(plain.actions, plain.raw_actions[:, :cfg.action.output_dim]), ours=ours,
+                want_plain=(want["actions"], want["actions_normalized"]),
+                want=[(want[f"actions_rtc_{i}"], want[f"actions_normalized_rtc_{i}"]) for i in range(len(CASES))])
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> float:
+    assert got.shape == want.shape, what
+    err = float(np.abs(got - want).max())
+    scale = float(np.abs(want).max())
+    assert err <= TOLERANCE * max(1.0, scale), f"{what}: max difference {err} (values up to {scale})"
+    return err
+
+
+def test_plain_chunk_equals_lerobot(compared):
+    for got, want, what in zip(compared["plain"], compared["want_plain"], ("actions", "normalised actions")):
+        assert_close(got, want, what)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=["{}-d{}-h{}-w{}-{}".format(*c) for c in CASES])
+def test_rtc_chunk_equals_lerobot(compared, case):
+    (got, got_norm), (want, want_norm) = compared["ours"][case], compared["want"][case]
+    err = assert_close(got, want, "actions")
+    err_norm = assert_close(got_norm, want_norm, "normalised actions")
+    print(f"{CASES[case]}: max |synflux - LeRobot| = {err:.2e} (normalised {err_norm:.2e})")
+    # the comparison has teeth: the guidance moves both chunks away from the plain one
+    assert np.abs(want_norm - compared["want_plain"][1]).max() > 100 * TOLERANCE
+    assert np.abs(got_norm - compared["plain"][1]).max() > 100 * TOLERANCE
