@@ -18,12 +18,15 @@ from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
-from std_msgs.msg import String
+from std_msgs.msg import Float64MultiArray, String
+from std_srvs.srv import SetBool
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from ..msg import ActionChunk
 from ..model.image import ImageError, decode_compressed, decode_raw
 from ..core.pipeline import source_rate
+from ..runtimes.control import Controller
+from ..runtimes.execution import ChunkRefused
 from ..runtimes.robot_state import CameraImages, NoFreshState, RobotStateBuffer
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
 from .diagnostics import OK, WARN, median
@@ -37,8 +40,12 @@ PARAMS = [
     Param("default_instruction", "", "instruction used until one arrives on 'instruction' (empty = config's)"),
     Param("image_transport", "raw", "subscribe 'image' (raw) or 'image/compressed' (per camera with several)",
           ("raw", "compressed")),
-    Param("publish_joint_trajectory", False, "also publish each chunk as trajectory_msgs/JointTrajectory"),
-    Param("joint_names", [""], "joint names for joint_trajectory; their count must equal the action dimension"),
+    Param("publish_joint_trajectory", False, "also publish the plan as trajectory_msgs/JointTrajectory on each "
+                                              "chunk (through the limits, while enabled)"),
+    Param("publish_joint_command", True, "publish std_msgs/Float64MultiArray joint_command at "
+                                         "execution.control_rate_hz while enabled (with execution joints)"),
+    Param("joint_names", [""], "commanded joints in action order, overriding the config's execution.joints; "
+                               "their count must equal the action dimension"),
 ]
 
 # A transient-local subscription does not match volatile publishers (the `ros2 topic pub` default) and a
@@ -73,7 +80,8 @@ class VLANode(SynfluxNode):
         self._seq = 0
         # Frames are counted here until they reach the pipeline, and by the pipeline after that
         # (processed = published, dropped, failed); counters of pipelines torn down are carried over.
-        self._counts = dict(received=0, rejected=0, inactive=0, no_state=0, no_camera=0, instructions_rejected=0,
+        self._counts = dict(received=0, rejected=0, inactive=0, no_state=0, no_camera=0, not_needed=0,
+                            instructions_rejected=0,
                             states_received=0, states_rejected=0, camera_images=0, camera_images_rejected=0)
         self._states: RobotStateBuffer | None = None
         self._cameras: CameraImages | None = None
@@ -85,13 +93,26 @@ class VLANode(SynfluxNode):
         self._last_input_error = ""
         self._subs, self._pubs = [], {}
         self._busy_pipelines = []  # pipelines whose stage threads outlived stop()
+        self.controller: Controller | None = None
+        self._control_timer = None
+        self._enable_srv = None
+        self._chunk_error = ""
 
     # ---------------------------------------------------------------- lifecycle hooks
     def setup(self, p: dict, cfg) -> str:
         joints = [j for j in p["joint_names"] if j]
-        if p["publish_joint_trajectory"] and len(joints) != cfg.action.published_dim:
-            raise self.fail("joint_names", f"{len(joints)} names {joints} for {cfg.action.published_dim} action "
-                                           f"values per step (action.output_dim, else action_dim)")
+        if joints:
+            if len(joints) != cfg.action.published_dim:
+                raise self.fail("joint_names", f"{len(joints)} names {joints} for {cfg.action.published_dim} "
+                                               f"action values per step (action.output_dim, else action_dim)")
+            try:
+                cfg = cfg.with_overrides(execution={"joints": joints})
+            except ValueError as exc:
+                raise self.fail("joint_names", str(exc)) from None
+        joints = list(cfg.execution.joints)
+        if p["publish_joint_trajectory"] and not joints:
+            raise self.fail("publish_joint_trajectory", "needs the commanded joints: set joint_names or the "
+                                                        "config's execution.joints")
         self.runtime = self.load_runtime(VLARuntime, cfg)
         if p["default_instruction"]:
             try:
@@ -103,8 +124,8 @@ class VLANode(SynfluxNode):
         self._stage_devices = (devices["vision"], devices["backbone"], devices["head"])
         self.pipeline = VLAPipeline(self.runtime, self._on_result, self._on_error)
         self._pubs["chunk"] = self.create_lifecycle_publisher(ActionChunk, "action_chunk", 10)
-        if p["publish_joint_trajectory"]:
-            self._pubs["traj"] = self.create_lifecycle_publisher(JointTrajectory, "joint_trajectory", 10)
+        if joints:
+            self._setup_execution(p, cfg)
         inputs = MutuallyExclusiveCallbackGroup()
         compressed = p["image_transport"] == "compressed"
         suffix = "image/compressed" if compressed else "image"
@@ -118,6 +139,7 @@ class VLANode(SynfluxNode):
                                                        qos_profile_sensor_data, callback_group=inputs))
         if cfg.action.state_dim:
             self._states = RobotStateBuffer(cfg.action)
+        if cfg.action.state_dim or joints:
             self._subs.append(self.create_subscription(JointState, "joint_states", self._on_joint_state,
                                                        JOINT_STATE_QOS,
                                                        callback_group=MutuallyExclusiveCallbackGroup()))
@@ -126,20 +148,55 @@ class VLANode(SynfluxNode):
             self._subs.append(self.create_subscription(String, "instruction", self._on_instruction, qos,
                                                        callback_group=inputs, event_callbacks=quiet))
         cams = f", cameras {', '.join(cameras)}" if cameras else ""
+        ex = cfg.execution
+        commands = (f", commanding {len(joints)} joints at {ex.control_rate_hz:g} Hz ({ex.mode})" if joints else
+                    ", no commands (no execution joints)")
         return (f"{cfg.name!r} ({cfg.action.head_type}, horizon {cfg.action.action_horizon} x "
                 f"{cfg.action.published_dim}{cams}) on {cfg.executor.backend!r}, instruction "
-                f"{self.runtime.instruction!r}")
+                f"{self.runtime.instruction!r}{commands}")
+
+    def _setup_execution(self, p: dict, cfg) -> None:
+        """The chunk executor, its command streams, the enable service and the control timer."""
+        ex = cfg.execution
+        self.controller = Controller(ex, cfg.action.step_period, cfg.action.action_horizon)
+        if p["publish_joint_command"]:
+            self._pubs["command"] = self.create_lifecycle_publisher(Float64MultiArray, "joint_command", 10)
+        if p["publish_joint_trajectory"]:
+            self._pubs["traj"] = self.create_lifecycle_publisher(JointTrajectory, "joint_trajectory", 10)
+        # The control tick and the enable service share one group: an enable never interleaves with a tick.
+        control = MutuallyExclusiveCallbackGroup()
+        self._enable_srv = self.create_service(SetBool, "~/enable", self._on_enable, callback_group=control)
+        self._control_timer = self.create_timer(1.0 / ex.control_rate_hz, self._on_control_tick,
+                                                callback_group=control)
+
+    def _now(self) -> float:
+        return self.get_clock().now().nanoseconds * 1e-9
 
     def activate(self) -> None:
         self.pipeline.start()
+        if self.controller is not None and self.cfg.execution.autoenable:
+            try:
+                self.get_logger().info(f"commands {self.controller.enable(self._now())} (execution.autoenable)")
+            except ValueError as exc:
+                self.get_logger().error(f"execution.autoenable: {exc}; call ~/enable once the state arrives")
 
     def deactivate(self) -> None:
+        if self.controller is not None:
+            self.controller.disable("deactivated")
         self.pipeline.stop()
 
     def runtime_in_use(self) -> bool:
         return any(p.busy for p in self._busy_pipelines)
 
     def teardown(self) -> None:
+        if self.controller is not None:
+            self.controller.disable("cleaned up")
+        if self._control_timer is not None:
+            self.destroy_timer(self._control_timer)
+            self._control_timer = None
+        if self._enable_srv is not None:
+            self.destroy_service(self._enable_srv)
+            self._enable_srv = None
         if self.pipeline is not None:
             if not self.pipeline.stop(PIPELINE_STOP_TIMEOUT_S):
                 self.get_logger().error(
@@ -176,6 +233,10 @@ class VLANode(SynfluxNode):
         if not self._active:
             self._count("inactive")
             return
+        if self.controller is not None and self.cfg.execution.request == "threshold" and \
+                (self.pipeline.pipeline.counters().in_flight > 0 or not self.controller.wants_chunk(self._now())):
+            self._count("not_needed")
+            return
         try:
             rgb = decode()
         except ImageError as exc:
@@ -203,12 +264,20 @@ class VLANode(SynfluxNode):
         with self._lock:
             seq = self._seq
             self._seq += 1
-        self.pipeline.submit(Frame(seq, rgb, t_receipt, meta=header, state=state))
+        frame = Frame(seq, rgb, t_receipt, meta=header, state=state)
+        if self.controller is not None and self.cfg.execution.mode == "rtc":
+            controller = self.controller
+            frame.rtc = lambda: controller.rtc_guidance(stamp)  # taken when the head starts: the freshest plan
+        self.pipeline.submit(frame)
 
     def _on_joint_state(self, msg: JointState):
         self._count("states_received")
         stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
         try:
+            if self.controller is not None:
+                self.controller.on_joint_state(stamp, msg.name, msg.position, self._now())
+            if self._states is None:
+                return
             if stamp == 0.0:
                 raise ValueError("header stamp is zero (the state cannot be matched to camera frames)")
             self._states.add(stamp, msg.name, msg.position)
@@ -269,24 +338,61 @@ class VLANode(SynfluxNode):
         latency = (time.perf_counter() - frame.t_receipt) * 1e3
         msg.latency_ms = float(latency)
         self._pubs["chunk"].publish(msg)
-        if "traj" in self._pubs:
-            self._pubs["traj"].publish(self._trajectory(frame))
         with self._lock:
             self._latencies.append(latency)
             self._published_times.append(time.monotonic())
+        if self.controller is not None:
+            self._execute(frame)
 
-    def _trajectory(self, frame: Frame) -> JointTrajectory:
+    def _execute(self, frame: Frame):
+        """Hand a chunk to the controller; a refused one is counted and logged, the plan in force goes on."""
+        now = self._now()
+        t_obs = frame.meta.stamp.sec + frame.meta.stamp.nanosec * 1e-9
+        try:
+            self.controller.on_chunk(frame.actions, t_obs, now, frame.raw_actions)
+        except ChunkRefused as exc:
+            self._chunk_error = f"chunk of frame {frame.seq} refused: {exc}"
+            self.get_logger().warning(self._chunk_error, throttle_duration_sec=2.0)
+            return
+        if "traj" in self._pubs:
+            points = self.controller.trajectory(now)
+            if points:
+                self._pubs["traj"].publish(self._trajectory(points, now))
+
+    def _trajectory(self, points, now: float) -> JointTrajectory:
+        """Stamped now; every point lies ahead of it (header.stamp + time_from_start > now)."""
         traj = JointTrajectory()
-        traj.header = frame.meta
+        sec, nsec = divmod(int(round(now * 1e9)), 10**9)
+        traj.header.stamp.sec, traj.header.stamp.nanosec = sec, nsec
         traj.joint_names = list(self.joint_names)
-        period = self.cfg.action.step_period
-        for i, row in enumerate(frame.actions):
-            t = (i + 1) * period
-            sec = int(t)
+        for t, row in points:
+            s = int(t)
             traj.points.append(JointTrajectoryPoint(
-                positions=row.astype(float).tolist(),
-                time_from_start=Duration(sec=sec, nanosec=int(round((t - sec) * 1e9)))))
+                positions=[float(v) for v in row],
+                time_from_start=Duration(sec=s, nanosec=int(round((t - s) * 1e9)))))
         return traj
+
+    def _on_control_tick(self):
+        if not self._active or self.controller is None:
+            return
+        cmd = self.controller.tick(self._now())
+        if cmd is not None and "command" in self._pubs:
+            self._pubs["command"].publish(Float64MultiArray(data=[float(v) for v in cmd]))
+
+    def _on_enable(self, request, response):
+        if request.data:
+            if not self._active:
+                response.success, response.message = False, "cannot enable: the node is not active"
+            else:
+                try:
+                    response.success, response.message = True, self.controller.enable(self._now())
+                except ValueError as exc:
+                    response.success, response.message = False, str(exc)
+        else:
+            self.controller.disable("disabled by ~/enable")
+            response.success, response.message = True, "disabled"
+        self.get_logger().info(f"~/enable {request.data}: {response.message}")
+        return response
 
     def _on_error(self, frame: Frame, stage: str, exc: Exception):
         self._last_input_error = f"frame {frame.seq} failed in {stage}: {exc}"
@@ -306,7 +412,7 @@ class VLANode(SynfluxNode):
                 done[key] += getattr(c, key)
         counts.update(published=done["processed"], dropped=done["dropped"], failed=done["failed"])
         counts["in_flight"] = counts["received"] - counts["rejected"] - counts["inactive"] - counts["published"] \
-            - counts["dropped"] - counts["failed"] - counts["no_state"] - counts["no_camera"]
+            - counts["dropped"] - counts["failed"] - counts["no_state"] - counts["no_camera"] - counts["not_needed"]
         return counts
 
     def input_rates(self) -> dict[str, float]:
@@ -350,6 +456,8 @@ class VLANode(SynfluxNode):
         values["device_memory_mib"] = self.runtime.executor.device_bytes / 2**20
         values["last_error"] = self._last_input_error
         problems = []
+        if self.controller is not None:
+            problems += self._execution_diagnostics(values, counts)
         if counts["rejected"] or counts["failed"]:
             problems.append(f"{counts['rejected']} rejected, {counts['failed']} failed")
         if counts["no_state"]:
@@ -365,6 +473,29 @@ class VLANode(SynfluxNode):
                             f"{rates['camera_rate_hz']:.1f} Hz (frames lost in transport)")
         message = ", ".join([f"{rate:.1f} Hz"] + problems)
         return (WARN if problems else OK), message, values
+
+    def _execution_diagnostics(self, values: dict, counts: dict) -> list[str]:
+        """The controller's state and every intervention, counted; the problems worth a WARN."""
+        c = self.controller
+        status = c.status
+        offer = c.last_offer
+        values.update(execution_mode=self.cfg.execution.mode, commands_enabled=c.enabled,
+                      command_state=status.state, command_reason=status.reason, frames_not_needed=counts["not_needed"],
+                      chunk_delay_steps=offer.delay_steps if offer else -1,
+                      chunk_delay_ms=offer.delay_s * 1e3 if offer else float("nan"),
+                      last_switch_jump=offer.switch_jump if offer else float("nan"),
+                      last_chunk_error=self._chunk_error)
+        for key in ("chunks_accepted", "chunks_refused", "chunks_late", "chunks_non_finite", "chunks_unplaced",
+                    "ticks_commanded", "ticks_held", "watchdog_holds", "hold_stale_state", "hold_chunk_timeout",
+                    "hold_ran_out", "hold_no_chunk", "position_limit", "velocity_limit", "acceleration_limit",
+                    "max_relative_target"):
+            values[key] = c.counts[key]
+        problems = []
+        if status.state == "holding":
+            problems.append(f"holding: {status.reason}")
+        if c.counts["chunks_refused"]:
+            problems.append(f"{c.counts['chunks_refused']} chunks refused")
+        return problems
 
 
 def main(args=None) -> int:

@@ -49,7 +49,7 @@ class Frame:
     actions: np.ndarray | None = None
     instruction: str = ""
     state: np.ndarray | None = None  # robot state [action.state_dim] for the action expert (configs with one)
-    rtc: Any = None  # flow matching: a RTCGuidance (model.heads.rtc) steering the chunk towards the last one
+    rtc: Any = None  # flow matching: a RTCGuidance (model.heads.rtc), or a callable giving one, for the head
     raw_actions: np.ndarray | None = None  # the head's output before un-normalisation [horizon, action_dim]
     timings: dict = field(default_factory=dict)
 
@@ -158,6 +158,8 @@ class VLARuntime(ModelRuntime):
         try:
             if state is not None and self.maps is not None:
                 state = self.maps.state_in(state)
+            if callable(frame.rtc):  # a provider: the guidance is taken from the plan in force now
+                frame.rtc = frame.rtc()
             if frame.rtc is not None:
                 actions = self.head(self.kv_pool.tensor(frame.slot), frame.prefix_len, frame.logits, frame.seq,
                                     state, rtc=frame.rtc)

@@ -1,0 +1,262 @@
+"""Between the model and the arm: enable state, watchdog and limits around a :class:`ChunkPlan`.
+
+One :meth:`Controller.tick` per control period gives the command to send (None while disabled). Chunks arrive
+from the pipeline's thread and joint states from the subscriber's, so every method takes the lock. Every
+intervention is counted by name (:attr:`Controller.counts`) for ``/diagnostics``. Order of the limits on a
+command: position limits, then ``max_relative_target`` against the measured position, then velocity and
+acceleration against the previous command, then the position limits again (they always win). A hold (the
+watchdog) repeats the last command exactly. Details: docs/execution.md.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.config import ExecutionConfig
+from .execution import ChunkPlan, ChunkRefused, Offer
+from .robot_state import NoFreshState, StampedBuffer
+
+STATE_HISTORY = 400
+"""Joint states kept for delta actions (matched to frames by stamp)."""
+
+
+class CommandFilter:
+    """Per-joint limits of ``execution.limits`` applied to one command per control period ``dt``."""
+
+    def __init__(self, cfg: ExecutionConfig, dt: float):
+        lim = cfg.limits
+        n = len(cfg.joints)
+        self.dt = dt
+        self.lo = np.asarray(lim.position_min, np.float64) if lim.position_min else None
+        self.hi = np.asarray(lim.position_max, np.float64) if lim.position_max else None
+        self.vmax = np.asarray(lim.max_velocity, np.float64) if lim.max_velocity else None
+        self.amax = np.asarray(lim.max_acceleration, np.float64) if lim.max_acceleration else None
+        r = lim.max_relative_target
+        self.rel = (np.full(n, r[0]) if len(r) == 1 else np.asarray(r, np.float64)) if r else None
+        self.last: np.ndarray | None = None
+        self.velocity = np.zeros(n)
+
+    def reset(self, position: np.ndarray | None) -> None:
+        """Start from ``position`` (the measured one on enable) at rest."""
+        self.last = None if position is None else self.clamp(np.asarray(position, np.float64))
+        self.velocity[:] = 0.0
+
+    def clamp(self, x: np.ndarray) -> np.ndarray:
+        return np.clip(x, self.lo, self.hi) if self.lo is not None else x
+
+    def __call__(self, target: np.ndarray, measured: np.ndarray | None, counts: Counter) -> np.ndarray:
+        cmd = self.clamp(target)
+        if not np.array_equal(cmd, target):
+            counts["position_limit"] += 1
+        if self.rel is not None and measured is not None:
+            near = np.clip(cmd, measured - self.rel, measured + self.rel)
+            if not np.array_equal(near, cmd):
+                counts["max_relative_target"] += 1
+            cmd = near
+        if self.last is not None:
+            v = (cmd - self.last) / self.dt
+            if self.vmax is not None:
+                limited = np.clip(v, -self.vmax, self.vmax)
+                if not np.array_equal(limited, v):
+                    counts["velocity_limit"] += 1
+                v = limited
+            if self.amax is not None:
+                dv = np.clip(v - self.velocity, -self.amax * self.dt, self.amax * self.dt)
+                if not np.allclose(dv, v - self.velocity, rtol=0, atol=1e-12):
+                    counts["acceleration_limit"] += 1
+                v = self.velocity + dv
+                if self.vmax is not None:
+                    v = np.clip(v, -self.vmax, self.vmax)
+            cmd = self.clamp(self.last + v * self.dt)
+            self.velocity = (cmd - self.last) / self.dt
+        self.last = cmd
+        return cmd
+
+    def hold(self) -> np.ndarray | None:
+        """Repeat the last command and stop."""
+        self.velocity[:] = 0.0
+        return None if self.last is None else self.last.copy()
+
+
+@dataclass
+class Status:
+    """What the controller does now: ``running``, ``holding`` or ``disabled``, and why."""
+    state: str = "disabled"
+    reason: str = "not enabled yet"
+
+
+class Controller:
+    """Chunks in, one command per control tick out, within the limits; see the module docstring."""
+
+    def __init__(self, cfg: ExecutionConfig, step_period: float, horizon: int):
+        self.cfg = cfg
+        self.joints = tuple(cfg.joints)
+        self.dt = 1.0 / cfg.control_rate_hz
+        self.plan = ChunkPlan(cfg, step_period, horizon)
+        self.filter = CommandFilter(cfg, self.dt)
+        self.counts: Counter = Counter()
+        self.status = Status()
+        self.enabled = False
+        self.last_chunk_at: float | None = None  # node clock when the last chunk was accepted
+        self.last_offer: Offer | None = None
+        self._state: np.ndarray | None = None
+        self._state_at: float | None = None  # node clock at receipt
+        self._states = StampedBuffer(max(cfg.state_timeout, 1.0), STATE_HISTORY, "joint state", "joint_states",
+                                     "execution.state_timeout")
+        self._delta = np.asarray(cfg.delta_mask, bool) if any(cfg.delta_mask) else None
+        self._safe = np.asarray(cfg.safe_action, np.float64) if cfg.on_timeout == "safe_action" else None
+        self._hold_kind = ""
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ inputs
+    def on_joint_state(self, stamp: float, names, positions, now: float) -> None:
+        """A ``sensor_msgs/JointState``; ValueError (nothing stored) when a commanded joint is missing or not
+        finite."""
+        index = {n: i for i, n in enumerate(names)}
+        missing = [j for j in self.joints if j not in index]
+        if missing:
+            raise ValueError(f"no position for commanded joint(s) {missing}")
+        if len(positions) < len(names):
+            raise ValueError(f"{len(positions)} positions for {len(names)} names")
+        q = np.array([positions[index[j]] for j in self.joints], np.float64)
+        if not np.isfinite(q).all():
+            raise ValueError(f"non-finite position for {[j for j, v in zip(self.joints, q) if not np.isfinite(v)]}")
+        with self._lock:
+            self._state, self._state_at = q, now
+            if self._delta is not None and stamp > 0:
+                self._states.add(stamp, q)
+
+    def on_chunk(self, actions: np.ndarray, t_obs: float, now: float, raw: np.ndarray | None = None) -> Offer:
+        """Merge a chunk [horizon, joints] from a frame stamped ``t_obs``; ChunkRefused says why one is not
+        executed (the plan in force goes on)."""
+        actions = np.asarray(actions, np.float64)
+        if actions.ndim != 2 or actions.shape[1] != len(self.joints):
+            self.counts["chunks_refused"] += 1
+            raise ChunkRefused(f"chunk of shape {actions.shape}, expected [steps, {len(self.joints)}]")
+        bad = ~np.isfinite(actions)
+        if bad.any() or (raw is not None and not np.isfinite(raw).all()):
+            self.counts["chunks_refused"] += 1
+            self.counts["chunks_non_finite"] += 1
+            where = np.argwhere(bad)
+            at = (f" (first at step {where[0][0]}, joint {self.joints[where[0][1]]!r})" if len(where) else
+                  " in its model-space values")
+            raise ChunkRefused(f"chunk has {int(bad.sum())} non-finite value(s){at}")
+        with self._lock:
+            try:
+                if self._delta is not None:
+                    state, _ = self._states.at(t_obs)
+                    actions = actions.copy()
+                    actions[:, self._delta] += state[self._delta]
+                offer = self.plan.offer(actions, t_obs, now, raw if self.cfg.mode == "rtc" else None)
+            except (ChunkRefused, NoFreshState) as exc:
+                self.counts["chunks_refused"] += 1
+                self.counts["chunks_late" if "horizon" in str(exc) else "chunks_unplaced"] += 1
+                if isinstance(exc, NoFreshState):
+                    raise ChunkRefused(f"delta actions need the joint state of the frame: {exc}") from None
+                raise
+            self.counts["chunks_accepted"] += 1
+            self.last_chunk_at, self.last_offer = now, offer
+            return offer
+
+    # ------------------------------------------------------------------ enable
+    def enable(self, now: float) -> str:
+        """Start commanding from the measured position; ValueError when the joint state needed is stale."""
+        with self._lock:
+            stale = self._state_stale(now)
+            if stale:
+                raise ValueError(f"cannot enable: {stale}")
+            self.filter.reset(self._state)
+            self.enabled = True
+            self.status = Status("running", "enabled")
+            return "enabled" + ("" if self._state is not None else " (no joint state: the first command is not "
+                                                                      "rate-limited)")
+
+    def disable(self, reason: str) -> None:
+        with self._lock:
+            self.enabled = False
+            self.status = Status("disabled", reason)
+
+    # ------------------------------------------------------------------ the control tick
+    def _state_stale(self, now: float) -> str:
+        if self.cfg.state_timeout <= 0:
+            return ""
+        if self._state_at is None:
+            return "no joint state received for the commanded joints"
+        age = now - self._state_at
+        if age > self.cfg.state_timeout:
+            return f"the joint state is {age:.2f} s old (execution.state_timeout {self.cfg.state_timeout} s)"
+        return ""
+
+    def _hold(self, kind: str, why: str) -> np.ndarray | None:
+        """Hold (or move to the safe action); a hold of a new ``kind`` is counted once, as ``hold_<kind>``."""
+        if self.status.state != "holding" or self._hold_kind != kind:
+            self.counts["watchdog_holds"] += 1
+            self.counts[f"hold_{kind}"] += 1
+        self._hold_kind = kind
+        self.status = Status("holding", why)
+        self.counts["ticks_held"] += 1
+        if self._safe is not None and self.filter.last is not None:
+            return self.filter(self._safe, None, self.counts)
+        return self.filter.hold()
+
+    def tick(self, now: float) -> np.ndarray | None:
+        """The command for ``now``: None while disabled (or before anything can be commanded)."""
+        with self._lock:
+            if not self.enabled:
+                return None
+            stale = self._state_stale(now)
+            if stale:
+                return self._hold("stale_state", stale)
+            if self.last_chunk_at is None:
+                return self._hold("no_chunk", "no chunk yet")
+            if self.cfg.chunk_timeout > 0 and now - self.last_chunk_at > self.cfg.chunk_timeout:
+                return self._hold("chunk_timeout", f"no fresh chunk for {now - self.last_chunk_at:.2f} s (execution.chunk_timeout "
+                                  f"{self.cfg.chunk_timeout} s)")
+            target = self.plan.sample(now)
+            if target is None:
+                return self._hold("ran_out", f"the last chunk ran out {now - self.plan.end_time():.2f} s ago")
+            self.status = Status("running", f"executing, delay {self.last_offer.delay_steps} steps")
+            self.counts["ticks_commanded"] += 1
+            return self.filter(target, self._state, self.counts)
+
+    # ------------------------------------------------------------------ requests and trajectories
+    def wants_chunk(self, now: float) -> bool:
+        """``execution.request: threshold``: True when less than ``chunk_size_threshold`` of a chunk is left."""
+        if self.cfg.request == "every_frame":
+            return True
+        with self._lock:
+            return self.plan.steps_left(now) < self.cfg.chunk_size_threshold * self.plan.horizon
+
+    def rtc_guidance(self, t_obs: float):
+        """The Real-Time Chunking guidance for a frame stamped ``t_obs`` (None without a previous chunk)."""
+        from ..model.heads.rtc import RTCGuidance
+        with self._lock:
+            prev = self.plan.leftover(t_obs)
+            if prev is None:
+                return None
+            rtc = self.cfg.rtc
+            return RTCGuidance(prev_chunk=prev, inference_delay=self.plan.inference_delay(),
+                               execution_horizon=rtc.execution_horizon, schedule=rtc.schedule,
+                               max_guidance_weight=rtc.max_guidance_weight, flavour=rtc.guidance)
+
+    def trajectory(self, now: float) -> list[tuple[float, np.ndarray]]:
+        """(seconds from ``now``, positions) for ``joint_trajectory``: the plan's rows ahead of ``now``, passed
+        through a copy of the limits from the last command, so the first point continues from it; empty while
+        disabled or holding."""
+        with self._lock:
+            if not self.enabled or self.status.state != "running":
+                return []
+            f = CommandFilter(self.cfg, self.plan.period)
+            f.last = None if self.filter.last is None else self.filter.last.copy()
+            f.velocity = self.filter.velocity.copy()
+            scratch: Counter = Counter()
+            out = []
+            for t, row in zip(self.plan.times, self.plan.actions):
+                if t > now + 1e-6:
+                    if f.last is not None:
+                        f.dt = t - now if not out else t - (now + out[-1][0])
+                    out.append((t - now, f(row, self._state, scratch)))
+            return out
