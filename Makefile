@@ -181,9 +181,13 @@ bench-llm: install $(VENV)/.stamp-smollm2 llamacpp
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.gguf --work $(abspath $(BUILD))/bench
 
 # llama.cpp's Python binding, the reference of the GGUF rows and of check-quality: a source build (CPU,
-# a few minutes, once; pip keeps the built wheel). Not a dependency of the package.
-$(VENV)/.stamp-llamacpp: $(VENV)/.stamp-deps
-	$(PY) -m pip install --quiet -c requirements-build.txt llama-cpp-python==0.3.36
+# a few minutes, once). Not a dependency of the package. ggml's native detection is off and the host's
+# instruction sets are named one by one with AMX off (llamacpp_build.py): a native build on a CPU with AMX
+# crashed on its first eval. The bench prints the build it ran (llama_print_system_info).
+$(VENV)/.stamp-llamacpp: $(VENV)/.stamp-deps synflux_ros/bench/llamacpp_build.py
+	-$(PY) -m pip uninstall --quiet --yes llama-cpp-python
+	CMAKE_ARGS="$$($(PY) synflux_ros/bench/llamacpp_build.py)" $(PY) -m pip install --quiet --no-cache-dir \
+	    -c requirements-build.txt llama-cpp-python==0.3.36
 	touch $@
 
 llamacpp: $(VENV)/.stamp-llamacpp

