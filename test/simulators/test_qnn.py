@@ -182,26 +182,26 @@ def test_a_graph_set_with_int64_ids_is_refused_naming_the_file(int32_graph_sets,
 def test_options_are_validated(int32_graph_sets, monkeypatch):
     gdir = int32_graph_sets["vlm_demo"]
     m = metas(gdir, "decode_256")
-    with pytest.raises(ValueError, match=r"qnn executor: unknown option 'soc_modle'.*did you mean 'soc_model'"):
+    with pytest.raises(ValueError, match=r"qnn executor: executor\.options\.soc_modle: unknown field .*did you mean 'soc_model'"):
         build_executor("qnn", m, gdir, {"soc_modle": SOC})
-    with pytest.raises(ValueError, match=r"unknown option 'providers'"):  # the provider is QNN, always
+    with pytest.raises(ValueError, match=r"executor\.options\.providers: unknown field"):  # the provider is QNN, always
         build_executor("qnn", m, gdir, {**QNN, "providers": ["CPUExecutionProvider"]})
-    with pytest.raises(ValueError, match=r"unknown option 'optimized_model_dir'.*context_cache"):
+    with pytest.raises(ValueError, match=r"executor\.options\.optimized_model_dir: unknown field .*context_cache"):
         build_executor("qnn", m, gdir, {**QNN, "optimized_model_dir": "x"})
     for key, value, allowed in (("backend", "cpu", "htp, gpu"), ("precision", "int8", "fp32, fp16"),
                                 ("performance_mode", "turbo", "default, burst")):
-        with pytest.raises(ValueError, match=rf"{key} '{value}' is not allowed \(choices: {allowed}"):
+        with pytest.raises(ValueError, match=rf"executor\.options\.{key}: '{value}' is not allowed \(choices: {allowed}"):
             build_executor("qnn", m, gdir, {**QNN, key: value})
     for soc in ("43", 0, True):
-        with pytest.raises(ValueError, match=r"soc_model must be a QNN SoC id"):
+        with pytest.raises(ValueError, match=r"executor\.options\.soc_model: (expected an integer|0 is below the minimum 1)"):
             build_executor("qnn", m, gdir, {"soc_model": soc})
-    with pytest.raises(ValueError, match=r"provider_options must be a mapping"):
+    with pytest.raises(ValueError, match=r"executor\.options\.provider_options: expected a mapping"):
         build_executor("qnn", m, gdir, {**QNN, "provider_options": ["vtcm_mb"]})
-    with pytest.raises(ValueError, match=r"provider_options 'soc_model' is set by the executor's own options"):
+    with pytest.raises(ValueError, match=r"executor\.options\.provider_options\.soc_model: set by the executor's own options"):
         build_executor("qnn", m, gdir, {"provider_options": {"soc_model": "43"}, **QNN})
-    with pytest.raises(ValueError, match=r"context_cache must be true, false or a directory path"):
+    with pytest.raises(ValueError, match=r"executor\.options\.context_cache: expected true, false or a directory path"):
         build_executor("qnn", m, gdir, {**QNN, "context_cache": 3})
-    with pytest.raises(ValueError, match=r"intra_op_num_threads must be an integer"):
+    with pytest.raises(ValueError, match=r"executor\.options\.intra_op_num_threads: -1 is below the minimum 0"):
         build_executor("qnn", m, gdir, {**QNN, "intra_op_num_threads": -1})
     # the simulator needs the target SoC; a Snapdragon device detects it
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")

@@ -85,11 +85,11 @@ def test_registry_row_and_errors_without_a_runtime(tmp_path):
     assert resolve_executor_class("rknn") is rknn_backend.RKNNExecutor
     with pytest.raises(BackendUnavailableError, match=r"simulator_python .*does not exist; run `make rknn-venv`"):
         build_executor("rknn", [], str(tmp_path), {"runtime": "simulator", "simulator_python": "/nonexistent/python"})
-    with pytest.raises(ValueError, match=r"unknown option 'targte' .*did you mean 'target'\?"):
+    with pytest.raises(ValueError, match=r"executor\.options\.targte: unknown field .*did you mean 'target'\?"):
         build_executor("rknn", [], str(tmp_path), {"targte": "rk3588"})
-    with pytest.raises(ValueError, match=r"runtime 'npu' is not allowed \(choices: auto, board, simulator\)"):
+    with pytest.raises(ValueError, match=r"executor\.options\.runtime: 'npu' is not allowed \(choices: auto, board, simulator\)"):
         build_executor("rknn", [], str(tmp_path), {"runtime": "npu"})
-    with pytest.raises(ValueError, match=r"core_mask '3' is not allowed"):
+    with pytest.raises(ValueError, match=r"executor\.options\.core_mask: '3' is not allowed"):
         build_executor("rknn", [], str(tmp_path), {"runtime": "simulator", "core_mask": "3"})
     if not rknn_backend.board_runtime_available():
         import importlib.util

@@ -28,9 +28,12 @@ import time
 
 import numpy as np
 
+from ...core.config import ConfigError
 from ...core.executor import Executor, HostMemoryHooks
 from ...core.contract import GraphMeta
 from ...core.contract import TIME_MAX_PERIOD
+from ..options import parse_options
+from .options import FaultSpec, MockExecutorOptions
 
 _SUMMARY = 16  # readout features that drive logits / actions
 
@@ -38,28 +41,11 @@ _SUMMARY = 16  # readout features that drive logits / actions
 class _Fault:
     """One ``options.faults`` entry and how many matching calls it has seen."""
 
-    KINDS = ("raise", "nan", "inf")
-
-    def __init__(self, target: str, kind: str, every: int, first: int):
-        self.target, self.kind, self.every, self.first = target, kind, every, first
+    def __init__(self, spec: FaultSpec):
+        if not spec.graph:
+            raise ConfigError("mock executor: executor.options.faults: an entry names no graph")
+        self.target, self.kind, self.every, self.first = spec.graph, spec.kind, spec.every, spec.first
         self.calls = 0
-
-    @classmethod
-    def parse(cls, index: int, entry) -> "_Fault":
-        where = f"mock option faults[{index}]"
-        if not isinstance(entry, dict) or not entry.get("graph"):
-            raise ValueError(f"{where}: expected {{graph: <name, kind or group>, kind: ..., every: N, first: M}}, "
-                             f"got {entry!r}")
-        unknown = set(entry) - {"graph", "kind", "every", "first"}
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
-        kind = entry.get("kind", "raise")
-        if kind not in cls.KINDS:
-            raise ValueError(f"{where}.kind: {kind!r} is not one of {', '.join(cls.KINDS)}")
-        every, first = entry.get("every", 1), entry.get("first", 1)
-        if not (isinstance(every, int) and every >= 1 and isinstance(first, int) and first >= 1):
-            raise ValueError(f"{where}: every and first must be integers >= 1")
-        return cls(str(entry["graph"]), kind, every, first)
 
     def apply(self, meta: GraphMeta, outs: dict) -> None:
         if self.target not in (meta.name, meta.kind, meta.group):
@@ -79,17 +65,19 @@ class MockExecutor(HostMemoryHooks, Executor):
     """Runs any graph set without an accelerator: outputs of the contract's shapes, a deterministic function of
     the whole token prefix carried through the KV cache, with optional simulated device latency."""
     name = "mock"
+    options_type = MockExecutorOptions
     weight_dtypes = ("float32", "int8", "int4")  # runs no weights: any graph set's contract will do
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
         super().__init__(graphs, graph_dir, options)
         self._mem: dict[int, np.ndarray] = {}
         self._ids = itertools.count(1)
-        self.latency_ms: dict[str, float] = {str(k): float(v) for k, v in self.options.get("latency_ms", {}).items()}
+        opts = self.opts = parse_options(self.options_type, options, self.name, ignored=())
+        self.latency_ms: dict[str, float] = dict(opts.latency_ms)
         for key, value in self.latency_ms.items():
             if value < 0:
-                raise ValueError(f"mock latency_ms.{key}: must be >= 0, got {value}")
-        self.faults = [_Fault.parse(i, f) for i, f in enumerate(self.options.get("faults", []) or [])]
+                raise ConfigError(f"mock executor: executor.options.latency_ms.{key}: must be >= 0, got {value}")
+        self.faults = [_Fault(f) for f in opts.faults]
         rng = np.random.default_rng(1234)
         self._omega = rng.uniform(0.05, 1.7, size=_SUMMARY).astype(np.float32)
         self._amp = rng.uniform(0.5, 1.5, size=_SUMMARY).astype(np.float32)

@@ -137,12 +137,14 @@ from collections.abc import Mapping
 import numpy as np
 
 from ...graphset import reader as graphset, writer as graphset_writer
-from ...core.config import choices_hint
+from ...core.config import ConfigError
 from ..binding import HostBufferHooks, Port, binding_plan
 from ...core.executor import Executor
 from ...core.contract import GraphMeta
 from ...graphset.reader import GraphSetError, GraphSetNotFoundError
+from ..options import parse_options
 from . import fusions as ort_fusions
+from .options import DEFAULTS, OnnxRuntimeExecutorOptions
 
 _LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
            "all": "ORT_ENABLE_ALL"}
@@ -159,11 +161,6 @@ _ONNX_STORAGE = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int
                  9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64, 16: np.uint16,
                  17: np.uint8, 18: np.uint8, 19: np.uint8, 20: np.uint8}
 
-_OPTIONS = ("providers", "intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level",
-            "optimized_model_dir", "share_weights", "prepack", "mmap_weights", "allow_spinning",
-            "matmulnbits_accuracy_level", "fusions", "thread_pool")
-_THREAD_POOLS = ("session", "shared")
-_IGNORED_OPTIONS = ("latency_ms",)  # the mock's simulated latency; the factory passes it to every backend
 
 _CACHE_KEY = "ort_optimized"
 _QUANTIZED_DISABLED_OPTIMIZERS = ["MatMulAddFusion"]
@@ -263,62 +260,51 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
     weight_dtypes: tuple[str, ...] = ("float32", "int8", "int4")
     """Quantized sets (``synflux-build --weights``): DequantizeLinear + MatMul, fused by ORT's optimiser
     (level ``extended``/``all``) into ``com.microsoft.MatMulNBits``."""
-    option_names: tuple[str, ...] = _OPTIONS
-    """The options this executor takes (a subclass running ORT with another execution provider narrows or
-    extends them; an option it does not list keeps its default)."""
+    options_type: type = OnnxRuntimeExecutorOptions
+    """The dataclass ``executor.options`` is read into (a subclass running ORT with another execution provider
+    narrows or extends it; an option its type leaves out keeps its default)."""
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
         super().__init__(graphs, graph_dir, options)
         import onnxruntime as ort
 
         self._ort = ort
-        opts = self.options
-        unknown = sorted(set(opts) - set(self.option_names) - set(_IGNORED_OPTIONS))
-        if unknown:
-            key = unknown[0]
-            raise ValueError(f"{self.name} executor: unknown option {key!r}{choices_hint(key, self.option_names)}")
-        self.providers = self._parse_providers(opts.get("providers", ["CPUExecutionProvider"]))
-        self.intra_op_num_threads = self._int_option("intra_op_num_threads")
-        self.inter_op_num_threads = self._int_option("inter_op_num_threads")
-        level = opts.get("graph_optimization_level", "all")
-        if level not in _LEVELS:
-            raise ValueError(f"onnxruntime executor: graph_optimization_level {level!r} is not allowed "
-                             f"(choices: {', '.join(_LEVELS)})")
-        self.graph_optimization_level = level
-        self.share_weights = self._bool_option("share_weights", True)
-        self.mmap_weights = self._bool_option("mmap_weights", False)
-        # With a pool per graph (thread_pool: session), spinning pools of graphs that just ran (a prefill)
-        # keep the cores busy while the next graph (a decode) needs them: measured 2x slower decode steps
-        # after a prefill on a 2-core machine. Off by default; turn on where cores are plentiful.
-        self.allow_spinning = self._bool_option("allow_spinning", False)
-        self.thread_pool = opts.get("thread_pool", "session")
-        if self.thread_pool not in _THREAD_POOLS:
-            raise ValueError(f"onnxruntime executor: thread_pool {self.thread_pool!r} is not allowed "
-                             f"(choices: {', '.join(_THREAD_POOLS)})")
-        if self.thread_pool == "shared" and opts.get("allow_spinning") is False:
-            raise ValueError("onnxruntime executor: thread_pool: shared always spins (onnxruntime's Python API "
-                             "creates the process pool with spinning on); remove allow_spinning: false, or use "
-                             "thread_pool: session")
-        level_nbits = opts.get("matmulnbits_accuracy_level")
-        if level_nbits is not None and (isinstance(level_nbits, bool) or level_nbits not in (0, 1, 2, 3, 4)):
-            raise ValueError(f"onnxruntime executor: matmulnbits_accuracy_level must be 0..4, got {level_nbits!r}")
-        self.matmulnbits_accuracy_level = level_nbits
-        # MatMulNBits (quantized sets) runs only from its prepacked weights at speed: 80-90 ms against 2-3 ms
-        # a decode step on a hidden-512 8-layer model without them; so quantized sets prepack by default.
-        prepack = opts.get("prepack", not self.share_weights or _quantized_set(graph_dir))
+        opts = self.opts = parse_options(self.options_type, options, self.name)
+
+        def get(name):  # an option a narrower options type (qnn's) leaves out keeps its default
+            return getattr(opts, name, getattr(DEFAULTS, name))
+
+        self.providers = self._parse_providers(get("providers"))
+        self.intra_op_num_threads = opts.intra_op_num_threads
+        self.inter_op_num_threads = opts.inter_op_num_threads
+        self.graph_optimization_level = opts.graph_optimization_level
+        self.share_weights = opts.share_weights
+        self.mmap_weights = opts.mmap_weights
+        self.allow_spinning = bool(opts.allow_spinning)
+        self.thread_pool = get("thread_pool")
+        if self.thread_pool == "shared" and opts.allow_spinning is False:
+            raise ConfigError("onnxruntime executor: executor.options.allow_spinning: thread_pool: shared always "
+                              "spins (onnxruntime's Python API creates the process pool with spinning on); remove "
+                              "allow_spinning: false, or use thread_pool: session")
+        self.matmulnbits_accuracy_level = get("matmulnbits_accuracy_level")
+        # MatMulNBits (quantized sets) runs at speed only from its prepacked weights, so quantized sets prepack
+        # by default.
+        prepack = get("prepack")
+        if prepack is None:
+            prepack = not self.share_weights or _quantized_set(graph_dir)
         if isinstance(prepack, bool):
             self._prepack: bool | frozenset = prepack
         elif isinstance(prepack, (list, tuple)) and all(isinstance(p, str) for p in prepack):
             self._prepack = frozenset(prepack)
         else:
-            raise ValueError(f"onnxruntime executor: prepack must be true, false or a list of graph names, kinds "
-                             f"or groups, got {prepack!r}")
-        self.optimized_model_dir = str(opts.get("optimized_model_dir") or "")
+            raise ConfigError(f"onnxruntime executor: executor.options.prepack: expected true, false or a list of "
+                              f"graph names, kinds or groups, got {prepack!r}")
+        self.optimized_model_dir = str(get("optimized_model_dir") or "")
         if self.optimized_model_dir and any(n == "TensorrtExecutionProvider" for n, _ in self.providers):
-            raise ValueError("onnxruntime executor: optimized_model_dir cannot be used with the TensorRT execution "
-                             "provider (ORT cannot save compiled TensorRT nodes); use its engine cache instead "
-                             "(provider options trt_engine_cache_enable / trt_engine_cache_path)")
-        self.fusions = ort_fusions.parse(opts.get("fusions", False))
+            raise ConfigError("onnxruntime executor: executor.options.optimized_model_dir cannot be used with the "
+                              "TensorRT execution provider (ORT cannot save compiled TensorRT nodes); use its engine "
+                              "cache instead (provider options trt_engine_cache_enable / trt_engine_cache_path)")
+        self.fusions = ort_fusions.parse(get("fusions"))
         self._cpu_only = all(n == "CPUExecutionProvider" for n, _ in self.providers)
         self._load_dir = graph_dir
         self._from_cache = False
@@ -330,17 +316,12 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         self._affine = None  # ort_quant.AffineWeights of a set with carried Q4_1 weights (made at load)
 
     # ------------------------------------------------------------------ options
-    def _bool_option(self, key: str, default: bool) -> bool:
-        value = self.options.get(key, default)
-        if not isinstance(value, bool):
-            raise ValueError(f"onnxruntime executor: {key} must be true or false, got {value!r}")
-        return value
-
     def _parse_providers(self, value) -> list[tuple[str, dict]]:
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, (list, tuple)) or not value:
-            raise ValueError(f"onnxruntime executor: providers must be a non-empty list, got {value!r}")
+            raise ConfigError(f"onnxruntime executor: executor.options.providers: expected a non-empty list, got "
+                              f"{value!r}")
         available = self._ort.get_available_providers()
         out = []
         for entry in value:
@@ -350,10 +331,11 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
                   and isinstance(entry[1], dict)):
                 name, popts = entry[0], dict(entry[1])
             else:
-                raise ValueError(f"onnxruntime executor: a provider is a name or [name, {{options}}], got {entry!r}")
+                raise ConfigError(f"onnxruntime executor: executor.options.providers: a provider is a name or "
+                                  f"[name, {{options}}], got {entry!r}")
             if name not in available:
-                raise ValueError(
-                    f"onnxruntime executor: execution provider {name!r} is not available in this onnxruntime build "
+                raise ConfigError(
+                    f"onnxruntime executor: executor.options.providers: execution provider {name!r} is not available in this onnxruntime build "
                     f"({self._ort.__version__}; available: {', '.join(available)}). CUDA and TensorRT need the "
                     f"onnxruntime-gpu package and a matching CUDA/TensorRT installation")
             out.append((name, popts))

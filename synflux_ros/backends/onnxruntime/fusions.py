@@ -59,6 +59,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ...core.config import choices_hint
 from ...graphset import reader as graphset
 
 FUSIONS = ("rms_norm", "skip_rms_norm", "rotary", "attention")
@@ -90,11 +91,11 @@ def parse(value) -> tuple[str, ...]:
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         unknown = [v for v in value if v not in FUSIONS]
         if unknown:
-            raise ValueError(f"onnxruntime executor: fusions: unknown fusion {unknown[0]!r} "
-                             f"(choices: {', '.join(FUSIONS)})")
+            raise ValueError(f"onnxruntime executor: executor.options.fusions: unknown fusion {unknown[0]!r}"
+                             f"{choices_hint(unknown[0], FUSIONS)}")
         return tuple(f for f in FUSIONS if f in value)
-    raise ValueError(f"onnxruntime executor: fusions must be true, false or a list of {', '.join(FUSIONS)}, "
-                     f"got {value!r}")
+    raise ValueError(f"onnxruntime executor: executor.options.fusions: expected true, false or a list of "
+                     f"{', '.join(FUSIONS)}, got {value!r}")
 
 
 def versions() -> dict:

@@ -66,14 +66,13 @@ import numpy as np
 
 from ...graphset import reader as graphset
 from ..binding import HostBufferHooks, Port, binding_plan
-from ...core.config import choices_hint
+from ...core.config import ConfigError
 from ...core.executor import Executor
 from ...core.contract import GraphMeta
 from ...graphset.reader import GraphSetError, GraphSetNotFoundError
+from ..options import parse_options
+from .options import OpenVINOExecutorOptions
 
-_OPTIONS = ("device", "precision", "cache_dir", "num_streams", "inference_num_threads", "properties")
-_IGNORED_OPTIONS = ("latency_ms",)  # the mock's simulated latency; the factory passes it to every backend
-_PRECISIONS = ("f32", "f16", "bf16", "default")
 _DEFAULT_PRECISION = {"CPU": "f32"}  # every other device: f16
 _VIRTUAL_DEVICES = ("AUTO", "MULTI", "HETERO", "BATCH")
 _DRIVER_HINT = ("GPU needs the Intel GPU driver (compute runtime), NPU the Intel NPU driver; "
@@ -109,43 +108,28 @@ class OpenVINOExecutor(HostBufferHooks, Executor):
     and output set to the static buffers (see the module docstring)."""
     name = "openvino"
     runtime_label = "OpenVINO"
+    options_type = OpenVINOExecutorOptions
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
         super().__init__(graphs, graph_dir, options)
         import openvino as ov
 
         self._ov = ov
-        opts = self.options
-        unknown = sorted(set(opts) - set(_OPTIONS) - set(_IGNORED_OPTIONS))
-        if unknown:
-            key = unknown[0]
-            raise ValueError(f"openvino executor: unknown option {key!r}{choices_hint(key, _OPTIONS)}")
+        opts = self.opts = parse_options(self.options_type, options, self.name)
         self.core = ov.Core()
-        device = opts.get("device", "CPU")
-        if not isinstance(device, str) or not device.strip():
-            raise ValueError(f"openvino executor: device must be a device name such as CPU, GPU, NPU or AUTO, "
-                             f"got {device!r}")
-        self.device = device.strip()
+        if not opts.device.strip():
+            raise ConfigError("openvino executor: executor.options.device: expected a device name such as CPU, GPU, "
+                              "NPU or AUTO, got ''")
+        self.device = opts.device.strip()
         self._hardware = self._check_device(self.device)
-        precision = opts.get("precision")
-        if precision is not None and precision not in _PRECISIONS:
-            raise ValueError(f"openvino executor: precision {precision!r} is not allowed"
-                             f"{choices_hint(precision, _PRECISIONS)}")
-        self.precision = precision
-        self.num_streams = self._int_option("num_streams")
-        self.inference_num_threads = self._int_option("inference_num_threads")
+        self.precision = opts.precision
+        self.num_streams = opts.num_streams
+        self.inference_num_threads = opts.inference_num_threads
         if self.inference_num_threads and "CPU" not in self._hardware:
-            raise ValueError(f"openvino executor: inference_num_threads sets CPU threads, but device "
-                             f"{self.device!r} does not use the CPU")
-        props = opts.get("properties") or {}
-        if not isinstance(props, dict) or not all(isinstance(k, str) for k in props):
-            raise ValueError(f"openvino executor: properties must be a mapping of OpenVINO property names to "
-                             f"values, got {props!r}")
-        self.properties = dict(props)
-        cache_dir = opts.get("cache_dir") or ""
-        if not isinstance(cache_dir, str):
-            raise ValueError(f"openvino executor: cache_dir must be a directory path, got {cache_dir!r}")
-        self.cache_dir = cache_dir
+            raise ConfigError(f"openvino executor: executor.options.inference_num_threads sets CPU threads, but "
+                              f"device {self.device!r} does not use the CPU")
+        self.properties = dict(opts.properties)
+        self.cache_dir = opts.cache_dir or ""
         self.compile_config = self._compile_config()
         self._cache_path = ""
 

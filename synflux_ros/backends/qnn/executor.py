@@ -62,18 +62,12 @@ import shutil
 import threading
 
 from ...graphset import reader as graphset, writer as graphset_writer
-from ...core.config import choices_hint
+from ...core.config import ConfigError
 from ...core.contract import GraphMeta
 from ...graphset.reader import GraphSetError
 from ..onnxruntime.executor import OnnxRuntimeExecutor
+from .options import QNNExecutorOptions
 
-_ORT_OPTIONS = ("intra_op_num_threads", "inter_op_num_threads", "graph_optimization_level", "share_weights",
-                "mmap_weights", "allow_spinning")
-_QNN_OPTIONS = ("backend", "precision", "soc_model", "performance_mode", "context_cache", "provider_options")
-_BACKENDS = ("htp", "gpu")
-_PRECISIONS = ("fp32", "fp16")
-_PERFORMANCE_MODES = ("default", "burst", "balanced", "high_performance", "sustained_high_performance",
-                      "power_saver", "low_power_saver", "high_power_saver", "low_balanced", "extreme_power_saver")
 # Provider options the executor sets from its own options (not to be given again in provider_options).
 _OWN_PROVIDER_KEYS = ("backend_type", "backend_path", "soc_model", "enable_htp_fp16_precision",
                       "htp_performance_mode")
@@ -109,43 +103,38 @@ class QNNExecutor(graphset.ChecksWeightFormat, OnnxRuntimeExecutor):
     provider; buffers, binding and weights as :class:`OnnxRuntimeExecutor` (see the module docstring)."""
     name = "qnn"
     weight_dtypes: tuple[str, ...] = ("float32",)  # quantized sets (--weights) are ORT-CPU only for now
-    option_names = _ORT_OPTIONS + _QNN_OPTIONS
+    options_type = QNNExecutorOptions
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
         super().__init__(graphs, graph_dir, options)
         import onnxruntime_qnn
 
         self._qnn = onnxruntime_qnn
-        opts = self.options
-        self.backend = self._choice("backend", _BACKENDS, "htp")
-        self.precision = self._choice("precision", _PRECISIONS, "fp32")
-        self.performance_mode = self._choice("performance_mode", _PERFORMANCE_MODES, "default")
-        soc = opts.get("soc_model")
-        if soc is not None and (isinstance(soc, bool) or not isinstance(soc, int) or soc <= 0):
-            raise ValueError(f"qnn executor: soc_model must be a QNN SoC id (a positive integer, e.g. 43 for "
-                             f"SM8550), got {soc!r}")
+        opts = self.opts
+        self.backend = opts.backend
+        self.precision = opts.precision
+        self.performance_mode = opts.performance_mode
+        soc = opts.soc_model
         self.soc_model: int | None = soc
         if self.backend == "htp" and soc is None and platform.machine().lower() in _SIMULATOR_HOSTS:
-            raise ValueError("qnn executor: on an x86-64 host the HTP backend is Qualcomm's simulator, which "
-                             "needs the target SoC: set executor.options.soc_model (e.g. 43 = SM8550, "
-                             "57 = SM8650, 69 = SM8750); on a Snapdragon device the HTP backend reads it from "
-                             "the device")
-        extra = opts.get("provider_options") or {}
-        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
-            raise ValueError(f"qnn executor: provider_options must be a mapping of QNN provider option names to "
-                             f"values, got {extra!r}")
+            raise ConfigError("qnn executor: on an x86-64 host the HTP backend is Qualcomm's simulator, which "
+                              "needs the target SoC: set executor.options.soc_model (e.g. 43 = SM8550, "
+                              "57 = SM8650, 69 = SM8750); on a Snapdragon device the HTP backend reads it from "
+                              "the device")
+        extra = opts.provider_options
         taken = sorted(set(extra) & set(_OWN_PROVIDER_KEYS))
         if taken:
-            raise ValueError(f"qnn executor: provider_options {taken[0]!r} is set by the executor's own options "
-                             f"(backend, soc_model, precision, performance_mode)")
+            raise ConfigError(f"qnn executor: executor.options.provider_options.{taken[0]}: set by the executor's "
+                              f"own options (backend, soc_model, precision, performance_mode)")
         self.provider_options = self._provider_options(extra)
-        cache = opts.get("context_cache", False)
+        cache = opts.context_cache
         if cache is True:
             cache = _CONTEXT_DIR
         if cache is False or cache is None:
             cache = ""
         if not isinstance(cache, str):
-            raise ValueError(f"qnn executor: context_cache must be true, false or a directory path, got {cache!r}")
+            raise ConfigError(f"qnn executor: executor.options.context_cache: expected true, false or a directory "
+                              f"path, got {cache!r}")
         self.context_cache = cache
         self._ep_name = onnxruntime_qnn.get_ep_name()
         self.providers = [(self._ep_name, dict(self.provider_options))]
@@ -154,12 +143,6 @@ class QNNExecutor(graphset.ChecksWeightFormat, OnnxRuntimeExecutor):
         self._context_path = ""
 
     # ------------------------------------------------------------------ options
-    def _choice(self, key: str, choices: tuple[str, ...], default: str) -> str:
-        value = self.options.get(key, default)
-        if value not in choices:
-            raise ValueError(f"qnn executor: {key} {value!r} is not allowed{choices_hint(value, choices)}")
-        return value
-
     def _provider_options(self, extra: dict) -> dict[str, str]:
         """The QNN provider options (ORT takes them as strings)."""
         opts = {"backend_type": self.backend,

@@ -52,20 +52,17 @@ import weakref
 import numpy as np
 
 from ...graphset import reader as graphset
-from ...core.config import choices_hint
+from ...core.config import ConfigError, choices_hint
 from ...core.executor import Executor, HostMemoryHooks, ShapeError
 from ...core.contract import GraphMeta
 from ...graphset.reader import GraphSetError, GraphSetNotFoundError
 from .. import BackendUnavailableError
+from ..options import parse_options
+from .options import CORE_MASKS, RKNNExecutorOptions
 
 SIDECAR = "rknn.json"
 FORMAT = "synflux-rknn/1"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
-RUNTIMES = ("auto", "board", "simulator")
-CORE_MASKS = {"auto": "NPU_CORE_AUTO", "0": "NPU_CORE_0", "1": "NPU_CORE_1", "2": "NPU_CORE_2",
-              "0_1": "NPU_CORE_0_1", "0_1_2": "NPU_CORE_0_1_2", "all": "NPU_CORE_ALL"}
-_OPTIONS = ("target", "runtime", "simulator_python", "core_mask", "check_toolkit_version")
-_IGNORED_OPTIONS = ("latency_ms",)  # the mock's simulated latency; the factory passes it to every backend
 _ALIGNMENT = 64
 DTYPES = ("fp16", "int8")  # of a compiled graph (synflux_ros/build/rknn.py)
 
@@ -309,36 +306,24 @@ class RKNNExecutor(graphset.ChecksWeightFormat, HostMemoryHooks, Executor):
 
     name = "rknn"
     alloc_is_zeroed = True
+    options_type = RKNNExecutorOptions
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
         super().__init__(graphs, graph_dir, options)
-        opts = self.options
-        unknown = sorted(set(opts) - set(_OPTIONS) - set(_IGNORED_OPTIONS))
-        if unknown:
-            key = unknown[0]
-            raise ValueError(f"rknn executor: unknown option {key!r}{choices_hint(key, _OPTIONS)}")
-        runtime = opts.get("runtime", "auto")
-        if runtime not in RUNTIMES:
-            raise ValueError(f"rknn executor: runtime {runtime!r} is not allowed (choices: {', '.join(RUNTIMES)})")
+        opts = self.opts = parse_options(self.options_type, options, self.name)
+        runtime = opts.runtime
         if runtime == "auto":
             runtime = "board" if board_runtime_available() else "simulator"
         self.runtime = runtime
-        core_mask = str(opts.get("core_mask", "auto"))
-        if core_mask not in CORE_MASKS:
-            raise ValueError(f"rknn executor: core_mask {core_mask!r} is not allowed "
-                             f"(choices: {', '.join(CORE_MASKS)})")
-        self.core_mask = core_mask
-        check = opts.get("check_toolkit_version", True)
-        if not isinstance(check, bool):
-            raise ValueError(f"rknn executor: check_toolkit_version must be true or false, got {check!r}")
-        self.check_toolkit_version = check
-        target = opts.get("target", "")
-        if not isinstance(target, str):
-            raise ValueError(f"rknn executor: target must be a string such as 'rk3588', got {target!r}")
-        self.target = target
+        self.core_mask = str(opts.core_mask)
+        if self.core_mask not in CORE_MASKS:
+            raise ConfigError(f"rknn executor: executor.options.core_mask: {opts.core_mask!r} is not allowed"
+                              f"{choices_hint(self.core_mask, CORE_MASKS)}")
+        self.check_toolkit_version = opts.check_toolkit_version
+        self.target = opts.target
         self.simulator_python = ""
         if self.runtime == "simulator":
-            self.simulator_python = self._find_simulator_python(opts.get("simulator_python", ""))
+            self.simulator_python = self._find_simulator_python(opts.simulator_python)
         elif importlib.util.find_spec("rknnlite") is None:
             raise BackendUnavailableError(
                 "rknn executor: runtime 'board' needs rknn-toolkit-lite2 (module rknnlite) and librknnrt.so: "

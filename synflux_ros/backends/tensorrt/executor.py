@@ -51,9 +51,10 @@ import numpy as np
 from ...graphset import reader as graphset
 from ...core.executor import Executor
 from ...core.contract import GraphMeta
+from ..options import parse_options
 from . import plan
+from .options import TensorRTExecutorOptions
 
-PRECISIONS = ("fp32", "fp16", "int8")
 MAX_CUDA_GRAPHS = 64
 MIN_VERSION = (10, 1)
 """``set_device_memory(ptr, size)`` and the per-profile memory sizes came with TensorRT 10.1 (JetPack 6.1)."""
@@ -88,27 +89,16 @@ class _Engine:
 class TensorRTExecutor(graphset.ChecksWeightFormat, Executor):
     name = "tensorrt"
     runtime_label = "TensorRT"
+    options_type = TensorRTExecutorOptions
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
         super().__init__(graphs, graph_dir, options)
-        opts = self.options
-        unknown = set(opts) - {"precision", "dla_core", "engine_dir", "device", "cuda_graphs", "module"}
-        if unknown:
-            raise ValueError(f"tensorrt executor: unknown options {sorted(unknown)} (known: precision, dla_core, "
-                             f"engine_dir, device, cuda_graphs, module)")
-        self.precision = opts.get("precision", "fp16")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"tensorrt executor: precision must be one of {', '.join(PRECISIONS)}, "
-                             f"got {self.precision!r}")
-        self.dla_core = opts.get("dla_core")
-        if self.dla_core is not None and (isinstance(self.dla_core, bool) or not isinstance(self.dla_core, int)
-                                          or self.dla_core < 0):
-            raise ValueError(f"tensorrt executor: dla_core must be an integer >= 0 or null, got {self.dla_core!r}")
-        self.device = self._int_option("device")
-        self.cuda_graphs = opts.get("cuda_graphs", False)
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"tensorrt executor: cuda_graphs must be true or false, got {self.cuda_graphs!r}")
-        self.trt = importlib.import_module(opts.get("module", "tensorrt"))
+        opts = self.opts = parse_options(self.options_type, options, self.name)
+        self.precision = opts.precision
+        self.dla_core = opts.dla_core
+        self.device = opts.device
+        self.cuda_graphs = opts.cuda_graphs
+        self.trt = importlib.import_module(opts.module)
         from cuda.bindings import runtime as cudart
         self.cudart = cudart
         self._engines: dict[str, _Engine] = {}
@@ -143,7 +133,7 @@ class TensorRTExecutor(graphset.ChecksWeightFormat, Executor):
 
     # ------------------------------------------------------------------ load
     def engine_dir(self, sm: str) -> str:
-        explicit = self.options.get("engine_dir")
+        explicit = self.opts.engine_dir
         if explicit:
             return explicit if os.path.isabs(explicit) else os.path.join(self.graph_dir, explicit)
         return os.path.join(self.graph_dir, "tensorrt", plan.device_tag(sm, self.dla_core, self.precision))

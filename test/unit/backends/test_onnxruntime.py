@@ -243,13 +243,16 @@ def test_bad_manifest_and_options(tmp_path, gset):
         build_executor("onnxruntime", metas, str(tmp_path)).load()
     with pytest.raises(ValueError, match=r"'NoSuchExecutionProvider' is not available.*available: .*CPU"):
         build_executor("onnxruntime", metas, str(out_dir), {"providers": ["NoSuchExecutionProvider"]})
-    with pytest.raises(ValueError, match=r"unknown option 'share_weight'.*did you mean 'share_weights'"):
+    with pytest.raises(ValueError, match=r"executor\.options\.share_weight: unknown field .*did you mean "
+                                         r"'share_weights'"):
         build_executor("onnxruntime", metas, str(out_dir), {"share_weight": False})
-    with pytest.raises(ValueError, match=r"graph_optimization_level 'max'.*choices: disable, basic, extended, all"):
+    with pytest.raises(ValueError, match=r"executor\.options\.graph_optimization_level: 'max'.*choices: disable, basic, "
+                                         r"extended, all"):
         build_executor("onnxruntime", metas, str(out_dir), {"graph_optimization_level": "max"})
-    with pytest.raises(ValueError, match=r"intra_op_num_threads"):
+    with pytest.raises(ValueError, match=r"executor\.options\.intra_op_num_threads: -1 is below the minimum 0"):
         build_executor("onnxruntime", metas, str(out_dir), {"intra_op_num_threads": -1})
-    with pytest.raises(ValueError, match=r"thread_pool 'global' is not allowed \(choices: session, shared\)"):
+    with pytest.raises(ValueError, match=r"executor\.options\.thread_pool: 'global' is not allowed \(choices: session, "
+                                         r"shared\)"):
         build_executor("onnxruntime", metas, str(out_dir), {"thread_pool": "global"})
     with pytest.raises(ValueError, match=r"thread_pool: shared always spins.*remove allow_spinning: false"):
         build_executor("onnxruntime", metas, str(out_dir), {"thread_pool": "shared", "allow_spinning": False})

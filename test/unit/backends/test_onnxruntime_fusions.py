@@ -487,7 +487,7 @@ def test_missing_onnxscript_is_named_with_the_install_command(tmp_path, monkeypa
 
 @pytest.mark.parametrize("value, error", [
     (["rotary", "flash"], r"fusions: unknown fusion 'flash' \(choices: rms_norm, skip_rms_norm, rotary, attention\)"),
-    ("yes", r"fusions must be true, false or a list"),
+    ("yes", r"executor.options.fusions: expected true, false or a list"),
 ])
 def test_bad_fusions_values_are_named(value, error):
     metas = graph_set(config())

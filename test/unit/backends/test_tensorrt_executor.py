@@ -161,7 +161,7 @@ def test_stand_in_missing_engines_name_the_file_and_the_build_command(fake_devic
                                            r"is missing; build them on this device with: synflux-build .*--backend tensorrt"):
         create_executor(cfg).load()
     bad = cfg.with_overrides(executor={"backend": "tensorrt", "graph_dir": out, "options": {"precision": "fp8"}})
-    with pytest.raises(ValueError, match="precision must be one of fp32, fp16, int8"):
+    with pytest.raises(ValueError, match=r"executor\.options\.precision: 'fp8' is not allowed \(choices: fp32, fp16, int8\)"):
         create_executor(bad)
 
 

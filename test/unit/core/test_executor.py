@@ -397,11 +397,11 @@ def test_factory_uses_the_config_graph_set_and_manifest(tmp_path):
 
 def test_factory_passes_latency_to_the_backend():
     cfg = load_config(str(CONFIG_DIR / "vlm_demo.yaml")).with_overrides(
-        executor={"latency_ms": {"decode": 2.5}, "options": {"x": 1}})
+        executor={"latency_ms": {"decode": 2.5}, "options": {"device": "NPU"}})
     ex = create_executor(cfg)
     assert ex.loaded and isinstance(ex, MockExecutor)
     assert ex.latency_ms == {"decode": 2.5}
-    assert ex.options["x"] == 1
+    assert ex.options["device"] == "NPU"
 
 
 # ------------------------------------------------------------------ registry
@@ -457,6 +457,6 @@ def test_mock_module_is_imported_only_when_resolved():
 
 
 def test_build_executor_returns_an_unloaded_instance():
-    ex = build_executor("mock", [add_graph("a", group="x")], graph_dir="/d", options={"k": 1})
+    ex = build_executor("mock", [add_graph("a", group="x")], graph_dir="/d", options={"device": "x"})
     assert isinstance(ex, MockExecutor) and isinstance(ex, Executor)
-    assert not ex.loaded and ex.graph_dir == "/d" and ex.options == {"k": 1}
+    assert not ex.loaded and ex.graph_dir == "/d" and ex.options == {"device": "x"}

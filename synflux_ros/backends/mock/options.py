@@ -1,0 +1,35 @@
+"""``executor.options`` of the mock executor: simulated latency and injected faults."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...core.config import _spec
+
+
+FAULT_KINDS = ("raise", "nan", "inf")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    """One ``faults`` entry: which graphs it hits, how, and on which calls."""
+    graph: str = _spec(doc="a graph name, kind or group")
+    kind: str = _spec("raise", choices=FAULT_KINDS, doc="raise fails the call as a device error would; nan/inf fill "
+                                                        "the graph's floating-point outputs")
+    every: int = _spec(1, min=1, doc="hit every N-th matching call")
+    first: int = _spec(1, min=1, doc="the first matching call hit (1-based, counted per entry)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MockExecutorOptions:
+    """``executor.options`` of ``executor: mock``."""
+    latency_ms: dict[str, float] = _spec(
+        default_factory=dict,
+        doc="simulated device time per graph name, graph kind (prefill) or group; a call then takes at least that "
+            "long (a sleep, which releases the GIL as a device wait does). Also executor.latency_ms in the config")
+    faults: tuple[FaultSpec, ...] = _spec(
+        default_factory=tuple,
+        doc="injected device faults: a list of {graph: G, kind: K, every: N, first: M} (G a graph name, kind or "
+            "group; K one of raise, nan, inf), hitting calls M, M+N, M+2N, ... (1-based, counted per entry; "
+            "defaults every 1, first 1). raise fails the call as a device error would; nan/inf fill the graph's "
+            "floating-point outputs")
+    device: str = _spec("", doc="a device name the executor reports (device_of), for placement tests")
