@@ -90,7 +90,7 @@ $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
 # failures that follow come from a full disk, which the first line says.
 TEST_DIRS := unit integration parity simulators gpu launch
 TEST_DISK_GIB := 4
-test: install rknn-venv pi0ref-venv docs
+test: install rknn-venv pi0ref-venv docs sim-venv
 	@mkdir -p $(BUILD); free=$$(df -Pk $(BUILD) | awk 'NR==2 {print int($$4 / 1048576)}'); [ "$$free" -ge $(TEST_DISK_GIB) ] || \
 	  echo "make test: WARNING: $$free GiB free on the disk of $(abspath $(BUILD)); the tests write about \
 	$(TEST_DISK_GIB) GiB there, and a full disk makes them fail"
@@ -105,6 +105,19 @@ test: install rknn-venv pi0ref-venv docs
 	  echo "== NPU simulator tests (marker simulator), run beside the others =="; \
 	  cat $(abspath $(BUILD))/test-simulators.log; \
 	  [ $$rc -eq 0 ] && [ $$sim_rc -eq 0 ]
+
+# The simulated robot (synflux_ros/sim, sim_robot_node): mujoco in .venv, and a headless OpenGL for its camera.
+# synflux_ros/sim/gl.py renders one frame with EGL, then with OSMesa, and prints the backend that worked; where
+# neither works and libOSMesa is missing, Debian's libosmesa6 is installed (apt-get, as root) and it must work.
+.PHONY: sim-venv
+sim-venv: $(VENV)/.stamp-sim
+
+$(VENV)/.stamp-sim: requirements-sim.txt synflux_ros/sim/gl.py | $(VENV)/.stamp-deps
+	$(PY) -m pip install --quiet -r requirements-sim.txt
+	$(PY) synflux_ros/sim/gl.py 2>/dev/null || { ldconfig -p | grep -q libOSMesa || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libosmesa6; }; \
+	  $(PY) synflux_ros/sim/gl.py; }
+	touch $@
 
 # The documentation site (mkdocs, in a venv of its own): docs/benchmarks.md must be what the benchmarks' JSONL
 # gives, and the site must build with --strict (a broken link or a missing page fails); out: build/site.

@@ -20,9 +20,10 @@ ROOMS = {
     "backends": {"core", "graphset"},
     "model": {"core"},
     "runtimes": {"core", "graphset", "backends", "model"},
-    "nodes": {"core", "model", "runtimes", "msg", "srv"},
+    "sim": {"core"},
+    "nodes": {"core", "model", "runtimes", "sim", "msg", "srv"},
     "build": {"core", "graphset", "backends", "model", "runtimes"},
-    "tools": {"core", "graphset", "backends", "model", "runtimes", "build", "nodes", "msg", "srv"},
+    "tools": {"core", "graphset", "backends", "model", "runtimes", "sim", "build", "nodes", "msg", "srv"},
     "bench": {"core", "graphset", "backends", "model", "runtimes", "build", "nodes", "tools", "msg", "srv"},
 }
 # A backend folder's build step (backends/<name>/build*.py, compile.py) runs in synflux-build: it may use the
