@@ -218,8 +218,8 @@ def shared_pool_rows(path: str, work: str, input_len: int, output_len: int, thre
 def table(title: str, rows: list) -> None:
     """One table: a line per engine, or per failed engine why it failed."""
     print(f"\n  {title}")
-    print_table(rows, (("TTFT/prefill ms", "prefill_ms", 15, ".2f"), ("decode ms/tok", "decode_ms_per_token", 14, ".2f"),
-                       ("tok/s", "tokens_per_s", 8, ".1f")))
+    print_table(rows, (("TTFT/prefill ms", "prefill_ms", 15, ".2f"),
+                       ("decode ms/tok", "decode_ms_per_token", 14, ".2f"), ("tok/s", "tokens_per_s", 8, ".1f")))
 
 
 def speed_target(tables, prefix: str, ref: str, what: str) -> bool | None:
@@ -286,7 +286,7 @@ def bench(path: str, work: str, input_len: int, output_len: int, threads: int, r
     try:
         shared = call("synflux_ros.bench.gguf:shared_pool_rows",
                       {"path": path, "work": work, "input_len": input_len, "output_len": output_len,
-                       "threads": threads, "repeats": repeats}, "the shared-pool table", timeout=None)
+                       "threads": threads, "repeats": repeats}, "the shared-pool table", timeout=3600)
     except PeerFailure as exc:
         shared = [failed_row("(the shared-pool table)", exc)]
     name = _stem(path)

@@ -52,7 +52,7 @@ CPU_OPTIONS = {
 
 def _reference(args, *argv: str) -> dict:
     """``lerobot_pi0.py`` in the LeRobot venv, its JSON answer; :class:`PeerFailure` when it fails."""
-    return run_json([args.ref_python, args.ref_script, *argv], f"LeRobot {argv[0]}", timeout=None,
+    return run_json([args.ref_python, args.ref_script, *argv], f"LeRobot {argv[0]}", timeout=3600,
                     env={"OMP_NUM_THREADS": str(args.threads)})
 
 
