@@ -357,7 +357,9 @@ class VLANode(SynfluxNode):
         if "traj" in self._pubs:
             points = self.controller.trajectory(now)
             if points:
-                self._pubs["traj"].publish(self._trajectory(points, now))
+                traj = self._trajectory(points, now)
+                traj.header.frame_id = frame.meta.frame_id
+                self._pubs["traj"].publish(traj)
 
     def _trajectory(self, points, now: float) -> JointTrajectory:
         """Stamped now; every point lies ahead of it (header.stamp + time_from_start > now)."""

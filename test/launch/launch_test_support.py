@@ -33,6 +33,8 @@ from launch_ros.substitutions import FindPackageShare  # noqa: E402
 import rclpy  # noqa: E402
 from lifecycle_msgs.msg import State  # noqa: E402
 from lifecycle_msgs.srv import GetState  # noqa: E402
+from sensor_msgs.msg import JointState  # noqa: E402
+from std_srvs.srv import SetBool  # noqa: E402
 
 PACKAGE = 'synflux_ros'
 FRAME_PERIOD_S = 0.1   # camera frames at 10 Hz
@@ -86,16 +88,18 @@ class ClientNodeTestCase(unittest.TestCase):
         self.node.destroy_node()
 
     def publish_frames_until(self, publisher, image, done, timeout_s, *, stamp=wall_clock_stamp,
-                             period_s=FRAME_PERIOD_S):
+                             period_s=FRAME_PERIOD_S, each_frame=None):
         """Publish ``image`` every ``period_s``, stamped ``stamp(frame number)``, and spin the
         client node until ``done()`` or ``timeout_s`` has passed; returns the number of frames
-        published."""
+        published. ``each_frame()`` is called with every frame (e.g. to publish a joint state)."""
         frame = 0
         next_frame_at = time.monotonic()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not done():
             now = time.monotonic()
             if now >= next_frame_at:
+                if each_frame is not None:
+                    each_frame()
                 image.header.stamp.sec, image.header.stamp.nanosec = stamp(frame)
                 publisher.publish(image)
                 frame += 1
@@ -132,6 +136,29 @@ class ClientNodeTestCase(unittest.TestCase):
     def assert_service_available(self, client, timeout_s):
         self.assertTrue(client.wait_for_service(timeout_sec=timeout_s),
                         f'{client.srv_name} is not available')
+
+    def enable_commands(self, joint_names, timeout_s, node='vla_node'):
+        """Publish joint states of ``joint_names`` and call ``<node>/enable`` until commands are
+        enabled (the node refuses without a fresh joint state); returns a function that publishes
+        one more joint state, to keep it fresh (pass it as ``each_frame``)."""
+        publisher = self.node.create_publisher(JointState, 'joint_states', 10)
+        client = self.node.create_client(SetBool, f'{node}/enable')
+        self.assert_service_available(client, timeout_s)
+
+        def publish_state():
+            msg = JointState(name=list(joint_names), position=[0.0] * len(joint_names))
+            msg.header.stamp = self.node.get_clock().now().to_msg()
+            publisher.publish(msg)
+
+        deadline = time.monotonic() + timeout_s
+        response = None
+        while time.monotonic() < deadline:
+            publish_state()
+            rclpy.spin_once(self.node, timeout_sec=0.05)
+            response = self.call_service(client, SetBool.Request(data=True), timeout_s)
+            if response.success:
+                return publish_state
+        self.fail(f'{node}/enable refused: {response.message if response else "no answer"}')
 
     def call_service(self, client, request, timeout_s):
         """Call ``client`` and return its response; fails the test on no answer or a failed call."""

@@ -76,9 +76,11 @@ class TestBothNodes(support.ClientNodeTestCase):
         self.node.create_subscription(JointTrajectory, 'joint_trajectory', trajectories.append, 10)
         image_pub = self.node.create_publisher(Image, IMAGE_TOPIC, qos_profile_sensor_data)
         image = rgb_image(448, 448, frame_id='test_camera')
+        keep_state_fresh = self.enable_commands(JOINT_NAMES, STARTUP_TIMEOUT_S)
 
         frames = self.publish_frames_until(
-            image_pub, image, lambda: bool(trajectories), STARTUP_TIMEOUT_S)
+            image_pub, image, lambda: bool(trajectories), STARTUP_TIMEOUT_S,
+            each_frame=keep_state_fresh)
 
         self.assertTrue(
             trajectories,
