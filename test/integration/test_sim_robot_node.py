@@ -1,0 +1,181 @@
+"""sim_robot_node as a process over real DDS: it starts headless, publishes camera frames of the configured size and
+joint states at about their rates, follows joint_command with its servos within the joint ranges, refuses bad
+commands (counted, the last target held), fails at start on a bad parameter naming it, and stops cleanly on
+SIGTERM."""
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from diagnostic_msgs.msg import DiagnosticArray
+from rclpy.qos import qos_profile_sensor_data
+from sensor_msgs.msg import Image, JointState
+from std_msgs.msg import Float64MultiArray
+
+from synflux_ros.nodes.process import LIVE_THREADS_MESSAGE
+from synflux_ros.tools.harness import NodeProcess, spin_until
+
+pytest.importorskip("mujoco", reason="mujoco is not installed (make sim-venv)")
+
+NS = "/simarm"
+JOINTS = ["joint_1", "joint_2", "joint_3", "joint_4", "joint_5", "joint_6", "gripper"]
+HOME = [0.0, 0.35, 1.6, 0.0, 1.19, 0.0, 0.02]
+LOWER = np.array([-2.96, -2.0, -2.6, -3.05, -2.0, -3.05, 0.0])
+UPPER = np.array([2.96, 2.0, 2.6, 3.05, 2.0, 3.05, 0.04])
+WIDTH, HEIGHT, CAMERA_HZ, STATE_HZ = 160, 120, 10.0, 50.0
+
+
+class Client:
+    """Subscriptions to the node's image, joint_states and diagnostics; a publisher of joint_command."""
+
+    def __init__(self, node):
+        self.node = node
+        self.images, self.states, self.diags = [], [], []
+        node.create_subscription(Image, f"{NS}/image", self.images.append, qos_profile_sensor_data)
+        node.create_subscription(JointState, f"{NS}/joint_states", self.states.append, 200)
+        node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, 20)
+        self.commands = node.create_publisher(Float64MultiArray, f"{NS}/joint_command", 10)
+
+    def _on_diag(self, msg):
+        for st in msg.status:
+            if st.name == f"{NS}/sim_robot_node: sim_robot":
+                self.diags.append({kv.key: kv.value for kv in st.values} | {"_message": st.message})
+
+    def spin(self, seconds: float):
+        spin_until(self.node, lambda: False, seconds)
+
+    def position(self) -> np.ndarray:
+        return np.array(self.states[-1].position)
+
+    def command(self, values):
+        assert spin_until(self.node, lambda: self.commands.get_subscription_count() > 0, 20), \
+            "sim_robot_node never subscribed to joint_command"
+        self.commands.publish(Float64MultiArray(data=[float(v) for v in values]))
+
+    def diag_where(self, predicate, timeout=10.0) -> dict:
+        start = len(self.diags)
+        assert spin_until(self.node, lambda: any(predicate(d) for d in self.diags[start:]), timeout), \
+            f"no /diagnostics as expected within {timeout} s; last: {self.diags[-1:]}"
+        return next(d for d in self.diags[start:] if predicate(d))
+
+
+@pytest.fixture(scope="module")
+def sim(ros_env):
+    proc = NodeProcess("sim_robot_node", {"image_width": WIDTH, "image_height": HEIGHT, "camera_rate_hz": CAMERA_HZ,
+                                          "joint_state_rate_hz": STATE_HZ, "diagnostics_period": 0.5},
+                       env=ros_env, remaps={"__ns": NS})
+    yield proc
+    # SIGTERM, as a process manager stops it: exit code 0, no thread left behind
+    if proc.alive():
+        proc.proc.send_signal(signal.SIGTERM)
+        try:
+            proc.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.proc.kill()
+            proc.proc.wait()
+        out = proc.output()
+        assert proc.proc.returncode == 0, f"exit code {proc.proc.returncode} on SIGTERM:\n{out[-3000:]}"
+        assert "SIGTERM: shutting down" in out and LIVE_THREADS_MESSAGE not in out, out[-3000:]
+
+
+@pytest.fixture()
+def client(sim, client):
+    c = Client(client)
+    assert spin_until(client, lambda: len(c.states) > 0 and len(c.images) > 0, 60), \
+        f"no joint_states or image from sim_robot_node within 60 s:\n{sim.output()[-3000:]}"
+    return c
+
+
+def test_camera_frames_and_joint_states_at_their_rates(sim, client):
+    assert "configured built-in arm" in sim.output() and "camera 'scene' 160x120 at 10 Hz" in sim.output()
+    client.images.clear()
+    client.states.clear()
+    t0 = time.monotonic()
+    client.spin(3.0)
+    seconds = time.monotonic() - t0
+    images, states = client.images, client.states
+    assert 0.6 * CAMERA_HZ * seconds <= len(images) <= 1.2 * CAMERA_HZ * seconds + 1, len(images)
+    assert 0.6 * STATE_HZ * seconds <= len(states) <= 1.2 * STATE_HZ * seconds + 1, len(states)
+    for img in images:
+        assert (img.width, img.height, img.encoding, img.step) == (WIDTH, HEIGHT, "rgb8", 3 * WIDTH)
+        assert img.header.frame_id == "scene"
+    rgb = np.frombuffer(images[-1].data, np.uint8).reshape(HEIGHT, WIDTH, 3)
+    assert rgb.std() > 20 and len(np.unique(rgb.reshape(-1, 3), axis=0)) > 50  # a picture, not a fill
+    stamps = [m.header.stamp.sec + m.header.stamp.nanosec * 1e-9 for m in images]
+    assert all(b > a for a, b in zip(stamps, stamps[1:]))
+    assert abs(stamps[-1] - time.time()) < 2.0  # ROS time of the render
+    s = states[-1]
+    assert list(s.name) == JOINTS and len(s.velocity) == len(s.effort) == 7
+    np.testing.assert_allclose(s.position, HOME, atol=2e-3)  # the built-in arm starts at home and holds
+    d = client.diag_where(lambda d: int(d["frames_rendered"]) > 0)
+    assert float(d["physics_rate_target_hz"]) == 500.0 and float(d["physics_rate_hz"]) > 250.0, d
+    assert d["gl_backend"] in ("egl", "osmesa") and float(d["render_ms"]) > 0
+
+
+def test_a_command_moves_the_joints_to_the_target(client):
+    target = [0.5, 0.2, 1.3, -0.4, 0.9, 0.6, 0.035]
+    client.command(target)
+    t0 = time.monotonic()
+    reached = spin_until(client.node, lambda: np.abs(client.position() - target).max() < 0.01, 10.0)
+    assert reached, f"not at the target 10 s after the command: {client.position()}"
+    assert time.monotonic() - t0 < 5.0
+    client.spin(0.5)
+    np.testing.assert_allclose(client.position(), target, atol=0.005)
+    assert np.abs(client.states[-1].velocity).max() < 0.05
+
+
+def test_a_command_beyond_the_ranges_is_clamped_and_the_joints_stay_within(client):
+    before = int(client.diag_where(lambda d: True)["targets_clamped"])
+    command = [4.0, 0.2, 1.3, -0.4, 0.9, -5.0, 0.2]  # joint_1, joint_6 and the gripper beyond their ranges
+    clamped = np.clip(command, LOWER, UPPER)
+    start = len(client.states)
+    client.command(command)
+    assert spin_until(client.node, lambda: np.abs(client.position() - clamped).max() < 0.01, 10.0), \
+        f"not at the clamped target: {client.position()}"
+    client.spin(0.5)
+    seen = np.array([m.position for m in client.states[start:]])
+    assert (seen >= LOWER - 1e-3).all() and (seen <= UPPER + 1e-3).all()
+    d = client.diag_where(lambda d: int(d["targets_clamped"]) >= before + 3)
+    assert int(d["commands_refused"]) == 0
+
+
+def test_bad_commands_are_refused_counted_and_the_arm_holds(sim, client):
+    held = client.position()
+    before = client.diag_where(lambda d: True)
+    bad = [[0.1] * 6, [0.1, 0.2, math.nan, 0.0, 0.0, 0.0, 0.01], [0.0, 0.0, 0.0, 0.0, 0.0, math.inf, 0.01]]
+    for values in bad:
+        client.command(values)
+        client.spin(0.1)
+    d = client.diag_where(lambda d: int(d["commands_refused"]) >= int(before["commands_refused"]) + 3)
+    assert int(d["commands_refused"]) == int(before["commands_refused"]) + 3
+    assert int(d["commands_received"]) == int(before["commands_received"]) + 3
+    assert d["last_refusal"] == "not finite: joint_6=inf"
+    assert sim.wait_output("refused joint_command (6 values for 7 joints (joint_1, joint_2, joint_3, joint_4, "
+                           "joint_5, joint_6, gripper)); holding the last target", 5)
+    client.spin(1.0)
+    np.testing.assert_allclose(client.position(), held, atol=2e-3)
+
+
+@pytest.mark.parametrize("params,needle", [
+    ({"physics_rate_hz": 100}, "parameter 'physics_rate_hz': 100: must be a number >= 200"),
+    ({"camera": "top"}, "parameter 'camera': camera 'top' is not in the model (its cameras: scene, wrist)"),
+    ({"joint_names": ["joint_1", "elbow"]}, "parameter 'joint_names': joint 'elbow' is not in built-in arm"),
+    ({"initial_positions": [0.0, 0.1]}, "parameter 'initial_positions': initial positions: 2 values for 7 joints"),
+    ({"image_width": 0}, "parameter 'image_width': 0: must be an integer from 1 to 4096"),
+    ({"model": "/nonexistent/arm.xml"}, "parameter 'model': '/nonexistent/arm.xml': no such file"),
+    ({"camera_rate_hz": 1000.0}, "parameter 'camera_rate_hz': 1000.0 Hz: above physics_rate_hz (500 Hz)"),
+    ({"real_time": "often"}, "parameter 'real_time': 'often': must be true or false"),
+])
+def test_a_bad_parameter_fails_at_start_naming_it(ros_env, params, needle):
+    proc = NodeProcess("sim_robot_node", params, env=ros_env, remaps={"__ns": "/badsim"})
+    try:
+        code = proc.proc.wait(60)
+    finally:
+        proc.stop()
+    out = proc.output()
+    assert code == 1, out[-3000:]
+    assert f"[sim_robot_node] {needle}" in out, out[-3000:]
