@@ -109,7 +109,7 @@ test: install rknn-venv pi0ref-venv docs sim-venv
 # The simulated robot (synflux_ros/sim, sim_robot_node): mujoco in .venv, and a headless OpenGL for its camera.
 # synflux_ros/sim/gl.py renders one frame with EGL, then with OSMesa, and prints the backend that worked; where
 # neither works and libOSMesa is missing, Debian's libosmesa6 is installed (apt-get, as root) and it must work.
-.PHONY: sim-venv
+.PHONY: sim-venv sim
 sim-venv: $(VENV)/.stamp-sim
 
 $(VENV)/.stamp-sim: requirements-sim.txt synflux_ros/sim/gl.py | $(VENV)/.stamp-deps
@@ -118,6 +118,11 @@ $(VENV)/.stamp-sim: requirements-sim.txt synflux_ros/sim/gl.py | $(VENV)/.stamp-
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libosmesa6; }; \
 	  $(PY) synflux_ros/sim/gl.py; }
 	touch $@
+
+# The MuJoCo arm and vla_node in a closed loop, the pair launch/sim.launch.py starts: camera frames to vla_node,
+# its joint_command back to the arm, for 20 s; `make sim ARGS="--seconds 60 --executor onnxruntime ..."`.
+sim: install sim-venv
+	cd $(BUILD) && $(PY) -m synflux_ros.tools.sim_loop $(ARGS)
 
 # The documentation site (mkdocs, in a venv of its own): docs/benchmarks.md must be what the benchmarks' JSONL
 # gives, and the site must build with --strict (a broken link or a missing page fails); out: build/site.

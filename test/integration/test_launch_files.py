@@ -302,8 +302,9 @@ def test_launch_sources_compile(path, tmp_path):
     py_compile.compile(str(path), cfile=str(tmp_path / "out.pyc"), doraise=True)
 
 
-def test_the_three_launch_files_are_there():
-    assert {p.name for p in LAUNCH_FILES} == {"vla.launch.py", "vlm.launch.py", "synflux.launch.py"}
+def test_the_launch_files_are_there():
+    assert {p.name for p in LAUNCH_FILES} == {"vla.launch.py", "vlm.launch.py", "synflux.launch.py",
+                                              "sim.launch.py"}
 
 
 @pytest.mark.parametrize("path", PYTHON_LAUNCH_SOURCES, ids=lambda p: p.name)
@@ -624,7 +625,8 @@ def test_with_the_real_launch_api():
     common = common_module()
     expected = {"vla.launch.py": [a.name for a in common.VLA_ARGUMENTS],
                 "vlm.launch.py": [a.name for a in common.VLM_ARGUMENTS],
-                "synflux.launch.py": [a.name for a in common.SYNFLUX_ARGUMENTS]}
+                "synflux.launch.py": [a.name for a in common.SYNFLUX_ARGUMENTS],
+                "sim.launch.py": [a.name for a in load_launch_file(LAUNCH_DIR / "sim.launch.py").SIM_ARGUMENTS]}
     for path in LAUNCH_FILES:
         description = load_launch_file(path).generate_launch_description()
         assert [a.name for a in description.get_launch_arguments()] == expected[path.name], path.name
@@ -638,5 +640,7 @@ def test_with_the_real_launch_api():
                 produced += entity.execute(context) or []
         if path.name == "synflux.launch.py":
             assert len(produced) == 2
+        elif path.name == "sim.launch.py":
+            assert sum(isinstance(a, RealNode) for a in produced) == 2, path.name
         else:
             assert sum(isinstance(a, RealNode) for a in produced) == 1, path.name

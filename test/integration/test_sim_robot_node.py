@@ -5,6 +5,7 @@ SIGTERM."""
 from __future__ import annotations
 
 import math
+import re
 import signal
 import subprocess
 import time
@@ -179,3 +180,51 @@ def test_a_bad_parameter_fails_at_start_naming_it(ros_env, params, needle):
     out = proc.output()
     assert code == 1, out[-3000:]
     assert f"[sim_robot_node] {needle}" in out, out[-3000:]
+
+
+# ----------------------------------------------------------------------------- launch/sim.launch.py
+# Run against test_launch_files.py's stand-in of ROS 2's launch API (launch is not installable here).
+from test_launch_files import LAUNCH_DIR, load_launch_file, nodes, parameters_of, run  # noqa: E402
+from test_launch_files import stand_in_launch  # noqa: E402,F401  (the fixture)
+
+SIM_LAUNCH = LAUNCH_DIR / "sim.launch.py"
+
+
+def test_sim_launch_starts_the_arm_and_vla_node_on_its_joints(stand_in_launch):
+    from synflux_ros.sim import arm
+    assert load_launch_file(SIM_LAUNCH).BUILT_IN_JOINTS == list(arm.JOINT_NAMES)
+    started = nodes(run(SIM_LAUNCH))
+    assert set(started) == {"sim_robot_node", "vla_node"}
+    assert parameters_of(started["sim_robot_node"]) == ([], {})  # defaults: the node's own
+    assert parameters_of(started["vla_node"]) == ([], {"joint_names": JOINTS})  # config: vla_node's default
+    assert started["vla_node"].namespace == started["sim_robot_node"].namespace == ""
+
+
+def test_sim_launch_arguments_become_typed_parameters(stand_in_launch, tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text("/**:\n  ros__parameters:\n    diagnostics_period: 2.0\n")
+    started = nodes(run(SIM_LAUNCH, {
+        "model": "/robots/arm.xml", "joint_names": "a, b", "image_width": "448", "image_height": "320",
+        "camera_rate_hz": "15", "physics_rate_hz": "1000", "real_time": "false", "initial_positions": "[0, 0.5]",
+        "camera": "wrist", "executor": "onnxruntime", "config": "vla_pi0.yaml", "namespace": "arm",
+        "params_file": str(params)}))
+    files, sim = parameters_of(started["sim_robot_node"])
+    assert files == [str(params)]
+    assert sim == {"model": "/robots/arm.xml", "joint_names": ["a", "b"], "camera": "wrist", "image_width": 448,
+                   "image_height": 320, "camera_rate_hz": 15.0, "physics_rate_hz": 1000.0, "real_time": False,
+                   "initial_positions": [0.0, 0.5]}
+    assert type(sim["image_width"]) is int and type(sim["camera_rate_hz"]) is float
+    assert parameters_of(started["vla_node"])[1] == {"config": "vla_pi0.yaml", "executor": "onnxruntime",
+                                                     "joint_names": ["a", "b"]}
+    assert started["vla_node"].namespace == started["sim_robot_node"].namespace == "arm"
+
+
+@pytest.mark.parametrize("arguments,needle", [
+    ({"model": "/robots/arm.xml"}, "joint_names: required with model:="),
+    ({"image_width": "wide"}, "image_width:='wide': expected an integer"),
+    ({"physics_rate_hz": "fast"}, "physics_rate_hz:='fast': expected a number"),
+    ({"initial_positions": "[0, up]"}, "initial_positions:='[0, up]': expected numbers"),
+])
+def test_sim_launch_refuses_bad_arguments_naming_them(stand_in_launch, arguments, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        run(SIM_LAUNCH, arguments)
