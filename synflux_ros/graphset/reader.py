@@ -116,25 +116,6 @@ def _hint(graph_dir: str) -> str:
     return BUILD_HINT.format(dir=graph_dir or "<graph_dir>")
 
 
-def cached_manifest(directory: str) -> dict | None:
-    """``directory/manifest.json`` of a cached copy of a graph set, or None when it is missing or unreadable
-    (such a copy is made again, not refused)."""
-    try:
-        with open(os.path.join(directory, MANIFEST_FILE), encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def cached_copy_valid(directory: str, key_name: str, fingerprint: dict, names) -> bool:
-    """Whether ``directory`` holds a cached copy keyed ``fingerprint`` (under ``key_name`` in its manifest)
-    with the file ``<name>.onnx`` of every graph in ``names``."""
-    data = cached_manifest(directory)
-    return data is not None and data.get(key_name) == fingerprint and all(
-        os.path.isfile(os.path.join(directory, f"{name}.onnx")) for name in names)
-
-
 def read_manifest(graph_dir: str) -> dict:
     """Read and check ``graph_dir/manifest.json``.
 

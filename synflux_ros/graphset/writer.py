@@ -9,11 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 
 from .reader import (
     ALIGNMENT, EXTERNAL_MIN_BYTES, FORMAT, MANIFEST_FILE, WEIGHTS_FILE, GraphSetError, GraphSetNotFoundError,
-    cached_manifest, external_initializers)
+    external_initializers)
 
 def write_manifest(out_dir: str, manifest, weights: dict | None = None, *, model: str = "",
                    config_hash: str = "", config: dict | None = None, tokenizer: str = "", **extra) -> str:
@@ -324,79 +323,3 @@ def _externalize(tensor, model_name, reader, writer, min_bytes, restore, TensorP
     offset = writer.put(raw)
     restore.append((tensor, saved))
     _set_external(tensor, WEIGHTS_FILE, offset, len(raw), prepacked)
-
-
-def publish_directory(work: str, target: str, valid) -> None:
-    """Move ``work`` (written next to ``target``) into place. If another process published ``target``
-    first, a valid one (``valid(target)``) is kept; a stale or incomplete one is replaced."""
-    try:
-        os.rename(work, target)
-    except OSError:
-        if not valid(target):
-            shutil.rmtree(target, ignore_errors=True)
-            os.rename(work, target)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def _source_changed(fingerprint: dict) -> bool:
-    """Whether the graph set a cached copy was made from (``fingerprint['source']``, its files' size and mtime
-    in ``fingerprint['files']``, by graph name or file name) is gone or has been written again since. A
-    fingerprint that names no absolute source cannot tell: False."""
-    source = str(fingerprint.get("source") or "")
-    if not os.path.isabs(source):
-        return False
-    manifest = cached_manifest(source)
-    if manifest is None:
-        return True
-    graphs = manifest.get("graphs") or []
-    files = {str(g.get("name")): str(g.get("file") or f"{g.get('name')}.onnx") for g in graphs if isinstance(g, dict)}
-    for name, recorded in (fingerprint.get("files") or {}).items():
-        try:
-            st = os.stat(os.path.join(source, files.get(name, name)))
-        except OSError:
-            return True
-        if [st.st_size, st.st_mtime_ns] != list(recorded):
-            return True
-    return False
-
-
-def prune_cache(cache_dir: str, key_name: str, current: dict, keep: str, versions=()) -> list[str]:
-    """Remove the cached copies of graph sets in ``cache_dir`` that no process will load again, after ``keep``
-    (keyed ``current`` under ``key_name`` in its manifest) was written there: those whose source graph set is
-    gone or was written again (a rebuild), those of the same source and settings as ``current`` that differ
-    only in ``versions`` (the fingerprint fields naming package versions: an upgrade), and the half-written
-    ``*.partial-<pid>`` directories of processes that no longer run. Copies made with other settings (another
-    node's options) and directories without a ``key_name`` fingerprint are left alone. Returns what was
-    removed. A process already running on a removed copy keeps its mapped files until it exits."""
-    slot = {k: v for k, v in current.items() if k not in versions and k != "files"}
-    removed = []
-    try:
-        entries = sorted(os.listdir(cache_dir))
-    except OSError:
-        return removed
-    for entry in entries:
-        path = os.path.join(cache_dir, entry)
-        if path == keep or not os.path.isdir(path):
-            continue
-        stem, sep, pid = entry.rpartition(".partial-")
-        if sep and stem and pid.isdigit():
-            stale = not _pid_alive(int(pid))
-        else:
-            fingerprint = (cached_manifest(path) or {}).get(key_name)
-            if not isinstance(fingerprint, dict):
-                continue
-            stale = _source_changed(fingerprint) or slot == {
-                k: v for k, v in fingerprint.items() if k not in versions and k != "files"}
-        if stale:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed

@@ -127,8 +127,6 @@ by all graphs; ``matmulnbits_accuracy_level`` applies to them as to the fused on
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import platform
 import shutil
@@ -136,7 +134,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ...graphset import reader as graphset, writer as graphset_writer
+from ...graphset import cache, reader as graphset, writer as graphset_writer
 from ...core.config import ConfigError
 from ..binding import HostBufferHooks, Port, binding_plan
 from ...core.executor import Executor
@@ -641,34 +639,24 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
 
     # ------------------------------------------------------------------ optimised-model cache
     def _cache_fingerprint(self, manifest: dict, source: str = "") -> dict:
-        files = {}
-        for meta in self.graphs.values():
-            st = os.stat(self._source_path(meta, source))
-            files[meta.name] = [st.st_size, st.st_mtime_ns]
-        wfile = (manifest.get("weights") or {}).get("file", "")
-        if wfile:
-            st = os.stat(os.path.join(source or self.graph_dir, wfile))
-            files[wfile] = [st.st_size, st.st_mtime_ns]
+        paths = {meta.name: self._source_path(meta, source) for meta in self.graphs.values()}
         return {"onnxruntime": self._ort.__version__, "machine": platform.machine(),
                 "providers": [n for n, _ in self.providers],
                 "graph_optimization_level": self.graph_optimization_level,
                 "matmulnbits_accuracy_level": self.matmulnbits_accuracy_level,
                 "prepacked": sorted(m.name for m in self.graphs.values() if self._prepack_for(m)),
-                "source": os.path.abspath(source or self.graph_dir), "config_hash": manifest.get("config_hash", ""),
-                "files": files}
+                **cache.source_fingerprint(source or self.graph_dir, manifest, paths)}
 
     def _cache_valid(self, directory: str, fingerprint: dict, key: str = _CACHE_KEY) -> bool:
-        return graphset.cached_copy_valid(directory, key, fingerprint, self.graphs)
+        return cache.cached_copy_valid(directory, key, fingerprint, self.graphs)
 
     def _optimized_graph_set(self, source: str = "") -> str:
         """Directory of the ORT-optimised graph set for this configuration, built when missing from the graph
         set (or from its cached copy ``source``, the fused set); writing one removes the optimised sets it
-        supersedes (:func:`~synflux_ros.graphset.writer.prune_cache`)."""
+        supersedes (:func:`~synflux_ros.graphset.cache.prune_cache`)."""
         manifest = graphset.read_manifest(source or self.graph_dir)
         fingerprint = self._cache_fingerprint(manifest, source)
-        digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-        label = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(manifest.get("model") or "graphs"))
-        target = os.path.join(self.optimized_model_dir, f"{label}-{digest}")
+        target = cache.entry_dir(self.optimized_model_dir, manifest, fingerprint)
         if self._cache_valid(target, fingerprint):
             return target
         try:
@@ -707,8 +695,8 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
                      for m in self.graphs.values()]
             graphset_writer.write_manifest(work, metas, info, model=manifest.get("model", ""),
                                     config_hash=manifest.get("config_hash", ""), **{_CACHE_KEY: fingerprint})
-            graphset_writer.publish_directory(work, target, lambda d: self._cache_valid(d, fingerprint))
-            graphset_writer.prune_cache(self.optimized_model_dir, _CACHE_KEY, fingerprint, target,
+            cache.publish_directory(work, target, lambda d: self._cache_valid(d, fingerprint))
+            cache.prune_cache(self.optimized_model_dir, _CACHE_KEY, fingerprint, target,
                                         versions=("onnxruntime",))
         finally:
             self._release_sessions()

@@ -52,7 +52,6 @@ version, this module's source and the source files; the executor loads it with O
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from typing import NamedTuple
@@ -60,7 +59,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...core.config import choices_hint
-from ...graphset import reader as graphset
+from ...graphset import cache, reader as graphset
 
 FUSIONS = ("rms_norm", "skip_rms_norm", "rotary", "attention")
 """The rewrites this module knows, in the order they are applied."""
@@ -716,16 +715,7 @@ def count_ops(model) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------- cache
 def fingerprint(graph_dir: str, paths: dict[str, str], manifest: dict, fusions) -> dict:
     """What a fused set is keyed by: the fusions, :func:`versions` and the source files (size, mtime)."""
-    files = {}
-    for name, path in sorted(paths.items()):
-        st = os.stat(path)
-        files[name] = [st.st_size, st.st_mtime_ns]
-    wfile = (manifest.get("weights") or {}).get("file", "")
-    if wfile:
-        st = os.stat(os.path.join(graph_dir, wfile))
-        files[wfile] = [st.st_size, st.st_mtime_ns]
-    return {"fusions": list(fusions), **versions(), "source": os.path.abspath(graph_dir),
-            "config_hash": manifest.get("config_hash", ""), "files": files}
+    return {"fusions": list(fusions), **versions(), **cache.source_fingerprint(graph_dir, manifest, paths)}
 
 
 def fused_graph_set(graph_dir: str, metas, paths: dict[str, str], cache_dir: str, fusions) -> str:
@@ -733,17 +723,15 @@ def fused_graph_set(graph_dir: str, metas, paths: dict[str, str], cache_dir: str
     missing or stale. ``metas``: the GraphMeta of every graph to load; ``paths``: name -> source file.
     Its manifest holds the graph metas, the rewrite counts per graph (``fusion_counts``) and the
     fingerprint (:data:`CACHE_KEY`). Writing one removes the fused sets it supersedes
-    (:func:`~synflux_ros.graphset.writer.prune_cache`)."""
+    (:func:`~synflux_ros.graphset.cache.prune_cache`)."""
     from ...graphset import writer as graphset_writer
     from ...core.contract import GraphMeta
 
     manifest = graphset.read_manifest(graph_dir)
     key = fingerprint(graph_dir, paths, manifest, fusions)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    label = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(manifest.get("model") or "graphs"))
-    target = os.path.join(cache_dir, f"{label}-fused-{digest}")
+    target = cache.entry_dir(cache_dir, manifest, key, "fused")
     names = [m.name for m in metas]
-    if graphset.cached_copy_valid(target, CACHE_KEY, key, names):
+    if cache.cached_copy_valid(target, CACHE_KEY, key, names):
         return target
     try:
         os.makedirs(cache_dir, exist_ok=True)
@@ -771,8 +759,8 @@ def fused_graph_set(graph_dir: str, metas, paths: dict[str, str], cache_dir: str
         graphset_writer.write_manifest(work, fused_metas, info, model=manifest.get("model", ""),
                                        config_hash=manifest.get("config_hash", ""), fusion_counts=counts,
                                        **{CACHE_KEY: key})
-        graphset_writer.publish_directory(work, target, lambda d: graphset.cached_copy_valid(d, CACHE_KEY, key, names))
-        graphset_writer.prune_cache(cache_dir, CACHE_KEY, key, target, versions=("onnxscript", "onnx", "rules"))
+        cache.publish_directory(work, target, lambda d: cache.cached_copy_valid(d, CACHE_KEY, key, names))
+        cache.prune_cache(cache_dir, CACHE_KEY, key, target, versions=("onnxscript", "onnx", "rules"))
     finally:
         if os.path.isdir(work):
             shutil.rmtree(work, ignore_errors=True)

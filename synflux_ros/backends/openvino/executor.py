@@ -57,14 +57,13 @@ Every graph is compiled with ``PERFORMANCE_HINT: LATENCY`` (one request at a tim
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
 
 import numpy as np
 
-from ...graphset import reader as graphset
+from ...graphset import cache, reader as graphset
 from ..binding import HostBufferHooks, Port, binding_plan
 from ...core.config import ConfigError
 from ...core.executor import Executor
@@ -217,20 +216,11 @@ class OpenVINOExecutor(HostBufferHooks, Executor):
     def _cache_subdir(self, manifest: dict) -> str:
         """The directory of this graph set's compiled blobs for this device and configuration."""
         root = self.cache_dir if os.path.isabs(self.cache_dir) else os.path.join(self.graph_dir, self.cache_dir)
-        files = {}
-        wfile = (manifest.get("weights") or {}).get("file", "")
-        for name in [self.graph_path(m) for m in self.graphs.values()] + (
-                [os.path.join(self.graph_dir, wfile)] if wfile else []):
-            if os.path.isfile(name):
-                st = os.stat(name)
-                files[os.path.basename(name)] = [st.st_size, st.st_mtime_ns]
+        paths = {os.path.basename(p): p for p in (self.graph_path(m) for m in self.graphs.values())}
         fingerprint = {"openvino": self._ov.get_version(), "machine": platform.machine(), "device": self.device,
                        "config": {k: str(v) for k, v in sorted(self.compile_config.items())},
-                       "source": os.path.abspath(self.graph_dir), "config_hash": manifest.get("config_hash", ""),
-                       "files": files}
-        digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-        label = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(manifest.get("model") or "graphs"))
-        path = os.path.join(root, f"{label}-{digest}")
+                       **cache.source_fingerprint(self.graph_dir, manifest, paths, missing_ok=True)}
+        path = cache.entry_dir(root, manifest, fingerprint)
         try:
             os.makedirs(path, exist_ok=True)
             info = os.path.join(path, _CACHE_INFO)

@@ -54,14 +54,12 @@ Options (``executor.options`` in the model config)
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import platform
 import shutil
 import threading
 
-from ...graphset import reader as graphset, writer as graphset_writer
+from ...graphset import cache, reader as graphset, writer as graphset_writer
 from ...core.config import ConfigError
 from ...core.contract import GraphMeta
 from ...graphset.reader import GraphSetError
@@ -272,9 +270,7 @@ class QNNExecutor(graphset.ChecksWeightFormat, OnnxRuntimeExecutor):
             os.path.join(self.graph_dir, self.context_cache)
         manifest = graphset.read_manifest(self.graph_dir)
         fingerprint = self._context_fingerprint(manifest)
-        digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-        label = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(manifest.get("model") or "graphs"))
-        target = os.path.join(root, f"{label}-{digest}")
+        target = cache.entry_dir(root, manifest, fingerprint)
         if self._context_valid(target, fingerprint):
             return target
         work = f"{target}.partial-{os.getpid()}"
@@ -301,7 +297,7 @@ class QNNExecutor(graphset.ChecksWeightFormat, OnnxRuntimeExecutor):
                                                   "config_hash": manifest.get("config_hash", ""),
                                                   "graphs": metas, _CACHE_KEY: fingerprint,
                                                   "files": sorted(os.listdir(work))})
-            graphset_writer.publish_directory(work, target, lambda d: self._context_valid(d, fingerprint))
+            cache.publish_directory(work, target, lambda d: self._context_valid(d, fingerprint))
         finally:
             self._release_sessions()
             if os.path.isdir(work):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .executor import toolkit_env
-from ...graphset import reader as graphset
+from ...graphset import cache, reader as graphset
 from ...core.contract import GraphMeta
 from ...build.builder import BuildError, Builder
 
@@ -167,7 +167,7 @@ def rknn_key(onnx_key: str, target: str, toolkit: str, dtype: str, quantization:
               "compiler": _fingerprint()}
     if quantization:
         fields["quantization"] = quantization
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    return cache.key(fields)
 
 
 # ---------------------------------------------------------------------------------------------- calibration

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...graphset import reader as graphset
+from ...graphset import cache, reader as graphset
 from ...core.contract import GraphMeta, TensorSpec
 
 FORMAT = "synflux-tensorrt/1"
@@ -304,7 +304,6 @@ def engine_key(spec: EngineSpec, onnx_digest: str, tensorrt_version: str, sm: st
                flags: dict) -> str:
     """What an engine depends on: its ONNX (bytes), profiles, TensorRT version, the device (SM, DLA core)
     and the build flags. An engine whose key is unchanged is not rebuilt."""
-    blob = json.dumps({"engine": spec.name, "onnx": onnx_digest, "profiles": [[p.graph, p.shapes] for p in spec.profiles],
-                       "dla": spec.dla, "tensorrt": tensorrt_version, "sm": sm, "dla_core": dla_core,
-                       "flags": flags}, sort_keys=True, default=list)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return cache.key({"engine": spec.name, "onnx": onnx_digest, "profiles": [[p.graph, p.shapes] for p in spec.profiles],
+                      "dla": spec.dla, "tensorrt": tensorrt_version, "sm": sm, "dla_core": dla_core,
+                      "flags": flags}, default=list)
