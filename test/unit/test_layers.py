@@ -33,7 +33,7 @@ ROS_PACKAGES = {"rclpy", "rcl_interfaces", "sensor_msgs", "std_msgs", "std_srvs"
                 "diagnostic_msgs", "lifecycle_msgs", "builtin_interfaces", "ament_index_python"}
 ROS_ROOMS = {"nodes", "tools"}  # tools/ drives nodes over DDS (demo, test harness); a robot runs nodes/ only
 BUILD_TIME = {"torch", "transformers", "safetensors", "onnxruntime_genai", "accelerate", "gguf"}
-RUN_TIME_ROOMS = {"core", "graphset", "backends", "model", "runtimes", "nodes"}
+RUN_TIME_ROOMS = {"core", "graphset", "backends", "model", "runtimes", "sim", "nodes"}
 
 
 def is_backend_build_step(module: str) -> bool:
