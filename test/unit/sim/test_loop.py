@@ -32,8 +32,8 @@ def test_real_time_keeps_simulated_time_on_the_wall_clock():
     assert loop.stop()
     # never ahead of the wall clock; behind only by what a loaded machine's scheduler costs
     assert robot.time <= wall + 0.1 + 0.01
-    assert robot.time >= 0.5 * wall
-    assert 250 < rate < 550 and 0.5 < factor < 1.1, (rate, factor)
+    assert robot.time >= 0.3 * wall
+    assert 150 < rate < 550 and 0.3 < factor < 1.1, (rate, factor)
     # the hook runs every 10 ms of simulated time, to the physics step
     gaps = np.diff(stamps)
     assert len(stamps) >= 40 and np.allclose(gaps, 0.01, atol=robot.timestep + 1e-9), gaps
