@@ -22,6 +22,9 @@ class Builder:
     options_type: type | None = None
     """The dataclass of the options this step takes (``None``: it takes none)."""
     description: str = ""
+    weight_dtypes: tuple[str, ...] = ("float32",)
+    """The ``synflux-build --weights`` formats this step compiles (a quantized portable set is for a backend
+    that loads it as it is)."""
 
     def add_arguments(self, group: argparse._ArgumentGroup) -> None:
         """Add this backend's flags to its option group of ``synflux-build``."""
@@ -41,6 +44,10 @@ class Builder:
         """``synflux-build --check``: rows as :class:`synflux_ros.build.check.GraphCheck` for this backend's own
         compiled form, or ``None`` to load the graphs on the backend's executor instead."""
         return None
+
+
+PORTABLE_WEIGHT_DTYPES = ("float32", "int8", "int4")
+"""The ``--weights`` formats of a backend without a build step, which loads the portable set as it is."""
 
 
 def flags_given(group: argparse._ArgumentGroup, args: argparse.Namespace) -> list[str]:

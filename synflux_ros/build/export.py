@@ -37,7 +37,7 @@ from ..core.config import ConfigError, ModelConfig, load_config
 from ..core.contract import GraphMeta, graph_set
 from ..model.time_embedding import time_embedding
 from ..graphset import reader as graphset, writer as graphset_writer
-from .builder import BuildError, flags_given
+from .builder import PORTABLE_WEIGHT_DTYPES, BuildError, flags_given
 
 OPSET = 17
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
@@ -94,7 +94,7 @@ def graph_key(cfg: ModelConfig, meta: GraphMeta, weights: str, versions: dict) -
     llm = {k: v for k, v in d["llm"].items() if k not in ("prefill_buckets", "decode_buckets")}
     if meta.kind == "vision_encoder":
         sections = {"vision": d["vision"], "hidden_dim": d["llm"]["hidden_dim"]}
-    elif meta.kind == "action_expert":
+    elif meta.kind in ("action_expert", "action_expert_vjp"):
         sections = {"llm": llm, "action": {k: v for k, v in (d["action"] or {}).items()
                                            if k not in ModelConfig._RUNTIME_ONLY["action"]}}
     else:
@@ -280,9 +280,10 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
         check_weights(weights, block)
     except QuantizeError as exc:
         raise BuildError(str(exc)) from exc
-    if weights != "float32" and backend != "onnxruntime":
-        raise BuildError(f"--weights {weights}: quantized graph sets are for --backend onnxruntime only, "
-                         f"not {backend!r}")
+    takes = builder.weight_dtypes if builder else PORTABLE_WEIGHT_DTYPES
+    if weights not in takes:
+        raise BuildError(f"--weights {weights}: --backend {backend!r} compiles {', '.join(takes)} graph sets only "
+                         f"(quantized sets are for a backend that loads the portable set as it is: onnxruntime)")
     wanted = builder.options_type if builder else None
     if options is not None and (wanted is None or not isinstance(options, wanted)):
         takes = f"it takes {wanted.__name__}" if wanted else "it takes none"

@@ -54,6 +54,13 @@ def test_a_plugins_flag_with_another_backend_is_refused(tmp_path):
     assert not (tmp_path / "x").exists()  # refused before anything was exported
 
 
+def test_quantized_weights_go_only_to_a_backend_whose_step_takes_them(tmp_path):
+    res = synflux_build("--config", config_path("vla_demo_orin.yaml"), "--out", str(tmp_path / "q"),
+                        "--backend", "toy", "--weights", "int8")
+    assert res.returncode == 2 and "--weights int8: --backend 'toy' compiles float32 graph sets only" in res.stderr
+    assert not (tmp_path / "q").exists()  # refused before anything was exported
+
+
 def test_without_the_plugin_the_name_is_unknown(tmp_path):
     res = subprocess.run([sys.executable, executable("synflux-build"), "--config", config_path("vla_demo_orin.yaml"),
                           "--out", str(tmp_path / "y"), "--backend", "toy"], capture_output=True, text=True,

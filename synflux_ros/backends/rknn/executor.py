@@ -53,17 +53,17 @@ import numpy as np
 
 from ...graphset import reader as graphset
 from ...core.config import ConfigError, choices_hint
-from ...core.executor import Executor, HostMemoryHooks, ShapeError
+from ...core.executor import Executor, ShapeError
 from ...core.contract import GraphMeta
 from ...graphset.reader import GraphSetError, GraphSetNotFoundError
 from .. import BackendUnavailableError
+from ..binding import HostBuffer, HostBufferHooks
 from ..options import parse_options
 from .options import CORE_MASKS, RKNNExecutorOptions
 
 SIDECAR = "rknn.json"
 FORMAT = "synflux-rknn/1"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
-_ALIGNMENT = 64
 DTYPES = ("fp16", "int8")  # of a compiled graph (synflux_ros/build/rknn.py)
 
 
@@ -102,27 +102,10 @@ def board_soc() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- buffers
-class HostBuffer:
-    """Board device buffer: an aligned, zero-filled host array (the NPU runtime copies in and out)."""
-
-    __slots__ = ("array",)
-
-    def __init__(self, nbytes: int):
-        raw = np.zeros(nbytes + _ALIGNMENT, np.uint8)
-        start = (-raw.ctypes.data) % _ALIGNMENT
-        self.array = raw[start:start + nbytes]
-
-    def view(self, shape, dtype, offset: int = 0) -> np.ndarray:
-        dt = np.dtype(dtype)
-        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        return self.array[offset:offset + n].view(dt).reshape(shape)
-
-    def release(self) -> None:
-        pass
-
-
 class ShmBuffer(HostBuffer):
-    """Simulator device buffer: a POSIX shared-memory segment (zero-filled) that the worker maps once."""
+    """Simulator device buffer: a POSIX shared-memory segment (zero-filled) that the worker maps once; on a
+    board a device buffer is a plain :class:`~synflux_ros.backends.binding.HostBuffer` (the NPU runtime copies
+    in and out)."""
 
     __slots__ = ("shm", "id", "nbytes")
 
@@ -133,6 +116,7 @@ class ShmBuffer(HostBuffer):
         self.id = buf_id
         self.nbytes = max(int(nbytes), 1)
         self.array = np.ndarray((int(nbytes),), np.uint8, buffer=self.shm.buf)
+        self.ptr = self.array.ctypes.data
 
     @property
     def name(self) -> str:
@@ -300,12 +284,11 @@ def input_plan(meta: GraphMeta) -> list[tuple[str, int, int, tuple, str]]:
     return plan
 
 
-class RKNNExecutor(graphset.ChecksWeightFormat, HostMemoryHooks, Executor):
+class RKNNExecutor(graphset.ChecksWeightFormat, HostBufferHooks, Executor):
     """Runs a graph set compiled by ``synflux-build --backend rknn`` on a Rockchip NPU (RKNNLite) or in
     rknn-toolkit2's simulator behind a worker process (see the module docstring)."""
 
     name = "rknn"
-    alloc_is_zeroed = True
     options_type = RKNNExecutorOptions
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
@@ -549,14 +532,11 @@ class RKNNExecutor(graphset.ChecksWeightFormat, HostMemoryHooks, Executor):
         if self.runtime == "simulator":
             self._next_id += 1
             return ShmBuffer(nbytes, self._next_id)
-        return HostBuffer(nbytes)
-
-    @staticmethod
-    def _view(buf: HostBuffer, shape, dtype) -> np.ndarray:
-        return buf.view(shape, dtype)
+        return super()._alloc_device(nbytes)
 
     def _free_device(self, device_buffer) -> None:
-        device_buffer.release()
+        if isinstance(device_buffer, ShmBuffer):
+            device_buffer.release()
 
     def _unload_graph(self, graph_handle) -> None:
         g: _Graph = graph_handle
