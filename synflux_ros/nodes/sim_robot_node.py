@@ -181,9 +181,10 @@ class SimRobotNode(LifecycleNode):
             f"{p['joint_state_rate_hz']:g} Hz, {cam}")
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
-        self.loop.start()
+        result = super().on_activate(state)  # the publishers first: the physics publishes from its first step
         self._active = True
-        return super().on_activate(state)
+        self.loop.start()
+        return result
 
     def on_deactivate(self, state: State) -> TransitionCallbackReturn:
         self._active = False

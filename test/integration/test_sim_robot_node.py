@@ -166,6 +166,32 @@ def test_bad_commands_are_refused_counted_and_the_arm_holds(sim, client):
     np.testing.assert_allclose(client.position(), held, atol=2e-3)
 
 
+def test_deactivate_pauses_the_physics_and_activate_resumes_it(client):
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState
+    from synflux_ros.tools.harness import call_service, lifecycle_probe
+    change = client.node.create_client(ChangeState, f"{NS}/sim_robot_node/change_state")
+
+    def transition(tid):
+        r = call_service(client.node, change, ChangeState.Request(transition=Transition(id=tid)), 20,
+                         probe=lifecycle_probe())
+        assert r.success
+
+    transition(Transition.TRANSITION_DEACTIVATE)
+    paused = client.diag_where(lambda d: d["_message"] == "inactive (physics paused)")
+    client.spin(0.3)
+    client.states.clear()
+    client.command([0.0] * 7)  # dropped while inactive
+    client.spin(1.0)
+    assert not client.states
+    d = client.diag_where(lambda d: int(d["commands_while_inactive"]) >= 1)
+    assert client.diag_where(lambda later: True)["sim_time_s"] == d["sim_time_s"]  # simulated time stands still
+    transition(Transition.TRANSITION_ACTIVATE)
+    assert spin_until(client.node, lambda: len(client.states) > 5, 10)
+    d = client.diag_where(lambda d: float(d["sim_time_s"]) > float(paused["sim_time_s"]) + 0.2)
+    assert d["_message"].startswith("stepping at")
+
+
 @needs_mujoco
 @pytest.mark.parametrize("params,needle", [
     ({"physics_rate_hz": 100}, "parameter 'physics_rate_hz': 100: must be a number >= 200"),
