@@ -11,6 +11,11 @@ L/KV/Dh = layers / kv heads / head dim, T = vision tiles)::
                                                                       -> logits [1,V], new_kv [L,2,KV,1,Dh]
     action_expert_<d>   noisy_actions [1,h,a], time_embedding [1,E], prefix_len [1], past_kv
                         (, state [1,s] with action.state_dim s)       -> velocity [1,h,a]   (flow matching)
+    action_expert_vjp_<d>   the action expert's inputs, target [1,h,a], weights [1,h,1], flow_time [1]
+                                                                      -> velocity, correction [1,h,a]
+                        (with ``execution.mode: rtc`` and ``execution.rtc.guidance: vjp``: the Real-Time
+                        Chunking correction J^T e of x1 = x - t v(x), e = (target - x1) * weights, see
+                        docs/real-time-chunking.md)
 
 A config with ``llm.mrope_section`` (Qwen3-VL's multimodal rotary embedding) gives prefill and decode one more
 input, ``position_ids [3, n]`` int64: the rotary position of each token on the t, h and w axes (text tokens
@@ -241,4 +246,14 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
                  *((TensorSpec("state", (1, act.state_dim), F32),) if act.state_dim else ())),
                 (TensorSpec("velocity", (1, act.action_horizon, act.action_dim), F32),),
                 group="action_expert", file=f"action_expert_{d}.onnx", attrs={"bucket": d}))
+        if cfg.execution.mode == "rtc" and cfg.execution.rtc.guidance == "vjp":
+            chunk = (1, act.action_horizon, act.action_dim)
+            for expert in [g for g in graphs if g.kind == "action_expert"]:
+                d = expert.attrs["bucket"]
+                graphs.append(GraphMeta(
+                    f"action_expert_vjp_{d}", "action_expert_vjp",
+                    (*expert.inputs, TensorSpec("target", chunk, F32),
+                     TensorSpec("weights", (1, act.action_horizon, 1), F32), TensorSpec("flow_time", (1,), F32)),
+                    (TensorSpec("velocity", chunk, F32), TensorSpec("correction", chunk, F32)),
+                    group="action_expert_vjp", file=f"action_expert_vjp_{d}.onnx", attrs={"bucket": d}))
     return graphs

@@ -797,18 +797,42 @@ def read_inputs(path: Path, config, rtc_cases: list | None = None) -> dict:
 
 
 RTC_KEYS = {"prev_chunk", "inference_delay", "execution_horizon", "schedule", "max_guidance_weight"}
+RTC_GUIDANCE = ("lerobot", "vjp")
 
 
 def read_rtc_cases(path: str | None) -> list:
     """The --rtc file: a JSON list of {prev_chunk: name of a leftover array in the inputs .npz (normalised model
     actions [steps, dims]), inference_delay, execution_horizon, schedule: ZEROS|ONES|LINEAR|EXP,
-    max_guidance_weight}."""
+    max_guidance_weight, and optionally guidance: lerobot (default) | vjp}."""
     if not path:
         return []
     cases = json.loads(Path(path).read_text())
-    if not isinstance(cases, list) or not all(isinstance(c, dict) and set(c) == RTC_KEYS for c in cases):
-        raise ValueError(f"{path}: expected a JSON list of objects with exactly the keys {sorted(RTC_KEYS)}")
+    if not isinstance(cases, list) or not all(
+            isinstance(c, dict) and RTC_KEYS <= set(c) <= RTC_KEYS | {"guidance"} for c in cases):
+        raise ValueError(f"{path}: expected a JSON list of objects with the keys {sorted(RTC_KEYS)} and "
+                         f"optionally guidance")
+    for c in cases:
+        if c.setdefault("guidance", "lerobot") not in RTC_GUIDANCE:
+            raise ValueError(f"{path}: guidance {c['guidance']!r} is not one of {RTC_GUIDANCE}")
     return cases
+
+
+def through_the_model(processor) -> None:
+    """Make ``processor.denoise_step`` take the vector-Jacobian product through the model (the paper's
+    Algorithm 1) instead of LeRobot's weighted error: the denoiser marks its input as requiring gradients
+    before it evaluates the velocity, so the autograd call in denoise_step differentiates x_t - t * v(x_t)
+    through v; the rest of LeRobot's step (padding, prefix weights, guidance weight) is unchanged."""
+    denoise_step = processor.denoise_step
+
+    def guided(x_t, prev_chunk_left_over, inference_delay, time, original_denoise_step_partial,
+               execution_horizon=None):
+        def velocity(x):
+            x.requires_grad_(True)
+            return original_denoise_step_partial(x)
+
+        return denoise_step(x_t, prev_chunk_left_over, inference_delay, time, velocity, execution_horizon)
+
+    processor.denoise_step = guided
 
 
 def rtc_chunk(policy, batch, noise, prev, case: dict):
@@ -827,6 +851,8 @@ def rtc_chunk(policy, batch, noise, prev, case: dict):
     policy.init_rtc_processor()
     if not (policy.model._rtc_enabled() and policy.model.rtc_processor is policy.rtc_processor):
         raise RuntimeError("RTC did not reach the π0 model")
+    if case["guidance"] == "vjp":
+        through_the_model(policy.rtc_processor)
     try:
         with torch.no_grad():
             return policy.predict_action_chunk(batch, noise=noise.clone(), prev_chunk_left_over=torch.from_numpy(prev),
@@ -994,7 +1020,8 @@ def main(argv=None) -> None:
                                   "state_normalized, lang_tokens, lang_mask")
     rn.add_argument("--rtc", metavar="JSON", help="Real-Time Chunking cases, a JSON list of {prev_chunk (an array "
                                                   "in --inputs), inference_delay, execution_horizon, schedule, "
-                                                  "max_guidance_weight}; writes actions_rtc_<i> and "
+                                                  "max_guidance_weight, guidance: lerobot|vjp}; writes "
+                                                  "actions_rtc_<i> and "
                                                   "actions_normalized_rtc_<i>")
     rn.add_argument("--time", type=int, default=0, metavar="N", help="also time N calls of predict_action_chunk")
     rn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

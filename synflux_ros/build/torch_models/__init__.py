@@ -28,6 +28,7 @@ from torch import nn
 from ...core.config import ConfigError, ModelConfig
 from ...core.contract import graph_set
 from .action_expert import ActionExpert, ActionExpertGraph
+from .action_expert_vjp import ActionExpertVJPGraph
 from .decoder import (
     CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, fuse_projections, hf_llm_fields, init_random, load_hf_weights,
     materialize)
@@ -145,11 +146,12 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
                                               logits=meta.has_output("logits")).eval()
         elif meta.kind == "decode":
             modules[meta.name] = DecodeGraph(lm, bucket, llm.kv_dtype).eval()
-        elif meta.kind == "action_expert":
+        elif meta.kind in ("action_expert", "action_expert_vjp"):
             if expert is None:
                 expert = pi0["expert"] if pi0 is not None else \
                     fuse_projections(_random(lambda: ActionExpert(cfg, rope), seed, "action_expert"))
-            modules[meta.name] = ActionExpertGraph(expert, bucket).eval()
+            graph = ActionExpertGraph if meta.kind == "action_expert" else ActionExpertVJPGraph
+            modules[meta.name] = graph(expert, bucket).eval()
             if pi0 is None:
                 random_parts.append(meta.name)
         else:

@@ -7,7 +7,7 @@ does (openpi and LeRobot releases older than 0.4.3 accumulate t in float32, whic
 The expert attends to the prefix (vision + instruction) through the KV cache; the noise is seeded per
 frame. The expert takes the sinusoidal embedding of t, which is computed here in float64 for all steps
 once (``synflux_ros.model.time_embedding``). With a Real-Time Chunking guidance (:mod:`.rtc`) each step uses
-the guided velocity instead.
+the guided velocity instead; its ``vjp`` flavour runs ``action_expert_vjp_<d>`` in place of the expert.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ...core.executor import DeviceTensor, Executor
 from ...core.contract import select_bucket, time_embedding_dim
 from ..time_embedding import time_embedding
 from .base import ActionHead
-from .rtc import RTCGuidance, lerobot_velocity
+from .rtc import RTCGuidance, lerobot_velocity, vjp_velocity
 
 
 class FlowMatchingHead(ActionHead):
@@ -48,12 +48,20 @@ class FlowMatchingHead(ActionHead):
                 state: np.ndarray | None = None, rtc: RTCGuidance | None = None) -> np.ndarray:
         """Denoise ``noise`` [1, horizon, action_dim] conditioned on the prefix (and, with ``action.state_dim``,
         the robot state [state_dim]) -> [horizon, action_dim]; ``rtc`` steers it towards the previous chunk."""
-        graph = f"action_expert_{select_bucket(self.buckets, prefix_len)}"
-        guide = None
+        bucket = select_bucket(self.buckets, prefix_len)
+        graph = f"action_expert_{bucket}"
+        guide = vjp = None
         if rtc is not None:
             if not isinstance(rtc, RTCGuidance):
                 raise TypeError(f"rtc: expected an RTCGuidance, got {type(rtc).__name__}")
             guide = rtc.arrays(self.act.action_horizon, self.act.action_dim)
+            if rtc.flavour == "vjp":
+                graph = f"action_expert_vjp_{bucket}"
+                graphs = getattr(self.ex, "graphs", None)
+                if graphs is not None and graph not in graphs:
+                    raise ValueError(f"rtc flavour vjp runs the graph {graph}, which this graph set does not "
+                                     f"have: build it with execution.mode: rtc and execution.rtc.guidance: vjp")
+                vjp = {"target": guide[0], "weights": guide[1]}
         x = noise.astype(np.float32, copy=True)
         feeds = {"noisy_actions": x, "prefix_len": np.array([prefix_len], np.int64), "past_kv": kv}
         if self.act.state_dim:
@@ -64,10 +72,17 @@ class FlowMatchingHead(ActionHead):
                 raise ValueError(f"robot state: expected {self.act.state_dim} finite values, got "
                                  f"{state.shape[0]}{'' if np.isfinite(state).all() else ' with non-finite ones'}")
             feeds["state"] = state[None, :]
+        if vjp is not None:
+            feeds.update(vjp)
         for t, emb in zip(self.times, self.time_embeddings):
             feeds["time_embedding"] = emb
-            v = self.ex.run(graph, feeds)["velocity"]
-            if guide is not None:
-                v = lerobot_velocity(x, v, t, *guide, rtc.max_guidance_weight)
+            if vjp is not None:
+                feeds["flow_time"] = np.array([t], np.float32)
+                out = self.ex.run(graph, feeds)
+                v = vjp_velocity(out["velocity"], out["correction"], t, rtc.max_guidance_weight)
+            else:
+                v = self.ex.run(graph, feeds)["velocity"]
+                if guide is not None:
+                    v = lerobot_velocity(x, v, t, *guide, rtc.max_guidance_weight)
             x += self.dt * v
         return x[0]

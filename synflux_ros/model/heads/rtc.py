@@ -2,13 +2,17 @@
 
 A new chunk is denoised while the robot still executes the previous one. The guidance pulls each Euler step's
 velocity so that the chunk's first steps (those the robot executes before the new chunk arrives, and a decaying
-stretch after them) continue the previous chunk's leftover. The ``lerobot`` flavour computes exactly what
-LeRobot 0.4.4's ``RTCProcessor.denoise_step`` computes inside π0's ``sample_actions``; the math of each flavour
-is in docs/real-time-chunking.md.
+stretch after them) continue the previous chunk's leftover. The math of each flavour is in
+docs/real-time-chunking.md.
 
-Time runs from 1 (noise) to 0 (actions), the denoised estimate is ``x1 = x - t * v`` and the guided velocity
-``v - w(t) * (y - x1) * W`` with ``y`` the leftover padded to the chunk, ``W`` the prefix weights and ``w(t)``
-the guidance weight clamped to ``max_guidance_weight``.
+Time runs from 1 (noise) to 0 (actions) and the denoised estimate is ``x1 = x - t * v(x)``; with ``y`` the
+leftover padded to the chunk, ``W`` the prefix weights and ``w(t)`` the guidance weight clamped to
+``max_guidance_weight``, the error is ``e = (y - x1) * W`` and the guided velocity ``v - w(t) * c``:
+
+* ``lerobot``: ``c = e``, exactly what LeRobot 0.4.4's ``RTCProcessor.denoise_step`` computes inside π0's
+  ``sample_actions``;
+* ``vjp``: ``c = J^T e`` with J the Jacobian of x1 in x (the paper's Algorithm 1), computed by the
+  ``action_expert_vjp_<d>`` graph.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 SCHEDULES = ("zeros", "ones", "linear", "exp")
-FLAVOURS = ("lerobot",)
+FLAVOURS = ("lerobot", "vjp")
 
 
 def _choice(what: str, value, choices: tuple[str, ...]) -> None:
@@ -97,6 +101,12 @@ def lerobot_velocity(x: np.ndarray, v: np.ndarray, time: float, target: np.ndarr
     return (v - np.float32(guidance_weight(time, max_guidance_weight)) * error).astype(np.float32, copy=False)
 
 
+def vjp_velocity(v: np.ndarray, correction: np.ndarray, time: float, max_guidance_weight: float) -> np.ndarray:
+    """The ``vjp`` flavour's guided velocity from the ``action_expert_vjp_<d>`` graph's velocity and correction
+    ``J^T e`` at flow time ``time``."""
+    return (v - np.float32(guidance_weight(time, max_guidance_weight)) * correction).astype(np.float32, copy=False)
+
+
 @dataclass(frozen=True)
 class RTCGuidance:
     """What steers one chunk towards the previous one.
@@ -106,6 +116,7 @@ class RTCGuidance:
     steps than the horizon or fewer dimensions than the model's ``action_dim`` are padded with zeros, as LeRobot
     pads them (padded dimensions are pulled towards 0). ``inference_delay`` is the number of steps executed
     while the chunk is computed, ``execution_horizon`` how far the guidance reaches (at most T_prev).
+    ``flavour`` is one of :data:`FLAVOURS` (``vjp`` needs a graph set built with it).
     """
 
     prev_chunk: np.ndarray
@@ -150,4 +161,5 @@ class RTCGuidance:
         return target, weights.reshape(1, horizon, 1)
 
 
-__all__ = ["FLAVOURS", "SCHEDULES", "RTCGuidance", "guidance_weight", "lerobot_velocity", "prefix_weights"]
+__all__ = ["FLAVOURS", "SCHEDULES", "RTCGuidance", "guidance_weight", "lerobot_velocity", "prefix_weights",
+           "vjp_velocity"]

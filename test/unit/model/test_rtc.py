@@ -11,7 +11,8 @@ from synflux_ros.core.kv_cache import KVCachePool
 from synflux_ros.model.backbone import LLMBackbone
 from synflux_ros.model.heads import RTCGuidance
 from synflux_ros.model.heads.flow_matching import FlowMatchingHead
-from synflux_ros.model.heads.rtc import SCHEDULES, guidance_weight, lerobot_velocity, prefix_weights
+from synflux_ros.model.heads.rtc import (
+    SCHEDULES, guidance_weight, lerobot_velocity, prefix_weights, vjp_velocity)
 from synflux_ros.runtimes.base import create_executor
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
@@ -69,6 +70,8 @@ def test_lerobot_velocity_formula():
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, atol=1e-5)
     np.testing.assert_array_equal(got[:, 3:], v[:, 3:])
+    c = rng.standard_normal((1, 5, 3)).astype(np.float32)
+    np.testing.assert_allclose(vjp_velocity(v, c, 0.7, 10.0), v - guidance_weight(0.7, 10.0) * c, atol=1e-5)
 
 
 def test_arrays_pad_the_leftover_and_cut_the_horizon():
@@ -181,3 +184,9 @@ def test_head_refuses_what_is_not_a_guidance(flow):
     too_long = RTCGuidance(np.zeros((flow.plain.shape[0] + 1, 2)), 1, 4)
     with pytest.raises(ValueError, match="does not fit"):
         flow.head.denoise(flow.slot, 100, flow.noise, rtc=too_long)
+
+
+def test_vjp_guidance_needs_its_graphs(flow):
+    g = RTCGuidance(np.zeros((3, 2)), 1, 4, flavour="vjp")
+    with pytest.raises(ValueError, match="action_expert_vjp_160.*execution.rtc.guidance: vjp"):
+        flow.head.denoise(flow.slot, 100, flow.noise, rtc=g)
