@@ -1,42 +1,9 @@
 """Reading the on-disk format of a graph set (``synflux-graphs/1``): manifest, weights file, input views.
 
-The writer is :mod:`synflux_ros.graphset.writer` (it needs ``onnx``); this module needs only the
-standard library.
-
-::
-
-    GRAPH_DIR/
-      manifest.json   {"format": "synflux-graphs/1", "model": ..., "config_hash": ..., "config": {...},
-                       "weights": {"file": "weights.bin", "bytes": N, ...},
-                       "tokenizer": "tokenizer.json" or "",
-                       "graphs": [GraphMeta.to_dict() + {"file": "<name>.onnx"}, ...]}
-      weights.bin     every unique initializer of all graphs, raw little-endian, each one starting at a
-                      64-byte-aligned offset
-      <name>.onnx     one ONNX graph per GraphMeta; initializers of >= 1 KiB are ONNX external data pointing
-                      into weights.bin (location, offset, length), smaller ones stay inline
-
-All bucket graphs of a model (prefill_16, prefill_64, ...) hold the same weight matrices. They are stored
-once: ``graphset_writer.write_weights_and_models`` deduplicates initializers by content across all models, so the
-weights file holds one copy and every graph references the same byte range. A runtime reads the file
-once and hands that one buffer to every graph (see ``synflux_ros.backends.onnxruntime.executor``).
-
-Rebuilding some graphs of a set can append to the existing weights file (``append=True``): tensors it
-already holds are reused, so the unchanged graphs keep their files. An ORT-optimised copy of a set (the
-onnxruntime backend's ``optimized_model_dir``) is a graph set in this same format whose weights file may
-also hold ORT-prepacked copies of weights, referenced by ``prepacked_<n>`` external-data entries.
-
-Input views
------------
-A graph may take a contract input as several ONNX inputs, each a contiguous sub-tensor along its leading
-axes: ``past_kv`` [L, 2, KV, S, Dh] is exported as ``past_kv.<l>.<j>`` [KV, S, Dh], one input per layer
-and K/V (:data:`VIEW_INPUTS`). The runtime contract (GraphMeta) keeps the one tensor; a runtime binds each
-view at its byte offset in that tensor's buffer (:func:`input_views`), so a layer reads its keys and values
-where the cache slot holds them. Slicing one big input inside the graph would instead make ONNX Runtime
-copy the whole cache every step (Slice and Split copy). Views are standard ONNX inputs that any compiler
-takes; a graph set whose graphs take the whole tensor loads as well.
-
-Listing a graph's external initializers (:func:`external_initializers`) reads them straight from the
-protobuf encoding, so a runtime needs no ``onnx`` package.
+The writer is :mod:`synflux_ros.graphset.writer` (it needs ``onnx``), the caches made from a set
+:mod:`synflux_ros.graphset.cache`; this module needs only the standard library: a graph's external initializers
+are read straight from the protobuf encoding (:func:`external_initializers`). The format (files, manifest
+fields, weights stored once, input views): docs/graph-set-format.md.
 """
 from __future__ import annotations
 
@@ -59,13 +26,13 @@ BUILD_HINT = "build it with: synflux-build --config <model.yaml> --out {dir}"
 
 
 VIEW_INPUTS = {"past_kv": 2}
-"""Contract inputs exported as views, and over how many leading axes (see *Input views* above)."""
+"""Contract inputs exported as views, and over how many leading axes (docs/graph-set-format.md#input-views)."""
 
 IN_PLACE_SUFFIX = ".in_place"
 """An ONNX output named ``<input>`` + this suffix (``past_kv.3.0.in_place``) is that input updated in place: a
 runtime binds it to the input's own memory. Graph files written by synflux-build have none; the onnxruntime
 executor's load-time fused graphs do (a KV view its attention kernel appends the new row to,
-``backends/ort_fusions.py``)."""
+``backends/onnxruntime/fusions.py``)."""
 
 ROWS_IN_PLACE = {"new_kv": ("past_kv", "cache_position")}
 """Contract outputs that a graph may leave out when it updates every view of an input in place (see

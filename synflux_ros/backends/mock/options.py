@@ -28,8 +28,6 @@ class MockExecutorOptions:
             "long (a sleep, which releases the GIL as a device wait does). Also executor.latency_ms in the config")
     faults: tuple[FaultSpec, ...] = _spec(
         default_factory=tuple,
-        doc="injected device faults: a list of {graph: G, kind: K, every: N, first: M} (G a graph name, kind or "
-            "group; K one of raise, nan, inf), hitting calls M, M+N, M+2N, ... (1-based, counted per entry; "
-            "defaults every 1, first 1). raise fails the call as a device error would; nan/inf fill the graph's "
-            "floating-point outputs")
+        doc="injected device faults, each entry as in the table below; an entry hits the calls of its graph first, "
+            "first + every, first + 2 every, ... (counted per entry)")
     device: str = _spec("", doc="a device name the executor reports (device_of), for placement tests")

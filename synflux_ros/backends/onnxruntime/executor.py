@@ -1,129 +1,9 @@
-"""ONNX Runtime executor: runs a graph set written by ``synflux-build`` (format in ``core/graphset.py``).
+"""ONNX Runtime executor: runs a graph set written by ``synflux-build`` (:mod:`synflux_ros.graphset`).
 
-Weights once
-------------
-All graphs of a model (``prefill_<p>`` for every bucket, ``decode_<d>``, ...) use the same weight tensors,
-and the graph set stores them once in ``weights.bin``. With ``share_weights`` (the default) this executor
-reads that file once into one host buffer and gives every :class:`onnxruntime.InferenceSession` views
-of it: for each external initializer of a graph, ``SessionOptions.add_initializer(name, OrtValue)``
-with an ``OrtValue`` created over a slice of the buffer (no copy). ORT uses a CPU ``OrtValue`` supplied
-this way in place, so N bucket graphs hold one copy of the weights.
-
-Prepacking decides whether that holds. On CPU, ORT's MatMul/Gemm kernels "prepack" constant weights at
-session creation into a private GEMM layout: one packed copy *per session* (sharing packed weights
-between sessions needs ``CreateSessionWithPrepackedWeightsContainer``, which the Python API lacks). So
-with ``share_weights`` the default is ``prepack: false`` (``session.disable_prepacking``): the kernels
-then pack blocks of the shared weight on every call. ``prepack`` may also name graphs, kinds or groups
-(``prepack: [prefill]``): those sessions get a private packed copy each and run at full speed.
-
-The third way combines both: with ``optimized_model_dir`` and ``prepack: true`` the ORT-optimised graphs
-are saved with their prepacked weights (``session.save_external_prepacked_constant_initializers``), the
-packed copies deduplicated across graphs into the optimised set's one weights file, and ORT maps them
-from that file in every session. All sessions then use the same page-cache pages: one physical copy
-(proportional set size, PSS), full speed; RSS counts each session's mapping again, and the pages are
-file-backed (evictable under memory pressure, like ``mmap_weights``). This relies on how ORT stores
-prepacked blobs (``prepacked_<n>`` external-data entries); the cache is keyed by ORT version.
-
-Without prepacking, a matrix-vector product (a decode step) runs as fast as with it, while a
-prefill of a few rows runs up to a few times slower; ``synflux-bench --suite`` measures both, with
-the resident and proportional memory of each setting.
-
-Graph optimisations that rewrite a weight (constant-folding a ``Transpose`` of it, Conv+BatchNorm
-fusion, packing Q/K/V into one matrix) create a per-session copy of the rewritten tensor; fold those at
-export time.
-
-Device buffers and IOBinding
-----------------------------
-Every staging buffer and caller-owned tensor (KV-cache slots) is a 64-byte-aligned host buffer. A run
-binds each input and output by pointer (``IOBinding.bind_input/bind_output`` with ``buffer_ptr``), so
-inputs are read and outputs written in place: a resident ``past_kv`` slot is passed without a copy and
-the steady state allocates no buffers. Bindings are kept per graph and redone only when a pointer
-changes (another KV slot). A graph exported with input views (``past_kv.<layer>.<k|v>``, see
-``graphset.VIEW_INPUTS``) gets each view bound at its offset in the contract input's buffer: every layer
-reads its keys and values where the cache slot holds them, no copy of the cache per step. A fused decode
-graph (``fusions``) also has an output ``<view>.in_place`` per view (``graphset.IN_PLACE_SUFFIX``), bound to
-that view's memory: its attention appends the new row to the slot there (see ``ort_fusions``). Such a graph
-leaves out ``new_kv`` (``graphset.ROWS_IN_PLACE``): the executor copies the row at ``cache_position`` from
-the slot into that output after the run, and :meth:`updates_in_place` tells the caller that the slot holds
-it already. The first run of each graph checks that ORT wrote its outputs into the bound buffers.
-
-Execution providers
--------------------
-``providers`` defaults to ``["CPUExecutionProvider"]``. ``CUDAExecutionProvider`` and
-``TensorrtExecutionProvider`` work where the ``onnxruntime-gpu`` package is installed (an entry may be
-``[name, {provider options}]``, e.g. ``["TensorrtExecutionProvider", {"trt_fp16_enable": true,
-"trt_engine_cache_enable": true, "trt_engine_cache_path": "/opt/trt_cache"}]``). The buffers stay in
-host memory, so ORT copies inputs to the device and outputs back on each run, and ``share_weights``
-shares the host copy only (each session uploads its own device copy). A provider this onnxruntime build
-lacks is an error that lists the available ones.
-
-Options (``executor.options`` in the model config)
---------------------------------------------------
-``providers``                list, see above
-``intra_op_num_threads``     0 = ORT's default (one per physical core)
-``inter_op_num_threads``     0 = ORT's default
-``thread_pool``              ``session`` (default): every graph's session has its own intra-op pool;
-                             ``shared``: all sessions of the process run on one pool (see "Threads" below)
-``graph_optimization_level`` ``disable`` | ``basic`` | ``extended`` | ``all`` (default): runtime-specific
-                             fused ops come from ORT's own optimiser; the exported graphs stay standard ONNX
-``optimized_model_dir``      save the ORT-optimised graphs there and load those next time: a graph set of
-                             its own (weights and prepacked weights deduplicated again) in a subdirectory
-                             keyed by ORT version, machine, providers, level, prepacked graphs and source
-                             files; loaded with ORT's optimiser off; writing it needs ``onnx``; writing one
-                             removes the sets it supersedes (source rebuilt or gone; same settings, older
-                             ORT); not with TensorRT (use its engine cache: ``trt_engine_cache_enable``)
-``share_weights``            default true, see above
-``prepack``                  true | false | list of graph names, kinds or groups; default: not share_weights,
-                             and true for a quantized graph set (with ``optimized_model_dir``: saved and
-                             shared, see above)
-``mmap_weights``             map weights.bin instead of reading it (pages are loaded on first use and may
-                             be evicted under memory pressure); default false
-``fusions``                  false (default) | true | list of ``rms_norm``, ``skip_rms_norm``, ``rotary``,
-                             ``attention``: rewrite the decoder graphs at load into ORT's fused kernels
-                             (SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization,
-                             com.microsoft RotaryEmbedding, GroupQueryAttention) with onnxscript's rewriter
-                             (:mod:`synflux_ros.backends.onnxruntime.fusions`; needs ``onnxscript``); ``true`` = rms_norm,
-                             rotary, attention. The rewritten set is written once to ``optimized_model_dir`` (or
-                             ``ort_fused/`` in the graph set's directory), keyed by the onnxscript version and the
-                             source files, and loaded with ORT's optimiser on (with ``optimized_model_dir``, the
-                             ORT-optimised set is made from it); meant for the CPU provider
-``matmulnbits_accuracy_level`` quantized graph sets (``synflux-build --weights int8|int4``): the
-                             ``accuracy_level`` of the ``MatMulNBits`` kernels ORT fuses them into
-                             (``session.qdq_matmulnbits_accuracy_level``): 0 or 1 = fp32 activations (the
-                             result of the dequantized weights up to float rounding), 4 = activations
-                             quantized to int8 per block (ORT's default; faster, less exact)
-
-Threads
--------
-By default every graph's session has its own intra-op thread pool, not spinning (``allow_spinning``
-false): pools that spin after their call would take the cores from the next graph's pool (a decode step
-after a prefill, the action expert after the prefix), which made whole pi0 chunks 1.2-1.5x slower.
-``thread_pool: shared`` runs every session of the process on one pool of ``intra_op_num_threads`` (and
-``inter_op_num_threads``) threads, created by the first executor that loads with it. No pool then waits
-on another, and its workers spin between kernels and calls as torch's do: measured on the 2-core VM, a
-small pi0's vision + prefix + 10 action-expert steps in 50-53 ms against 63 ms with a pool per session.
-The cost is CPU: onnxruntime's Python API creates this pool with spinning on (``allow_spinning`` cannot
-turn it off), and between calls a worker keeps a core busy (a whole 30 ms gap between frames was spent
-spinning). The pool belongs to the process: onnxruntime refuses sessions with a pool of their own once
-it exists, so every onnxruntime executor of the process must then use ``thread_pool: shared`` with the
-same thread counts (an executor that does not is refused at load, naming the pool in use).
-
-Quantized graph sets
---------------------
-A set built with ``--weights int8|int4`` has ``DequantizeLinear(Wq, scale, axis=0, block_size=B)`` +
-``MatMul`` for the decoder's weights; at level ``extended`` or ``all`` ORT's optimiser fuses each pair into
-``com.microsoft.MatMulNBits`` (its own transposed, packed copy of the weight; ORT's MatMul+Add -> Gemm
-fusion is turned off for these sets, as it would otherwise claim the projections followed by a residual
-add first). MatMulNBits is fast only with prepacked weights, so ``prepack`` defaults to true here: each
-session then holds its own packed copy of the (small) quantized weights; with ``optimized_model_dir`` the
-fused graphs and their prepacked weights are saved once and mapped by every session.
-
-Weights carried over from a llama.cpp ``Q4_1`` tensor (``synflux-build --from-gguf F --weights int4``) are
-affine (``d * q + m`` per block), which ``DequantizeLinear`` cannot express alone: the graphs add the
-block minima after it, a chain ORT's optimiser does not fuse. This executor rewrites each such chain and
-its ``MatMul`` when it loads the graph into ``MatMulNBits`` plus a small correction product for the minima
-(:mod:`synflux_ros.backends.onnxruntime.quant`; the file stays as it is, the new tensors are made once and shared
-by all graphs; ``matmulnbits_accuracy_level`` applies to them as to the fused ones).
+One session per graph, all given views of one copy of ``weights.bin``; every input and output bound by address
+to the static buffers (a KV slot's per-layer views at their offsets, an in-place attention's outputs to the slot
+itself); optional load-time fusions, a cache of ORT-optimised (and prepacked) graphs and a process-wide thread
+pool. How and why: docs/backends/onnxruntime.md; the options: :mod:`synflux_ros.backends.onnxruntime.options`.
 """
 from __future__ import annotations
 
@@ -252,7 +132,7 @@ class _LazyModels(Mapping):
 
 class OnnxRuntimeExecutor(HostBufferHooks, Executor):
     """Runs a synflux-build graph set with ONNX Runtime: weights loaded once for all graphs, every input
-    and output bound to the static buffers (see the module docstring)."""
+    and output bound to the static buffers (see docs/backends/onnxruntime.md)."""
     name = "onnxruntime"
     runtime_label = "ORT"
     weight_dtypes: tuple[str, ...] = ("float32", "int8", "int4")
@@ -311,7 +191,7 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
         self._weights: np.ndarray | None = None
         self._weights_file = ""
         self._weight_values: dict[tuple, object] = {}
-        self._affine = None  # ort_quant.AffineWeights of a set with carried Q4_1 weights (made at load)
+        self._affine = None  # quant.AffineWeights of a set with carried Q4_1 weights (made at load)
 
     # ------------------------------------------------------------------ options
     def _parse_providers(self, value) -> list[tuple[str, dict]]:
@@ -333,7 +213,8 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
                                   f"[name, {{options}}], got {entry!r}")
             if name not in available:
                 raise ConfigError(
-                    f"onnxruntime executor: executor.options.providers: execution provider {name!r} is not available in this onnxruntime build "
+                    f"onnxruntime executor: executor.options.providers: execution provider {name!r} is not available "
+                    f"in this onnxruntime build "
                     f"({self._ort.__version__}; available: {', '.join(available)}). CUDA and TensorRT need the "
                     f"onnxruntime-gpu package and a matching CUDA/TensorRT installation")
             out.append((name, popts))

@@ -1,53 +1,9 @@
-"""Load-time rewrite of the portable decoder graphs into ONNX Runtime's fused kernels (``fusions`` option of
-the onnxruntime executor).
-
-The graph files stay standard ONNX (opset 17, one op per step of the math). On a CPU, ONNX Runtime then
-runs RMSNorm, the rotary embedding and attention as a few dozen small nodes per layer, each paying the
-thread pool's wake-up (on a hidden-1024 8-layer Qwen3, 48 nodes per layer; about 10 of the 65 ms of a
-decode step went to nodes other than the weight products, attention included; ORT profiler, 2 cores).
-This module rewrites each graph with onnxscript's pattern rewriter into
-
-* ``SimplifiedLayerNormalization`` (RMSNorm; onnxscript's ``ort_fusions`` rule, after three exact
-  rewrites into the form it expects: the graph in opset 18, whose ``ReduceMean`` takes its axes as an
-  input, ``ReduceMean``'s default ``noop_with_empty_axes=0`` spelled out, and the exporter's
-  ``Div(1, Sqrt(.))`` as ``Reciprocal(Sqrt(.))``);
-* ``com.microsoft.SkipSimplifiedLayerNormalization`` (residual add + RMSNorm; onnxscript's rule, whose
-  check here also accepts the decoder's [tokens, hidden] activations besides [batch, tokens, hidden]);
-* ``com.microsoft.RotaryEmbedding`` (rule of this module: onnxscript's rotary rules expect cos/sin computed
-  from ``inv_freq`` and positions, the graphs look them up in a table, ``decoder.rope_table``);
-* ``com.microsoft.GroupQueryAttention`` (rule of this module: the graphs attend to the cache and the new
-  keys without concatenating them, ``decoder.attend_past_and_new``, a form onnxscript's SDPA/GQA rules do
-  not know). Attention runs in float32 (a float16 cache is cast first, as in the portable graph, and keeps
-  the form below for prefill graphs).
-
-  - Prefill graphs (several new rows): the cache stays an input. GQA zero-fills a present buffer of its
-    own (past buffer + new rows, an output nothing reads), copies the valid positions into it and attends
-    to those; the graph returns the new entries as before.
-  - Decode graphs (one new row) over a float32 cache read as the slot's views: GQA takes each view whole
-    as its past (``[1, KV, S, Dh]``; a decode span d < S included, whose Slice goes: GQA reads only the
-    positions below the row) and returns it as the graph output ``<view>.in_place``
-    (``graphset.IN_PLACE_SUFFIX``), which the executor binds to the view's own memory. GQA then sees one
-    buffer (ORT's shared past/present buffer) and writes only the new row into the slot, at
-    ``cache_position`` clipped to the view; without this it copied the whole cache into a buffer of its own
-    for each query head (three times a layer for SmolLM2's 9 heads over 3 KV heads) on every step. The
-    graph then leaves out ``new_kv`` (``graphset.ROWS_IN_PLACE``): those entries are the rows GQA wrote, which
-    the executor reads from the slot after the run, and the runtime does not write them again. Where the
-    layer's Q, K and V are column blocks of one product that only the rotary separates from attention
-    (llama, SmolLM2; not Qwen3, whose per-head norms sit between), GQA takes the product packed and rotates
-    Q and K itself (``do_rotary`` over the rotary tables' halves, at the row it writes: the same positions
-    for cache positions below the span). The domain of a decode graph of span d stays
-    ``cache_position < d``, which the runtime keeps; beyond it the portable graph attends to all d positions
-    while this one writes into the last row of the view.
-
-A rule that does not match leaves the graph as it is (a vision encoder gets none of them). Every rule
-checks the values it relies on (constants, shapes, the attention mask's construction from
-``cache_position``) before it rewrites, and the rewritten graph computes the same function up to float
-rounding (``test/unit/backends/test_onnxruntime_fusions.py`` compares logits and new cache entries).
-
-:func:`fused_graph_set` writes the rewritten graphs as a graph set of their own (a weights file shared by
-all its graphs, the rotary tables' halves added once) in a cache directory keyed by the onnxscript
-version, this module's source and the source files; the executor loads it with ORT's optimiser on. Needs
-``onnxscript`` (and ``onnx``), imported on first use.
+"""Load-time rewrite of the portable decoder graphs into ONNX Runtime's fused CPU kernels (the onnxruntime
+executor's ``fusions`` option): RMSNorm, residual add + RMSNorm, the rotary embedding and attention, with
+onnxscript's pattern rewriter and rules of this module where our graphs' forms differ from what onnxscript's
+rules expect. A decode graph's attention then appends to the KV slot in place (``graphset.IN_PLACE_SUFFIX``,
+``graphset.ROWS_IN_PLACE``). :func:`fused_graph_set` caches the rewritten set. Needs ``onnxscript`` (and
+``onnx``), imported on first use; what each rule does and why: docs/backends/onnxruntime.md#fusions.
 """
 from __future__ import annotations
 
@@ -64,7 +20,7 @@ from ...graphset import cache, reader as graphset
 FUSIONS = ("rms_norm", "skip_rms_norm", "rotary", "attention")
 """The rewrites this module knows, in the order they are applied."""
 DEFAULT_FUSIONS = ("rms_norm", "rotary", "attention")
-"""What ``fusions: true`` applies (measured; see the README)."""
+"""What ``fusions: true`` applies (``skip_rms_norm`` gains nothing for decoding: docs/backends/onnxruntime.md)."""
 CACHE_KEY = "ort_fusions"
 """Manifest key of a fused set's fingerprint."""
 _MIN_OPSET = 18

@@ -1,59 +1,10 @@
-"""OpenVINO executor: runs a graph set written by ``synflux-build`` (format in ``core/graphset.py``) on an
-Intel CPU, GPU or NPU through OpenVINO.
+"""OpenVINO executor: runs a graph set written by ``synflux-build`` (:mod:`synflux_ros.graphset`) on an Intel CPU,
+GPU or NPU.
 
-Each graph's ONNX file is compiled for the configured device (OpenVINO's ONNX frontend reads the external
-weights from ``weights.bin`` next to it) and gets one ``InferRequest``. The portable files stay standard
-ONNX; OpenVINO's own graph compiler fuses operators at compile time.
-
-Weights are not held once: the CPU plugin repacks the weights of every compiled graph into a private
-copy, so N graphs that use the decoder (each prefill and decode bucket) hold N copies. Measured here on a
-graph set of 7 graphs and 276 MiB of weights: 1.3 GiB proportional set size after load, against 0.48 GiB
-for the onnxruntime backend, which shares one copy. Keep bucket lists short where memory is tight.
-
-Device buffers and binding
---------------------------
-Every staging buffer and caller-owned tensor (KV-cache slots) is a 64-byte-aligned host buffer
-(:class:`synflux_ros.backends.binding.HostBuffer`). Each input and output of a request is set to an
-``ov.Tensor`` over that memory (``shared_memory=True``: no copy), so inputs are read and outputs written in
-place, and the steady state allocates nothing. A graph exported with input views
-(``past_kv.<layer>.<k|v>``, see ``graphset.VIEW_INPUTS``) gets each view set at its byte offset in the
-KV slot: every layer reads its keys and values where the slot holds them. Tensors are set again only when
-a buffer's address changes (another KV slot). The first run of each graph checks that the results are in
-the bound output buffers; an output the device plugin returned in memory of its own instead is copied into
-the staging buffer on every run from then on. The CPU plugin writes every output in place; a GPU or NPU
-plugin transfers the host tensors to the device and back on each run.
-
-Precision
----------
-OpenVINO picks an inference precision per device: on a CPU with bf16 units (AVX512-BF16, AMX) the CPU
-plugin runs float32 graphs in bf16 by default (measured on the vlm_demo graphs: outputs off by up to 2e-2).
-The ``precision`` option sets ``INFERENCE_PRECISION_HINT``; its default is ``f32`` on the CPU (results
-match onnxruntime to ~1e-6) and ``f16`` on GPU and NPU. ``default`` leaves the plugin's own choice. With
-``AUTO``/``HETERO``/``MULTI`` each candidate device gets its own default through ``DEVICE_PROPERTIES``.
-
-Compiled-model cache
---------------------
-With ``cache_dir`` OpenVINO stores each compiled graph (``CACHE_DIR``) and a later load imports it
-instead of compiling. The blobs go to a subdirectory keyed by the OpenVINO version, the device and compile
-properties, and the size and modification time of every graph file and the weights file: a rebuilt graph
-set gets a fresh subdirectory instead of a stale blob (old subdirectories are not removed). A relative
-``cache_dir`` is relative to the graph set directory. Each blob holds its graph's weights. On the CPU the
-cache gains little (measured: the 7-graph set above loads in 1.8 s compiled, 1.3-1.5 s from 854 MiB of
-blobs); it is meant for GPU and NPU, where compiling takes longer.
-
-Options (``executor.options`` in the model config)
---------------------------------------------------
-``device``                 ``CPU`` (default), ``GPU``, ``GPU.1``, ``NPU``, ``AUTO``, ``AUTO:GPU,CPU``,
-                           ``HETERO:GPU,CPU``: a device this machine does not have is an error that lists
-                           ``ov.Core().available_devices``
-``precision``              ``f32`` | ``f16`` | ``bf16`` | ``default``; default f32 on CPU, f16 on GPU/NPU
-``cache_dir``              compiled-model cache, see above; default none (compile at every load)
-``num_streams``            ``NUM_STREAMS``; 0 = the latency hint's (one stream)
-``inference_num_threads``  CPU threads (``INFERENCE_NUM_THREADS``); 0 = OpenVINO's default
-``properties``             further OpenVINO properties passed to ``compile_model`` as they are, e.g.
-                           ``{ENABLE_CPU_PINNING: false}``; they override the ones above
-
-Every graph is compiled with ``PERFORMANCE_HINT: LATENCY`` (one request at a time per graph).
+Each graph's ONNX file is compiled for the configured device and gets one ``InferRequest`` whose inputs and
+outputs are ``ov.Tensor`` objects over the static host buffers (no copy; a KV slot's per-layer views at their
+offsets); an output a device plugin returns in memory of its own is copied into its buffer instead. How and
+why: docs/backends/openvino.md; the options: :mod:`synflux_ros.backends.openvino.options`.
 """
 from __future__ import annotations
 
@@ -94,7 +45,7 @@ class _Graph:
     def __init__(self, compiled, path: str, plan: dict, from_cache: bool):
         self.compiled = compiled
         self.request = compiled.create_infer_request()
-        self.plan = plan  # contract input -> [(ONNX input, byte offset, shape)] (core.binding.Plan)
+        self.plan = plan  # contract input -> [(ONNX input, byte offset, shape)] (backends.binding.Plan)
         self.bound: dict[str, int] = {}
         self.verified = False
         self.copy_out: tuple[str, ...] = ()  # outputs the plugin did not write into the bound buffer
@@ -104,7 +55,7 @@ class _Graph:
 
 class OpenVINOExecutor(HostBufferHooks, Executor):
     """Runs a synflux-build graph set with OpenVINO: one compiled model and request per graph, every input
-    and output set to the static buffers (see the module docstring)."""
+    and output set to the static buffers (see docs/backends/openvino.md)."""
     name = "openvino"
     runtime_label = "OpenVINO"
     options_type = OpenVINOExecutorOptions

@@ -1,56 +1,11 @@
-"""Qualcomm QNN executor: a synflux-build graph set on a Snapdragon NPU (Hexagon HTP) through ONNX Runtime's
-QNN execution provider (the ``onnxruntime-qnn`` package).
+"""Qualcomm QNN executor: a synflux-build graph set on a Snapdragon NPU (Hexagon HTP) through ONNX Runtime's QNN
+execution provider (``onnxruntime-qnn``).
 
-Everything but the execution provider is the onnxruntime executor's (:class:`OnnxRuntimeExecutor`): one
-session per graph, every input and output bound in place to the static buffers (a KV slot's per-layer
-views at their offsets), ``weights.bin`` read once. This class changes how a session is created: the QNN
-execution provider is a plugin library that ``onnxruntime_qnn`` ships; it is registered with onnxruntime
-once per process (``onnxruntime.register_execution_provider_library``) and added to each session for the
-devices it reports (``SessionOptions.add_provider_for_devices``). A graph runs on QNN as a whole or not at
-all: sessions are created with ``session.disable_cpu_ep_fallback``, so a graph holding an operator QNN
-cannot run fails at load, naming that operator, instead of running part of it on the CPU.
-
-Token ids
----------
-The HTP indexes in int32 (for an int64 graph input the provider adds a Cast to int32 on the device). This
-executor takes graph sets built with ``llm.token_id_dtype: int32`` (``input_ids`` int32, the embedding's
-``Gather`` taking them as they come) and refuses one with int64 ids at load, naming the file. Counts and
-positions (``num_tokens``, ``cache_position``, ``prefix_len``) stay int64 and are cast by the provider.
-
-Precision and the SoC
----------------------
-The HTP computes float graphs in fp16 arithmetic: graph inputs and outputs stay float32, results differ
-from onnxruntime on the CPU by fp16 rounding (validate with ``synflux-validate --precision reduced``).
-``precision: fp16`` sets ``enable_htp_fp16_precision`` (float32 graphs run as fp16 graphs); ``fp32``, the
-default, leaves it off. On a Snapdragon device the SoC is detected; on an x86-64 host the HTP library is
-Qualcomm's simulator, which needs the target named (``soc_model``: e.g. 43 = SM8550 / HTP v73,
-57 = SM8650 / v75, 69 = SM8750 / v79, 87 = SM8850 / v81; without it graphs fail to finalize).
-
-Context binaries
-----------------
-Creating a session compiles the graph for the HTP ("finalize"). With ``context_cache`` the compiled
-graphs are stored as EPContext models (``<graph>.onnx`` naming a ``<graph>_qnn.bin`` QNN context binary)
-in a subdirectory keyed by the versions of onnxruntime, onnxruntime-qnn and the QNN SDK, the machine, the
-QNN options that shape the binary (backend, SoC, precision, further provider options), ORT's optimisation
-level, the graph set's config hash and the size and modification time of every graph file and the weights
-file. A later load with the same key loads the binaries (milliseconds per graph) instead of compiling; a
-rebuilt graph set gets a fresh subdirectory. Each binary holds its graph's weights, so the bucket graphs
-of a model hold one copy each.
-
-Options (``executor.options`` in the model config)
---------------------------------------------------
-``backend``                  ``htp`` (default; the Hexagon NPU) or ``gpu`` (Adreno, through QNN's GPU library)
-``precision``                ``fp32`` (default) | ``fp16``, see above
-``soc_model``                QNN SoC id of the target (an integer); required on an x86-64 host
-``performance_mode``         ``htp_performance_mode``: ``default`` (QNN's), ``burst``, ``balanced``,
-                             ``high_performance``, ``sustained_high_performance``, ``power_saver``,
-                             ``low_power_saver``, ``high_power_saver``, ``low_balanced``, ``extreme_power_saver``
-``context_cache``            false (default) | true (``qnn_context/`` beside the graph set) | a directory
-                             (relative paths are relative to the graph set)
-``provider_options``         further QNN provider options passed as they are (``vtcm_mb``, ``htp_arch``,
-                             ``device_id``, ``htp_graph_finalization_optimization_mode``, ...)
-``intra_op_num_threads``, ``inter_op_num_threads``, ``graph_optimization_level``, ``share_weights``,
-``mmap_weights``, ``allow_spinning``: as for the onnxruntime executor (the ORT side of each session).
+Everything but how a session is created is the onnxruntime executor's: the provider's plugin library is
+registered with onnxruntime once per process and added to each session for the devices it reports, with CPU
+fallback off, so a graph runs on QNN whole or fails at load naming the operators QNN cannot run. Graph sets
+need int32 token ids; compiled context binaries can be cached. How and why: docs/backends/qnn.md; the options:
+:mod:`synflux_ros.backends.qnn.options`.
 """
 from __future__ import annotations
 
@@ -98,7 +53,7 @@ def qnn_ep_devices(ort, qnn) -> list:
 
 class QNNExecutor(graphset.ChecksWeightFormat, OnnxRuntimeExecutor):
     """Runs a synflux-build graph set (int32 token ids) on a Qualcomm NPU with ONNX Runtime's QNN execution
-    provider; buffers, binding and weights as :class:`OnnxRuntimeExecutor` (see the module docstring)."""
+    provider; buffers, binding and weights as :class:`OnnxRuntimeExecutor` (see docs/backends/qnn.md)."""
     name = "qnn"
     weight_dtypes: tuple[str, ...] = ("float32",)  # quantized sets (--weights) are ORT-CPU only for now
     options_type = QNNExecutorOptions

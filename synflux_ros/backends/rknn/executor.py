@@ -1,40 +1,11 @@
 """Rockchip NPU executor (``executor: rknn``): runs the ``.rknn`` graphs that ``synflux-build --backend rknn
---target <soc>`` compiled beside a graph set (format in ``synflux_ros/build/rknn.py``).
+--target <soc>`` compiled beside a graph set (:mod:`synflux_ros.backends.rknn.build`).
 
-Two runtimes behind the same five hooks:
-
-* **board** (aarch64 with ``rknnlite`` importable, i.e. rknn-toolkit-lite2 and ``librknnrt.so`` on an
-  RK3588/RK3576 board): every graph's ``.rknn`` is loaded in this process with ``RKNNLite`` and runs on
-  the NPU; device buffers are aligned host buffers (the NPU runtime copies them in and out).
-* **simulator** (x86 development machines and CI): rknn-toolkit2 cannot live in the project's venv (it
-  pins numpy <= 1.26.4), so a worker process (``rknn_worker.py`` beside this file) runs under the Python
-  of ``.venv-rknn`` (``make rknn-venv``). Every device buffer is a POSIX shared-memory segment created
-  once at load (``_alloc_device``), so the worker reads inputs and writes outputs in place; the pipe to
-  it carries only graph names and buffer ids. The toolkit's simulator cannot run a model loaded from a
-  ``.rknn`` file, so the worker builds each graph again from the ONNX file its ``.rknn`` was compiled from
-  (same target and data type; an int8 graph is quantized again on the calibration samples kept in
-  ``rknn/<target>/calib/<graph>/``): loading takes a few seconds per graph. The simulator computes in fp16
-  (int8 where quantized): compare it with ``synflux-validate --precision reduced``.
-
-Graph sets built with ``--quantize int8[:KINDS]`` load like fp16 ones: each graph's sidecar entry says its
-``dtype`` (fp16 or int8); an int8 graph takes and returns float32 like the others (the runtime quantizes and
-dequantizes at the graph boundary; integer inputs are not quantized).
-
-A graph set compiled for another target, by another toolkit version or before its ONNX graphs were
-rebuilt is refused with the file named and the ``synflux-build`` command that rebuilds it.
-
-Options (``executor.options``)
-------------------------------
-``target``             SoC the graphs were compiled for (rk3588, rk3576, ...). Default: on a board the SoC
-                       read from the device tree; in the simulator the one target the graph set has.
-``runtime``            ``auto`` (default: board when on aarch64 with rknnlite importable, else simulator),
-                       ``board`` or ``simulator``
-``simulator_python``   Python of the venv holding rknn-toolkit2. Default: ``.venv-rknn/bin/python`` beside
-                       the venv this package runs from (``<sys.prefix>/../.venv-rknn``, where ``make
-                       rknn-venv`` creates it), else beside the source tree
-``core_mask``          board only: ``auto`` (default), ``0``, ``1``, ``2``, ``0_1``, ``0_1_2``, ``all``
-``check_toolkit_version``  board only, default true: the installed rknn-toolkit-lite2 must have the
-                       major.minor version of the rknn-toolkit2 that compiled the graphs
+Two runtimes behind the same hooks: on a board (aarch64 with rknn-toolkit-lite2) each graph runs on the NPU
+with ``RKNNLite`` in this process; elsewhere rknn-toolkit2's simulator runs it in a worker process under the
+toolkit's own venv (``worker.py``), reading and writing the executor's shared-memory buffers in place. A set
+compiled for another target, by another toolkit or from older ONNX graphs is refused with the rebuild command.
+How and why: docs/backends/rknn.md; the options: :mod:`synflux_ros.backends.rknn.options`.
 """
 from __future__ import annotations
 
@@ -64,7 +35,7 @@ from .options import CORE_MASKS, RKNNExecutorOptions
 SIDECAR = "rknn.json"
 FORMAT = "synflux-rknn/1"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
-DTYPES = ("fp16", "int8")  # of a compiled graph (synflux_ros/build/rknn.py)
+DTYPES = ("fp16", "int8")  # of a compiled graph (synflux_ros/backends/rknn/build.py)
 
 
 def rebuild_command(graph_dir: str, target: str, quantize: str = "fp16") -> str:
@@ -286,7 +257,7 @@ def input_plan(meta: GraphMeta) -> list[tuple[str, int, int, tuple, str]]:
 
 class RKNNExecutor(graphset.ChecksWeightFormat, HostBufferHooks, Executor):
     """Runs a graph set compiled by ``synflux-build --backend rknn`` on a Rockchip NPU (RKNNLite) or in
-    rknn-toolkit2's simulator behind a worker process (see the module docstring)."""
+    rknn-toolkit2's simulator behind a worker process (see docs/backends/rknn.md)."""
 
     name = "rknn"
     options_type = RKNNExecutorOptions

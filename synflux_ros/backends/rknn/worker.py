@@ -1,32 +1,11 @@
 """Simulator worker of the rknn executor (a script, not a module of the package).
 
 It runs under the Python of the RKNN venv (``.venv-rknn``: rknn-toolkit2 pins numpy <= 1.26.4, which the
-project's venv cannot take), so it imports only the standard library, numpy and ``rknn.api``. The rknn
-executor (``synflux_ros/backends/rknn.py``) starts it on machines without an NPU and talks to it over two
-pipes, one JSON object per line::
-
-    -> {"op": "load", "graph": name, "onnx": path, "target": "rk3588",
-        "inputs": [[onnx name, shape, dtype, contract index, byte offset], ...],
-        "outputs": [[name, shape, dtype], ...],
-        "quantize": null | {"dtype": "w8a8", "algorithm": ..., "method": ..., "dataset": path}}
-    <- {"ok": true, "seconds": s}
-    -> {"op": "run", "graph": name, "map": [[buffer id, shm name, size], ...],
-        "in": [buffer id per contract input], "out": [buffer id per output]}
-    <- {"ok": true, "ms": m}
-    -> {"op": "close"}
-    <- {"ok": true}
-
-Every failure answers {"ok": false, "error": ..., "messages": [the toolkit's error lines]}.
-
-Tensors never cross the pipes: the executor's device buffers are POSIX shared-memory segments, which
-this process maps once (``map`` lists the segments a run uses for the first time) and reads its inputs
-from and writes its outputs into in place.
-
-rknn-toolkit2's simulator cannot run a model loaded from a ``.rknn`` file (``init_runtime`` without a
-target refuses it: "use load_xxx & build instead of load_rknn"), so each graph is built here again from
-the ONNX file its ``.rknn`` was compiled from, with the same target and data type, and then run: an int8
-graph is quantized again on the calibration set it was compiled with (``quantize.dataset``, the
-toolkit's dataset.txt kept beside the ``.rknn`` files), so it computes what the ``.rknn`` file holds.
+project's venv cannot take), so it imports only the standard library, numpy and ``rknn.api``. The executor
+(:mod:`synflux_ros.backends.rknn.executor`) talks to it over two pipes, one JSON object per line (``load``,
+``run``, ``close``; every failure answers ``{"ok": false, "error": ..., "messages": [...]}``); tensors stay in
+the executor's shared-memory buffers, which this process maps once. The simulator cannot run a ``.rknn`` file,
+so each graph is built again here from its ONNX source. The protocol: docs/backends/rknn.md#simulator-worker.
 """
 from __future__ import annotations
 
@@ -38,7 +17,8 @@ import re
 import sys
 import time
 
-# This file's directory holds synflux_ros/backends/rknn.py, which would shadow the toolkit's ``rknn``.
+# This file's directory holds modules of synflux_ros (build.py, options.py, ...), which must not shadow the
+# toolkit's own imports.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 

@@ -1,41 +1,11 @@
-"""TensorRT backend (Jetson Orin with JetPack 6, or an x86 workstation with an NVIDIA GPU): engines built by
-``synflux-build --backend tensorrt``, run with the TensorRT 10 Python API on device memory managed with
+"""TensorRT executor (Jetson Orin with JetPack 6, or an x86 workstation with an NVIDIA GPU): runs the engines
+``synflux-build --backend tensorrt`` built, with the TensorRT 10 Python API on device memory managed with
 cuda-python.
 
-What it does
-------------
-* **Engines**: one per graph kind with an optimization profile per bucket (see
-  :mod:`synflux_ros.backends.tensorrt.plan`), read from ``<graph_dir>/tensorrt/<sm..-precision[-dlaN]>/``.
-  An execution context per profile, with its activation memory supplied from the static pool
-  (``USER_MANAGED``): contexts of one graph group share one activation buffer sized for the largest, so
-  buckets that never run together do not each hold their own.
-* **Memory**: every buffer (staging, KV slots, activations, route scratch) is allocated once at load with
-  ``cudaMalloc`` through the executor's static pool; host copies go through pinned (``cudaMallocHost``)
-  mirrors of the staging buffers, KV appends as one ``cudaMemcpy2D`` into the slot
-  (:func:`~synflux_ros.backends.tensorrt.plan.region_copy`).
-* **Bindings**: ``set_tensor_address`` per engine tensor, redone only when an address changes (a KV slot
-  of another session); the per-layer KV views ``past_kv.<l>.<j>`` are bound at their byte offsets in the
-  slot, nothing is copied.
-* **Streams**: one CUDA stream per graph group (the vision encoder, the prefill buckets, the decode
-  buckets, the action expert, ...). A pipeline stage runs its own groups, so the three stages of the VLA
-  pipeline run concurrently on the device, and no two threads ever enqueue on one stream (a group runs
-  under its lock), which stream capture needs. Each call records an event on its stream and waits for
-  it before its outputs are read.
-* **CUDA graphs** (``cuda_graphs: true``): a decode step is captured once per (bucket, bound addresses)
-  after a first normal run and replayed with ``cudaGraphLaunch``; a step TensorRT cannot capture falls
-  back to normal enqueues (and is not tried again).
-
-Options (``executor.options``)
-------------------------------
-``precision`` (fp32 | fp16 | int8, which build to load; default fp16), ``dla_core`` (the DLA build to
-load; default none), ``engine_dir`` (default ``tensorrt/<tag>`` in the graph set), ``device`` (CUDA
-device index, default 0), ``cuda_graphs`` (default false), ``module`` (the TensorRT Python module,
-default ``tensorrt``).
-
-Where it runs in tests: the plan it follows (profiles, routes, view offsets, 2-D copies, keys) is unit-tested
-everywhere; its CUDA side (pool, pinned staging, streams, 2-D copies, CUDA-graph capture and replay) runs on
-a CUDA device in ``test/gpu`` with only the engine stood in; real engines need TensorRT (a Jetson): the
-``gpu`` tests of ``test/unit/backends/test_tensorrt_executor.py`` and ``synflux-validate --backend tensorrt``.
+It follows the plan of :mod:`synflux_ros.backends.tensorrt.plan` (one engine per graph kind, a profile per
+bucket, the route of each contract graph); every buffer comes from the static pool, a CUDA stream serves each
+graph group, and decode steps may be replayed as CUDA graphs. How and why: docs/backends/tensorrt.md; the
+options: :mod:`synflux_ros.backends.tensorrt.options`.
 """
 from __future__ import annotations
 

@@ -1,35 +1,10 @@
 """How a graph set maps onto TensorRT engines: engines, optimization profiles, routes, addresses, keys.
 
-Pure Python (no TensorRT, no CUDA): the builder (``synflux_ros.backends.tensorrt.build``) and the runtime
-(``synflux_ros.backends.tensorrt.executor``) both follow this plan, and it is unit-tested on any machine.
-
-Engines
--------
-A graph set's buckets become one engine per graph *kind*, with one optimization profile per bucket whose
-min = opt = max (so every profile still gets static-shape kernels) and one copy of the weights::
-
-    engine          ONNX file                        profiles (dynamic inputs)
-    vision_encoder  vision_encoder.onnx (static)     one, static
-    embed           tensorrt/onnx/embed.onnx         input_ids [1,T]: T = each prefill bucket, and 1 for decode
-    llm             tensorrt/onnx/llm.onnx           prefill_<p>: inputs_embeds [1,p,H], attention_span [S]
-                                                     decode_<d>:  inputs_embeds [1,1,H], attention_span [d]
-    action_expert   tensorrt/onnx/action_expert.onnx action_expert_<d>: attention_span [d]
-
-``attention_span`` [D] is a shape-only input: its length is the number of cache positions a graph
-attends to (the decode / action-expert bucket), its contents are never read. Prefill and decode are the
-same network (the ``llm`` engine) at different shapes, so the decoder's weights are on the device once.
-
-DLA engines must be static, so a kind placed on DLA (``dla_kinds``: the vision encoder and the action
-expert are the usual candidates) is built per graph from the graph set's static ONNX files instead, one
-engine per bucket.
-
-Routes
-------
-Each graph of the contract runs as one or two engine calls (:class:`Step`): ``decode_<d>`` is ``embed``
-at T=1 into a device scratch buffer, then ``llm`` at profile ``decode_<d>`` with ``num_tokens`` bound to
-a device constant 1. A step's bindings name where each engine tensor lives (:class:`Bind`): a contract
-input or output buffer (at a byte offset for the per-layer KV views ``past_kv.<l>.<j>``), a scratch
-buffer, or one of the shared constants.
+Pure Python (no TensorRT, no CUDA): the builder (:mod:`synflux_ros.backends.tensorrt.build`) and the executor
+(:mod:`synflux_ros.backends.tensorrt.executor`) both follow this plan, and it is unit-tested on any machine.
+A graph kind's buckets become one engine with a profile per bucket (a kind placed on DLA: one static engine per
+bucket), and each contract graph runs as one or two engine calls (:class:`Step`) whose bindings (:class:`Bind`)
+say where each engine tensor lives. The engine table: docs/backends/tensorrt.md#engine-plan.
 """
 from __future__ import annotations
 
@@ -130,7 +105,7 @@ def _kv(metas) -> TensorSpec:
 
 
 def plan_engines(metas: list[GraphMeta], dla_kinds=()) -> list[EngineSpec]:
-    """The engines of a graph set (see the module docstring). ``dla_kinds`` (subset of
+    """The engines of a graph set (see docs/backends/tensorrt.md#engine-plan). ``dla_kinds`` (subset of
     :data:`DLA_CAPABLE`) are built per graph from the static ONNX files, for a DLA core."""
     bad = set(dla_kinds) - set(DLA_CAPABLE)
     if bad:
