@@ -29,7 +29,7 @@ from ..runtimes.control import Controller
 from ..runtimes.execution import ChunkRefused
 from ..runtimes.robot_state import CameraImages, NoFreshState, RobotStateBuffer
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
-from .diagnostics import OK, WARN, median
+from .diagnostics import ERROR, OK, WARN, median
 from .lifecycle import SynfluxNode
 from .params import COMMON_PARAMS, Param
 from .process import run_lifecycle_node
@@ -44,6 +44,8 @@ PARAMS = [
                                               "chunk (through the limits, while enabled)"),
     Param("publish_joint_command", True, "publish std_msgs/Float64MultiArray joint_command at "
                                          "execution.control_rate_hz while enabled (with execution joints)"),
+    Param("camera_rate_hz", 0.0, "the camera's frame rate in Hz: frames lost before the node are counted against "
+                                 "it (0 = not stated: estimated from the stamps of the frames that arrive)"),
     Param("joint_names", [""], "commanded joints in action order, overriding the config's execution.joints; "
                                "their count must equal the action dimension"),
 ]
@@ -65,6 +67,12 @@ RATE_WINDOW = 120
 """Frames over which the receive and camera rates are estimated."""
 MIN_DELIVERY_RATIO = 0.9
 """Below this share of the camera's frames received, /diagnostics warns of transport loss."""
+NO_FRAME_PERIODS = 10
+"""With a stated camera rate: no frame for this many camera periods (at least NO_FRAME_MIN_S) is an ERROR."""
+NO_FRAME_MIN_S = 2.0
+TRANSPORT_HINT = ("large frames need shared memory: start the camera driver with FASTDDS_DEFAULT_PROFILES_FILE "
+                  "set to the profile the nodes use (share/synflux_ros/config/fastdds_shm.xml); see "
+                  "docs/ros-interfaces.md")
 
 
 class VLANode(SynfluxNode):
@@ -100,6 +108,11 @@ class VLANode(SynfluxNode):
 
     # ---------------------------------------------------------------- lifecycle hooks
     def setup(self, p: dict, cfg) -> str:
+        rate = p["camera_rate_hz"]
+        if not isinstance(rate, (int, float)) or not 0.0 <= rate < 10000.0 or rate != rate:
+            raise self.fail("camera_rate_hz", f"must be a rate in Hz >= 0 (0 = not stated), got {rate!r}")
+        self.camera_rate = float(rate)
+        self._active_since = time.monotonic()
         joints = [j for j in p["joint_names"] if j]
         if joints:
             if len(joints) != cfg.action.published_dim:
@@ -173,6 +186,7 @@ class VLANode(SynfluxNode):
         return self.get_clock().now().nanoseconds * 1e-9
 
     def activate(self) -> None:
+        self._active_since = time.monotonic()
         self.pipeline.start()
         if self.controller is not None and self.cfg.execution.autoenable:
             try:
@@ -422,14 +436,26 @@ class VLANode(SynfluxNode):
         arrived (:func:`source_rate`), so frames lost before the node show as ``delivery_ratio`` < 1."""
         with self._lock:
             arrivals = list(self._arrivals)
-        out = {"receive_rate_hz": 0.0, "camera_rate_hz": 0.0, "delivery_ratio": 1.0}
+        out = {"receive_rate_hz": 0.0, "camera_rate_hz": self.camera_rate, "delivery_ratio": 1.0,
+               "estimated_camera_rate_hz": 0.0}
         if len(arrivals) < 3:
             return out
         span = arrivals[-1][0] - arrivals[0][0]
         if span > 0:
             out["receive_rate_hz"] = (len(arrivals) - 1) / span
-        out["camera_rate_hz"], out["delivery_ratio"] = source_rate(s for _, s in arrivals)
+        estimate, ratio = source_rate(s for _, s in arrivals)
+        out["estimated_camera_rate_hz"] = estimate
+        if self.camera_rate > 0:  # stated: frames that never arrive count too
+            out["delivery_ratio"] = min(1.0, out["receive_rate_hz"] / self.camera_rate)
+        else:
+            out["camera_rate_hz"], out["delivery_ratio"] = estimate, ratio
         return out
+
+    def frame_silence(self) -> float:
+        """Seconds since the last frame (or since activation, before the first)."""
+        with self._lock:
+            last = self._arrivals[-1][0] if self._arrivals else None
+        return time.monotonic() - max(last or 0.0, self._active_since)
 
     def diagnostics(self) -> tuple[int, str, dict]:
         counts = self.frame_counts()
@@ -470,11 +496,27 @@ class VLANode(SynfluxNode):
             problems.append(f"{counts['camera_images_rejected']} camera images rejected")
         if counts["states_rejected"]:
             problems.append(f"{counts['states_rejected']} joint states rejected")
+        level = WARN if problems else OK
         if rates["delivery_ratio"] < MIN_DELIVERY_RATIO:
             problems.append(f"receiving {rates['delivery_ratio']:.0%} of the camera's "
-                            f"{rates['camera_rate_hz']:.1f} Hz (frames lost in transport)")
+                            f"{rates['camera_rate_hz']:.1f} Hz: frames are lost in transport ({TRANSPORT_HINT})")
+            level = WARN
+        if self.camera_rate <= 0:
+            problems.append("camera_rate_hz not set: frames lost before this node cannot be counted")
+            level = WARN
+        elif rates["estimated_camera_rate_hz"] and abs(rates["estimated_camera_rate_hz"] / self.camera_rate - 1) > 0.2:
+            problems.append(f"the frames' stamps say {rates['estimated_camera_rate_hz']:.1f} Hz, camera_rate_hz "
+                            f"says {self.camera_rate:g}: check the parameter")
+            level = WARN
+        silence = self.frame_silence()
+        values["seconds_since_frame"] = silence
+        if self.camera_rate > 0 and silence > max(NO_FRAME_MIN_S, NO_FRAME_PERIODS / self.camera_rate):
+            topic = self._subs[0].topic_name if self._subs else "image"
+            problems.append(f"no camera frame for {silence:.1f} s on {topic} (is the camera "
+                            f"publishing? {TRANSPORT_HINT})")
+            level = ERROR
         message = ", ".join([f"{rate:.1f} Hz"] + problems)
-        return (WARN if problems else OK), message, values
+        return level, message, values
 
     def _execution_diagnostics(self, values: dict, counts: dict) -> list[str]:
         """The controller's state and every intervention, counted; the problems worth a WARN."""

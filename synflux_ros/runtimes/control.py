@@ -213,8 +213,8 @@ class Controller:
             if self.last_chunk_at is None:
                 return self._hold("no_chunk", "no chunk yet")
             if self.cfg.chunk_timeout > 0 and now - self.last_chunk_at > self.cfg.chunk_timeout:
-                return self._hold("chunk_timeout", f"no fresh chunk for {now - self.last_chunk_at:.2f} s (execution.chunk_timeout "
-                                  f"{self.cfg.chunk_timeout} s)")
+                return self._hold("chunk_timeout", f"no fresh chunk for {now - self.last_chunk_at:.2f} s "
+                                                   f"(execution.chunk_timeout {self.cfg.chunk_timeout} s)")
             target = self.plan.sample(now)
             if target is None:
                 return self._hold("ran_out", f"the last chunk ran out {now - self.plan.end_time():.2f} s ago")

@@ -66,8 +66,9 @@ class ChunkPlan:
                                f"the camera and this machine synchronised?)")
         d = max(0, math.ceil((late + self.cfg.lookahead) / self.period - 1e-9))
         if d >= n:
-            raise ChunkRefused(f"the chunk arrived {late * 1e3:.0f} ms after its frame (plus {self.cfg.lookahead * 1e3:.0f}"
-                               f" ms lookahead), past its horizon of {n} steps x {self.period * 1e3:.0f} ms")
+            raise ChunkRefused(f"the chunk arrived {late * 1e3:.0f} ms after its frame (plus "
+                               f"{self.cfg.lookahead * 1e3:.0f} ms lookahead), past its horizon of {n} steps x "
+                               f"{self.period * 1e3:.0f} ms")
         self.delays.append(d)
         times = t_obs + self.period * np.arange(d, n)
         new = np.asarray(actions[d:], np.float64)

@@ -124,6 +124,7 @@ def test_compressed_transport(start_node, client):
     ({"image_transport": "theora"}, "'theora'"),
     ({"publish_joint_trajectory": True, "joint_names": ["a", "b"]}, "joint_names"),
     ({"diagnostics_period": -1.0}, "diagnostics_period"),
+    ({"camera_rate_hz": -5.0}, "camera_rate_hz"),
 ])
 def test_bad_parameters_fail_at_startup_naming_node_and_value(start_node, params, needle):
     p = start_node("vla_node", params, namespace="/bad")
@@ -168,6 +169,50 @@ def test_diagnostics_show_frames_lost_before_the_node(start_node, client):
     assert float(d["camera_rate_hz"]) == pytest.approx(30.0, rel=0.05)
     assert float(d["delivery_ratio"]) == pytest.approx(2 / 3, abs=0.08)
     assert 0 < float(d["receive_rate_hz"]) < 30
+
+
+def _status(client, ns):
+    """The latest level and message of vla_node's /diagnostics status, kept up to date."""
+    from diagnostic_msgs.msg import DiagnosticArray
+    latest = {}
+
+    def on(msg):
+        for st in msg.status:
+            if st.name.startswith(f"{ns}/vla_node:"):
+                latest.update(level=int.from_bytes(st.level, "little") if isinstance(st.level, bytes) else
+                              int(st.level), message=st.message)
+    client.create_subscription(DiagnosticArray, "/diagnostics", on, 50)
+    return latest
+
+
+def test_a_stated_camera_rate_counts_frames_that_never_arrive(start_node, client):
+    """Frames lost before the node leave no gap in the stamps of those that arrive (here: every frame
+    arrives, but the camera is stated at 30 Hz and only 10 Hz reach the node): the stated rate exposes it,
+    and the message says what to do; with no frame for a while the status is an ERROR."""
+    start_node("vla_node", {"diagnostics_period": 0.2, "camera_rate_hz": 30.0}, namespace="/stated")
+    h = Harness(client, "/stated")
+    status = _status(client, "/stated")
+    h.wait_connected()
+    for i in range(30):
+        h.image_pub.publish(rgb_image(64, 64, i, 10**9 + i * 10**8))  # stamps of a 10 Hz camera
+        spin_until(client, lambda: False, 0.1)
+    d = h.diag_where(lambda d: int(d["frames_received"]) >= 20 and float(d["delivery_ratio"]) < 0.5, timeout=10)
+    assert float(d["camera_rate_hz"]) == 30.0
+    assert float(d["estimated_camera_rate_hz"]) == pytest.approx(10, rel=0.1)
+    assert status["level"] == 1 and "frames are lost in transport" in status["message"]
+    assert "FASTDDS_DEFAULT_PROFILES_FILE" in status["message"] and "camera_rate_hz says 30" in status["message"]
+    assert spin_until(client, lambda: status.get("level") == 2, 10), status
+    assert "no camera frame for" in status["message"] and "/stated/image" in status["message"]
+
+
+def test_an_unstated_camera_rate_is_a_warning(start_node, client):
+    start_node("vla_node", {"diagnostics_period": 0.2}, namespace="/unstated")
+    h = Harness(client, "/unstated")
+    status = _status(client, "/unstated")
+    h.wait_connected()
+    h.publish_until_chunks(2, lambda s, t: rgb_image(64, 64, s, t))
+    assert spin_until(client, lambda: "camera_rate_hz not set" in status.get("message", ""), 10), status
+    assert status["level"] == 1
 
 
 def test_configure_after_a_failed_configure(start_node, client):
