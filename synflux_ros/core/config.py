@@ -531,7 +531,7 @@ class RTCConfig:
     schedule: str = _spec("linear", choices=("zeros", "ones", "linear", "exp"),
                           doc="prefix weights over the previous chunk's leftover")
     execution_horizon: int = _spec(10, min=1, doc="steps of the previous chunk that guide the new one")
-    max_guidance_weight: float = _spec(10.0, min=0.0, doc="clamp of the guidance weight")
+    max_guidance_weight: float = _spec(10.0, min=1e-6, doc="clamp of the guidance weight (> 0)")
 
 
 @dataclass(frozen=True, kw_only=True)

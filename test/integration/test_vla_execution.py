@@ -146,3 +146,22 @@ def test_enable_is_refused_without_a_joint_state(robot):
     assert not resp.success and "no joint state" in resp.message
     robot.run(0.5)
     assert not robot.commands
+
+
+@pytest.mark.parametrize("mode", ["rtc", "temporal_ensemble"])
+def test_merge_modes_run_in_the_node(start_node, client, make_config, mode):
+    config = make_config("vla_demo_orin.yaml", execution={
+        "joints": JOINTS, "mode": mode, "request": "threshold", "chunk_size_threshold": 0.75,
+        "limits": {"position_min": [LO] * 7, "position_max": [HI] * 7, "max_velocity": [VMAX] * 7}})
+    start_node("vla_node", {"config": config, "executor": "mock", "diagnostics_period": 0.2}, namespace=NS)
+    r = Robot(client)
+    assert spin_until(client, lambda: r.image_pub.get_subscription_count() > 0, 30)
+    assert r.enable_client.wait_for_service(timeout_sec=30)
+    r.run(0.5)
+    assert r.enable(True).success
+    r.run(3.0)
+    within_limits(r.commands)
+    d = r.diags[-1]
+    assert d["execution_mode"] == mode and int(d["chunks_accepted"]) >= 5, d
+    assert int(d["frames_failed"]) == 0 and d["last_error"] == "", d
+    assert int(d["frames_not_needed"]) > 0, d  # threshold: frames not needed while the plan is long enough
