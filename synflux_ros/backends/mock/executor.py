@@ -236,6 +236,15 @@ def _run_action_expert(ex: MockExecutor, meta, ins, outs):
     outs["velocity"][...] = (x - target) / max(t, 1e-6)
 
 
+def _run_action_expert_vjp(ex: MockExecutor, meta, ins, outs):
+    """The mock expert's velocity and the exact Real-Time Chunking correction J^T e of x1 = x - s v(x): the
+    mock's dv/dx is I / t, so J^T e = e - s e / t (about 0: its x1 is the target for any x)."""
+    _run_action_expert(ex, meta, ins, outs)
+    x, v, s = ins["noisy_actions"], outs["velocity"], ins["flow_time"].astype(np.float32)[0]
+    e = (ins["target"] - (x - s * v)) * ins["weights"]
+    outs["correction"][...] = e - s * e / max(time_from_embedding(ins["time_embedding"]), 1e-6)
+
+
 def _hidden_of(meta: GraphMeta) -> int:
     if "hidden_dim" not in meta.attrs:
         raise ValueError(f"mock executor: decode graph {meta.name!r} lacks attrs.hidden_dim")
@@ -248,6 +257,7 @@ _KINDS = {
     "prefill": _run_prefill,
     "decode": _run_decode,
     "action_expert": _run_action_expert,
+    "action_expert_vjp": _run_action_expert_vjp,
 }
 
 

@@ -125,8 +125,9 @@ def test_guidance_keeps_its_own_copy():
 
 
 class Flow:
-    def __init__(self):
+    def __init__(self, **overrides):
         cfg = load_config(str(CONFIG_DIR / "vla_demo_orin.yaml"))
+        cfg = cfg.with_overrides(**overrides) if overrides else cfg
         self.cfg = cfg
         self.ex = create_executor(cfg)
         self.pool = KVCachePool(self.ex, 1, cfg.llm.kv_shape, cfg.llm.kv_dtype)
@@ -190,3 +191,18 @@ def test_vjp_guidance_needs_its_graphs(flow):
     g = RTCGuidance(np.zeros((3, 2)), 1, 4, flavour="vjp")
     with pytest.raises(ValueError, match="action_expert_vjp_160.*execution.rtc.guidance: vjp"):
         flow.head.denoise(flow.slot, 100, flow.noise, rtc=g)
+
+
+def test_vjp_guidance_runs_its_graph():
+    f = Flow(execution={"mode": "rtc", "rtc": {"guidance": "vjp"}})
+    h, a = f.plain.shape
+    prev = np.random.default_rng(4).uniform(-1, 1, (h - 2, a)).astype(np.float32)
+    calls = f.ex.stats["action_expert_160"].calls
+    got = f.head.denoise(f.slot, 100, f.noise, rtc=RTCGuidance(prev, 2, 5, flavour="vjp"))
+    n = f.cfg.action.num_denoise_steps
+    assert f.ex.stats["action_expert_vjp_160"].calls == n and f.ex.stats["action_expert_160"].calls == calls
+    # the mock's denoised estimate is its target whatever x is, so the exact correction vanishes and the
+    # chunk stays the plain one, where the lerobot flavour's weighted error pulls it towards the leftover
+    np.testing.assert_allclose(got, f.plain, atol=1e-4)
+    pulled = f.head.denoise(f.slot, 100, f.noise, rtc=RTCGuidance(prev, 2, 5, flavour="lerobot"))
+    assert np.abs(pulled - f.plain).max() > 0.1
