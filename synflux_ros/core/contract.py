@@ -1,59 +1,9 @@
 """The static graph set of a model: one spec that drives the mock backend, the build tool and the tests.
 
-For a config with prefill buckets P and decode buckets D (S = max_seq_len, H = hidden, V = vocab,
-L/KV/Dh = layers / kv heads / head dim, T = vision tiles)::
-
-    vision_encoder      pixel_values [T,3,th,tw] f32                  -> vision_embeds [T*tokens_per_tile, H]
-    embed_<p>           input_ids [1,p] ids                           -> inputs_embeds [1,p,H]
-    prefill_<p>         inputs_embeds [1,p,H], num_tokens [1], cache_position [1], past_kv [L,2,KV,S,Dh]
-                                                                      -> logits [1,V], new_kv [L,2,KV,p,Dh]
-    decode_<d>          input_ids [1,1] ids, cache_position [1], past_kv
-                                                                      -> logits [1,V], new_kv [L,2,KV,1,Dh]
-    action_expert_<d>   noisy_actions [1,h,a], time_embedding [1,E], prefix_len [1], past_kv
-                        (, state [1,s] with action.state_dim s)       -> velocity [1,h,a]   (flow matching)
-    action_expert_vjp_<d>   the action expert's inputs, target [1,h,a], weights [1,h,1], flow_time [1]
-                                                                      -> velocity, correction [1,h,a]
-                        (with ``execution.mode: rtc`` and ``execution.rtc.guidance: vjp``: the Real-Time
-                        Chunking correction J^T e of x1 = x - t v(x), e = (target - x1) * weights, see
-                        docs/real-time-chunking.md)
-
-A config with ``llm.mrope_section`` (Qwen3-VL's multimodal rotary embedding) gives prefill and decode one more
-input, ``position_ids [3, n]`` int64: the rotary position of each token on the t, h and w axes (text tokens
-have three equal ones, an image's tokens the grid positions of :func:`mrope_positions`); ``cache_position``
-still says where the tokens go in the cache. A ``qwen3_vl`` vision section with ``deepstack_layers`` (K of
-them) adds ``deepstack_embeds [K, T*tokens_per_tile, H]`` to the vision encoder's outputs and
-``deepstack_embeds [K, p, H]`` to prefill's inputs: row i of map k is added to the hidden state of token i
-after decoder layer k (zero rows for text tokens)::
-
-    vision_encoder      pixel_values              -> vision_embeds [N, H], deepstack_embeds [K, N, H]
-    prefill_<p>         inputs_embeds, num_tokens, cache_position, past_kv, position_ids [3,p] i64,
-                        deepstack_embeds [K,p,H]   -> logits, new_kv
-    decode_<d>          input_ids, cache_position, past_kv, position_ids [3,1] i64 -> logits, new_kv
-
-``time_embedding`` is the sinusoidal embedding of the flow time t (:func:`time_embedding`, E = the action
-expert's width), computed on the host in float64: its highest frequency turns t by ~1571 rad per unit, so
-a device that computed it from an fp16 t would be radians off (the QNN HTP was: velocity cosine 0.95).
-
-A flow-matching VLA (pi0) reads no logits: its action expert attends to the prefix's KV cache only. Its
-graph set has no ``decode_<d>`` graphs (``llm.decode_buckets`` are the action expert's spans) and its
-``prefill_<p>`` returns ``new_kv`` alone (:func:`reads_logits`), so the LM head, for pi0 a 257152-row matrix,
-is neither stored nor read, and nothing after the last layer's key/value projections is computed::
-
-    prefill_<p>         inputs_embeds, num_tokens, cache_position, past_kv -> new_kv   (flow-matching VLA)
-
-A bidirectional prefill (``llm.prefill_attention: bidirectional``, pi0's prefix) starts the cache: it runs
-once, at cache_position 0 (the backbone refuses another start), and its rows attend among themselves, to
-no cache entry. A graph still takes every ``past_kv`` view of the contract, also those nothing in it reads
-(the last layer's in a flow-matching VLA's prefill, every one in a bidirectional prefill): the build puts
-back the inputs the exporter drops, so one binding serves every graph set. A TensorRT engine or an RKNN
-model may leave such an input out; those backends feed the inputs their compiled graphs have.
-
-``ids`` is ``llm.token_id_dtype``: int64 by default, int32 for devices that index in int32 (the qnn
-backend); counts and positions stay int64.
-
-``past_kv`` is the session's whole cache slot, bound in place (``resident``); a graph reads only the
-positions below its bucket (decode / action-expert buckets are attention spans) and returns the new
-entries, which the runtime appends at ``cache_position``. ``logits`` are those of the last valid token.
+:func:`graph_set` lists, for a config, every graph (vision encoder, embed and prefill per prefill bucket, decode
+or action expert per span) with the names, shapes and dtypes of its inputs and outputs (:class:`GraphMeta`,
+:class:`TensorSpec`); every backend runs exactly these. The table of graphs and what each input means:
+docs/graph-set-format.md#graph-contract.
 """
 from __future__ import annotations
 
