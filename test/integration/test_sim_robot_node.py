@@ -4,6 +4,7 @@ commands (counted, the last target held), fails at start on a bad parameter nami
 SIGTERM."""
 from __future__ import annotations
 
+import ctypes.util
 import importlib.util
 import math
 import re
@@ -190,6 +191,30 @@ def test_deactivate_pauses_the_physics_and_activate_resumes_it(client):
     assert spin_until(client.node, lambda: len(client.states) > 5, 10)
     d = client.diag_where(lambda d: float(d["sim_time_s"]) > float(paused["sim_time_s"]) + 0.2)
     assert d["_message"].startswith("stepping at")
+
+
+@needs_mujoco
+@pytest.mark.parametrize("backend,library", [("egl", "EGL"), ("osmesa", "OSMesa")])
+def test_each_headless_backend_renders_frames(ros_env, backend, library):
+    if ctypes.util.find_library(library) is None:
+        pytest.skip(f"lib{library} is not installed")
+    import rclpy
+    ns = f"/gl_{backend}"
+    client = rclpy.create_node(f"gl_{backend}_client")
+    proc = NodeProcess("sim_robot_node", {"image_width": 64, "image_height": 48, "camera": "wrist",
+                                          "diagnostics_period": 0.5},
+                       env=dict(ros_env, MUJOCO_GL=backend), remaps={"__ns": ns})
+    images, diags = [], []
+    try:
+        client.create_subscription(Image, f"{ns}/image", images.append, qos_profile_sensor_data)
+        client.create_subscription(DiagnosticArray, "/diagnostics", lambda m: diags.extend(
+            {kv.key: kv.value for kv in st.values} for st in m.status if st.name.startswith(ns)), 10)
+        assert spin_until(client, lambda: len(images) >= 3 and diags, 60), proc.output()[-3000:]
+    finally:
+        client.destroy_node()
+        assert proc.stop() == 0, proc.output()[-3000:]
+    rgb = np.frombuffer(images[-1].data, np.uint8).reshape(48, 64, 3)
+    assert rgb.std() > 5 and diags[-1]["gl_backend"] == backend
 
 
 @needs_mujoco
