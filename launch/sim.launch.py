@@ -22,6 +22,8 @@ import _synflux_launch_common as common  # noqa: E402
 
 BUILT_IN_JOINTS = ['joint_1', 'joint_2', 'joint_3', 'joint_4', 'joint_5', 'joint_6', 'gripper']
 """The built-in arm's commanded joints (synflux_ros/sim/arm.py), handed to vla_node when joint_names is empty."""
+CAMERA_RATE_HZ = 10.0
+"""sim_robot_node's camera_rate_hz default, handed to vla_node (its camera_rate_hz) when camera_rate_hz is empty."""
 
 
 def _unset(fallback):
@@ -136,6 +138,7 @@ def sim_actions(context):
     sim = sim_parameters(values)
     vla = common.node_parameters({k: v for k, v in VLA_PARAMETERS.items() if k != 'joint_names'}, values)
     vla['joint_names'] = joints
+    vla['camera_rate_hz'] = sim.get('camera_rate_hz', CAMERA_RATE_HZ)  # the rate vla_node expects frames at
     return common._environment_actions(context, values['fastdds_profile']) + [
         _node(values, 'sim_robot_node', sim),
         _node(values, 'vla_node', vla),

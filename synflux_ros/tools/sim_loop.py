@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     sim = NodeProcess("sim_robot_node", {"model": args.model, "joint_names": joints, "camera": args.camera,
                                          "image_width": args.image_size[0], "image_height": args.image_size[1],
                                          "camera_rate_hz": args.camera_rate}, env=env)
-    vla_params = {"config": args.config, "executor": args.executor, "joint_names": joints}
+    vla_params = {"config": args.config, "executor": args.executor, "joint_names": joints,
+                  "camera_rate_hz": args.camera_rate}
     if args.graph_dir:
         vla_params["graph_dir"] = args.graph_dir
     vla = NodeProcess("vla_node", vla_params, env=env)

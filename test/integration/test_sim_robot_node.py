@@ -248,12 +248,16 @@ SIM_LAUNCH = LAUNCH_DIR / "sim.launch.py"
 
 
 def test_sim_launch_starts_the_arm_and_vla_node_on_its_joints(stand_in_launch):
+    from synflux_ros.nodes.sim_robot_node import PARAMS
     from synflux_ros.sim import arm
-    assert load_launch_file(SIM_LAUNCH).BUILT_IN_JOINTS == list(arm.JOINT_NAMES)
+    launch = load_launch_file(SIM_LAUNCH)
+    assert launch.BUILT_IN_JOINTS == list(arm.JOINT_NAMES)
+    assert launch.CAMERA_RATE_HZ == next(p.default for p in PARAMS if p.name == "camera_rate_hz")
     started = nodes(run(SIM_LAUNCH))
     assert set(started) == {"sim_robot_node", "vla_node"}
     assert parameters_of(started["sim_robot_node"]) == ([], {})  # defaults: the node's own
-    assert parameters_of(started["vla_node"]) == ([], {"joint_names": JOINTS})  # config: vla_node's default
+    # config: vla_node's default; the camera's rate, so that vla_node counts frames lost on the way
+    assert parameters_of(started["vla_node"]) == ([], {"joint_names": JOINTS, "camera_rate_hz": 10.0})
     assert started["vla_node"].namespace == started["sim_robot_node"].namespace == ""
 
 
@@ -272,7 +276,7 @@ def test_sim_launch_arguments_become_typed_parameters(stand_in_launch, tmp_path)
                    "initial_positions": [0.0, 0.5]}
     assert type(sim["image_width"]) is int and type(sim["camera_rate_hz"]) is float
     assert parameters_of(started["vla_node"])[1] == {"config": "vla_pi0.yaml", "executor": "onnxruntime",
-                                                     "joint_names": ["a", "b"]}
+                                                     "joint_names": ["a", "b"], "camera_rate_hz": 15.0}
     assert started["vla_node"].namespace == started["sim_robot_node"].namespace == "arm"
 
 
