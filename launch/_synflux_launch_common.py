@@ -10,6 +10,7 @@ Node parameters: a launch argument left empty does not set its parameter, so the
 the params file.
 """
 
+import math
 import os
 import re
 
@@ -19,13 +20,6 @@ FASTDDS_PROFILE_VARIABLE = 'FASTDDS_DEFAULT_PROFILES_FILE'
 FASTDDS_LEGACY_PROFILE_VARIABLE = 'FASTRTPS_DEFAULT_PROFILES_FILE'
 LOG_LEVELS = ['debug', 'info', 'warn', 'error', 'fatal']
 BOOL_CHOICES = ['', 'true', 'false', 'True', 'False']
-
-
-class SharePath:
-    """A path under the package's installed share directory (a launch default, resolved at launch)."""
-
-    def __init__(self, *parts):
-        self.parts = parts
 
 
 class Argument:
@@ -51,14 +45,22 @@ BACKENDS_HELP = ("one of the registered backends: mock, onnxruntime, openvino, q
                  "tensorrt --fp16.")
 EXECUTOR_HELP = "Inference backend (the executor parameter). Empty = the config's executor.backend; " + BACKENDS_HELP
 
+# fastdds_profile's words. An empty value cannot be typed (`ros2 launch` refuses `name:=`), and a shell hands
+# `fastdds_profile:="''"` over as the two quote characters: those spellings mean 'none' too.
+FASTDDS_SHIPPED = 'shipped'
+FASTDDS_NONE = 'none'
+FASTDDS_NONE_SPELLINGS = (FASTDDS_NONE, "''", '""', '')
+SHIPPED_PROFILE = ('config', 'fastdds_shm.xml')
+
 FASTDDS_HELP = (
     "Fast DDS XML profile, set as FASTDDS_DEFAULT_PROFILES_FILE for the processes this launch starts "
-    "from here on (the nodes). Default: the shipped shared-memory profile "
-    "(share/synflux_ros/config/fastdds_shm.xml), with which large camera frames (448x448 rgb8 and up) "
-    "arrive complete between processes on one machine. '' = leave the environment as it is. Not applied "
-    "when FASTDDS_DEFAULT_PROFILES_FILE (or the older FASTRTPS_DEFAULT_PROFILES_FILE) is already set in "
-    "the environment: that setting is kept. A profile only takes effect in the processes that load it: "
-    "start the camera driver with the same FASTDDS_DEFAULT_PROFILES_FILE. Only Fast DDS "
+    "(the nodes). shipped (the default) = the package's shared-memory profile, "
+    "share/synflux_ros/config/fastdds_shm.xml, with which large camera frames (448x448 rgb8 and up) "
+    "arrive complete between processes on one machine; none = leave the environment as it is; anything "
+    "else = the path of another profile (./none for a file named none). Not applied when "
+    "FASTDDS_DEFAULT_PROFILES_FILE (or the older FASTRTPS_DEFAULT_PROFILES_FILE) is already set in the "
+    "environment: that setting is kept. The shared memory a frame travels through belongs to the sending "
+    "process: start the camera driver with the same FASTDDS_DEFAULT_PROFILES_FILE. Only Fast DDS "
     "(rmw_fastrtps_cpp) reads it.")
 
 
@@ -76,7 +78,7 @@ def _model_arguments(node, configs, default_config):
         Argument('namespace', 'ROS namespace of the node and its relative names. Empty = the root '
                  'namespace.'),
         Argument('log_level', 'Logging level of the node.', default='info', choices=LOG_LEVELS),
-        Argument('fastdds_profile', FASTDDS_HELP, default=SharePath('config', 'fastdds_shm.xml')),
+        Argument('fastdds_profile', FASTDDS_HELP, default=FASTDDS_SHIPPED),
     ]
 
 
@@ -97,13 +99,17 @@ VLA_ARGUMENTS = _model_arguments(
     Argument('joint_names', 'Joint names of joint_trajectory, one per action dimension (7 for '
              "vla_demo_orin.yaml), as '[j1, j2, ...]', 'j1,j2,...' or 'j1 j2 ...'. "
              + _unset('no names')),
+    Argument('camera_rate_hz', 'Rate the camera publishes at, in Hz (the camera_rate_hz parameter): '
+             'vla_node counts the frames that never arrive against it and says so in /diagnostics. '
+             + _unset('0, not stated: the rate is estimated from the frames that arrive')),
 ]
 
 VLM_ARGUMENTS = _model_arguments('vlm_node', 'vlm_demo.yaml, vlm_qwen3.yaml', 'vlm_demo.yaml')
 
 # Node parameters set from launch arguments, with the type each is converted to.
 VLA_PARAMETERS = {'config': str, 'executor': str, 'graph_dir': str, 'default_instruction': str,
-                  'image_transport': str, 'publish_joint_trajectory': bool, 'joint_names': list}
+                  'image_transport': str, 'publish_joint_trajectory': bool, 'joint_names': list,
+                  'camera_rate_hz': float}
 VLM_PARAMETERS = {'config': str, 'executor': str, 'graph_dir': str}
 
 # synflux.launch.py: the arguments of both files, once each. Model-specific ones are renamed; all
@@ -158,6 +164,17 @@ def parse_bool(name, text):
     return value == 'true'
 
 
+def parse_float(name, text):
+    """A finite number, or a ValueError naming the argument."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f'{name}:={text!r}: expected a number')
+    return value
+
+
 def parse_joint_names(text):
     """'[a, b]', "['a', 'b']", 'a,b' or 'a b' -> ['a', 'b']; '' -> []."""
     inner = text.strip()
@@ -180,6 +197,8 @@ def node_parameters(types, values):
             continue
         if kind is bool:
             params[name] = parse_bool(name, text)
+        elif kind is float:
+            params[name] = parse_float(name, text)
         elif kind is list:
             names = parse_joint_names(text)
             if names:
@@ -198,30 +217,27 @@ def params_file_path(text):
     return os.path.abspath(text)
 
 
-def fastdds_profile_to_set(profile, environment):
-    """The value to export as FASTDDS_DEFAULT_PROFILES_FILE, or None to leave the environment as it is."""
-    if not profile.strip():
+def fastdds_profile_to_set(profile, environment, shipped_profile):
+    """The value to export as FASTDDS_DEFAULT_PROFILES_FILE, or None to leave the environment as it is.
+
+    ``shipped_profile()`` gives the path of the package's profile; it is called only for 'shipped'.
+    """
+    word = profile.strip()
+    if word.lower() in FASTDDS_NONE_SPELLINGS:
         return None
     if environment.get(FASTDDS_PROFILE_VARIABLE) or environment.get(FASTDDS_LEGACY_PROFILE_VARIABLE):
         return None
-    if not os.path.isfile(profile):
-        raise FileNotFoundError(f"fastdds_profile:={profile!r}: no such file ('' leaves the "
-                                f'environment as it is)')
-    return os.path.abspath(profile)
+    path = shipped_profile() if word.lower() == FASTDDS_SHIPPED else word
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f'fastdds_profile:={profile!r}: no such file ({path}); {FASTDDS_NONE} leaves '
+                                f'the environment as it is, {FASTDDS_SHIPPED} applies the package\'s profile')
+    return os.path.abspath(path)
 
 
 # ------------------------------------------------------------------ launch actions
-def _default_value(default):
-    if isinstance(default, SharePath):
-        from launch.substitutions import PathJoinSubstitution
-        from launch_ros.substitutions import FindPackageShare
-        return PathJoinSubstitution([FindPackageShare(PACKAGE), *default.parts])
-    return default
-
-
 def declare(arguments):
     from launch.actions import DeclareLaunchArgument
-    return [DeclareLaunchArgument(a.name, default_value=_default_value(a.default),
+    return [DeclareLaunchArgument(a.name, default_value=a.default,
                                   description=a.description, choices=a.choices)
             for a in arguments]
 
@@ -232,8 +248,17 @@ def values_of(context, arguments):
 
 
 def _environment_actions(context, profile):
+    """SetEnvironmentVariable and its log line for fastdds_profile, or nothing (see FASTDDS_HELP).
+
+    synflux.launch.py applies it before including vla.launch.py and vlm.launch.py; they then find the
+    variable set and leave it, so it is set and logged once.
+    """
     from launch.actions import LogInfo, SetEnvironmentVariable
-    path = fastdds_profile_to_set(profile, context.environment)
+
+    def shipped_profile():
+        from launch_ros.substitutions import FindPackageShare
+        return os.path.join(FindPackageShare(PACKAGE).perform(context), *SHIPPED_PROFILE)
+    path = fastdds_profile_to_set(profile, context.environment, shipped_profile)
     if path is None:
         return []
     return [SetEnvironmentVariable(FASTDDS_PROFILE_VARIABLE, path),
@@ -281,11 +306,13 @@ def vlm_actions(context):
 
 
 def synflux_actions(context, launch_dir):
-    """vla.launch.py and vlm.launch.py, each in its own scope, with synflux.launch.py's arguments."""
+    """The Fast DDS profile, then vla.launch.py and vlm.launch.py, each in its own scope, with
+    synflux.launch.py's arguments."""
     from launch.actions import GroupAction, IncludeLaunchDescription
     from launch.launch_description_sources import PythonLaunchDescriptionSource
     from launch.substitutions import LaunchConfiguration
-    return [
+    profile = LaunchConfiguration('fastdds_profile').perform(context)
+    return _environment_actions(context, profile) + [
         GroupAction([IncludeLaunchDescription(
             PythonLaunchDescriptionSource(os.path.join(launch_dir, file)),
             launch_arguments=[(child, LaunchConfiguration(parent)) for child, parent in forwarding],

@@ -2,8 +2,8 @@
 
 Every argument of the two files is an argument here, once: vla_config/vlm_config and
 vla_graph_dir/vlm_graph_dir are handed to the file they name, the VLA topic and trajectory
-arguments to vla.launch.py, and executor, params_file, namespace, log_level and fastdds_profile
-to both.
+and camera_rate_hz arguments to vla.launch.py, and executor, params_file, namespace and log_level
+to both. The Fast DDS profile (fastdds_profile) is applied here, once, for both nodes.
 
 Examples:
   ros2 launch synflux_ros synflux.launch.py                   # demo configs, mock executor
@@ -11,6 +11,7 @@ Examples:
       image_topic:=/camera/color/image_raw vla_config:=vla_pi0.yaml vlm_config:=vlm_qwen3.yaml \
       executor:=onnxruntime vla_graph_dir:=/opt/graphs/pi0 vlm_graph_dir:=/opt/graphs/qwen3
   ros2 launch synflux_ros synflux.launch.py params_file:=/path/to/params.yaml
+  ros2 launch synflux_ros synflux.launch.py camera_rate_hz:=30 fastdds_profile:=/path/to/profile.xml
   ros2 launch synflux_ros synflux.launch.py --show-args       # every argument, described
 """
 

@@ -9,6 +9,8 @@ Examples:
   ros2 launch synflux_ros vla.launch.py publish_joint_trajectory:=true \
       joint_names:='[joint_1, joint_2, joint_3, joint_4, joint_5, joint_6, gripper]'
   ros2 launch synflux_ros vla.launch.py params_file:=/path/to/vla_params.yaml
+  ros2 launch synflux_ros vla.launch.py camera_rate_hz:=30      # frames lost in transport are counted
+  ros2 launch synflux_ros vla.launch.py fastdds_profile:=none    # keep the environment's Fast DDS settings
   ros2 launch synflux_ros vla.launch.py --show-args           # every argument, described
 
 The arguments are declared in _synflux_launch_common.py, next to this file.

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import py_compile
 import re
+import shlex
 import sys
 import types
 import xml.etree.ElementTree as ET
@@ -34,7 +35,7 @@ FASTDDS = "FASTDDS_DEFAULT_PROFILES_FILE"
 
 VLA_ARGS = {"config", "executor", "graph_dir", "params_file", "namespace", "log_level", "fastdds_profile",
             "image_topic", "instruction_topic", "default_instruction", "image_transport",
-            "publish_joint_trajectory", "joint_names"}
+            "publish_joint_trajectory", "joint_names", "camera_rate_hz"}
 VLM_ARGS = {"config", "executor", "graph_dir", "params_file", "namespace", "log_level", "fastdds_profile"}
 
 with open(ROOT / "config" / "vla_demo_orin.yaml", encoding="utf-8") as _fh:
@@ -44,7 +45,8 @@ JOINTS = [f"j{i + 1}" for i in range(ACTION_DIM)]
 
 # ----------------------------------------------------------------------------- stand-in launch API
 class Substitution:
-    pass
+    def describe(self):
+        return f"{type(self).__name__}(...)"
 
 
 class LaunchConfiguration(Substitution):
@@ -263,9 +265,51 @@ def _execute(file_name, description, context, arguments, follow, check_choices):
                 out.extend(_execute(child, child_description, context, child_args, follow, check_choices))
             elif isinstance(entity, SetEnvironmentVariable):
                 context.environment[resolve(entity.name, context)] = resolve(entity.value, context)
+            elif isinstance(entity, Node):
+                entity.launch_environment = dict(context.environment)  # what the node's process gets
 
     walk(description.entities)
     return out
+
+
+def command_line_arguments(command: str) -> tuple[Path, dict[str, str]]:
+    """The launch file and the arguments of a typed ``ros2 launch synflux_ros <file> ...`` command line.
+
+    The line is split as a POSIX shell splits it; each ``name:=value`` word is then taken as ros2launch
+    takes it: ``name:=`` with nothing after it is refused, the last of two values wins.
+    """
+    words = shlex.split(command)
+    assert words[:3] == ["ros2", "launch", "synflux_ros"], command
+    arguments = {}
+    for word in words[4:]:
+        if word.startswith("-"):
+            continue
+        if ":=" not in word or word.startswith(":=") or (word.count(":=") == 1 and word.endswith(":=")):
+            raise RuntimeError(f"malformed launch argument '{word}', expected format '<name>:=<value>'")
+        name, value = word.split(":=", 1)
+        arguments[name] = value
+    return LAUNCH_DIR / words[3], arguments
+
+
+def run_command(command: str, environment: dict | None = None):
+    """Execute the launch file of a typed command line with the arguments exactly as the shell hands them over."""
+    path, arguments = command_line_arguments(command)
+    return run(path, arguments, environment)
+
+
+def show_args(path: Path) -> str:
+    """What ``ros2 launch synflux_ros <file> --show-args`` prints: each argument, its description and default.
+
+    A plain-text default is shown quoted; a substitution only by its kind (``PathJoin(...)``).
+    """
+    lines = ["Arguments (pass arguments as '<name>:=<value>'):"]
+    for name, arg in declared(load_launch_file(path).generate_launch_description()).items():
+        default = arg.default_value
+        shown = f"'{default}'" if isinstance(default, str) else " + ".join(
+            d.describe() if isinstance(d, Substitution) else f"'{d}'"
+            for d in (default if isinstance(default, (list, tuple)) else [default]))
+        lines += [f"    '{name}':", f"        {arg.description}", f"        (default: {shown})"]
+    return "\n".join(lines)
 
 
 def nodes(actions) -> dict[str, Node]:
@@ -357,11 +401,41 @@ def test_model_launch_files_declare_their_arguments(stand_in_launch, path, expec
 def test_fastdds_profile_defaults_to_the_shipped_file(stand_in_launch):
     for path in LAUNCH_FILES:
         arg = declared(load_launch_file(path).generate_launch_description())["fastdds_profile"]
-        assert resolve(arg.default_value, Context({}, {})) == str(SHIPPED_PROFILE)
+        assert arg.default_value == "shipped"
         assert FASTDDS in arg.description and "camera driver" in arg.description
+        assert "share/synflux_ros/config/fastdds_shm.xml" in arg.description and "none =" in arg.description
+        node_env = [n.launch_environment for n in nodes(run(path, environment={})).values()]
+        assert node_env and all(env == {FASTDDS: str(SHIPPED_PROFILE)} for env in node_env), path.name
     cmake = (ROOT / "CMakeLists.txt").read_text(encoding="utf-8")
     assert re.search(r"install\(DIRECTORY[^)]*\bconfig\b", cmake), "config/ is not installed"
     assert SHIPPED_PROFILE.is_file()
+
+
+@pytest.mark.parametrize("path", LAUNCH_FILES, ids=lambda p: p.name)
+def test_show_args_prints_readable_defaults(stand_in_launch, path):
+    """--show-args prints each default as the text a user would type: no substitution such as PathJoin(...)."""
+    text = show_args(path)
+    assert "(...)" not in text, text
+    for name, arg in declared(load_launch_file(path).generate_launch_description()).items():
+        assert isinstance(arg.default_value, str), f"{path.name}: {name} defaults to {arg.default_value!r}"
+    assert "    'fastdds_profile':" in text and "(default: 'shipped')" in text
+
+
+def test_camera_rate_hz_sets_the_vla_node_parameter(stand_in_launch):
+    for command in ("ros2 launch synflux_ros vla.launch.py camera_rate_hz:=30",
+                    "ros2 launch synflux_ros synflux.launch.py camera_rate_hz:=30.0"):
+        found = nodes(run_command(command, environment={}))
+        values = parameters_of(found["vla_node"])[1]
+        assert values == {"camera_rate_hz": 30.0} and type(values["camera_rate_hz"]) is float, command
+        if "vlm_node" in found:
+            assert parameters_of(found["vlm_node"]) == ([], {})
+    assert "camera_rate_hz" not in parameters_of(nodes(run(LAUNCH_DIR / "vla.launch.py"))["vla_node"])[1]
+
+
+@pytest.mark.parametrize("text", ["fast", "30Hz", "nan", "inf"])
+def test_camera_rate_hz_must_be_a_number(stand_in_launch, text):
+    with pytest.raises(ValueError, match=r"camera_rate_hz:=.*expected a number"):
+        run_command(f"ros2 launch synflux_ros vla.launch.py camera_rate_hz:={text}", environment={})
 
 
 # ----------------------------------------------------------------------------- synflux.launch.py
@@ -371,7 +445,9 @@ def test_synflux_forwards_every_argument_it_declares(stand_in_launch):
     description = load_launch_file(LAUNCH_DIR / "synflux.launch.py").generate_launch_description()
     own = declared(description)
     markers = {name: f"<{name}>" for name in own}
-    actions = run(LAUNCH_DIR / "synflux.launch.py", markers, follow=False, check_choices=False)
+    # A profile already in the environment is kept: the marker given as fastdds_profile is not looked up.
+    actions = run(LAUNCH_DIR / "synflux.launch.py", markers, {FASTDDS: "/etc/profile.xml"}, follow=False,
+                  check_choices=False)
     context = Context(markers, {})
     includes = {included_file(a, context): {resolve(k, context): resolve(v, context) for k, v in a.launch_arguments}
                 for _, a in actions if isinstance(a, IncludeLaunchDescription)}
@@ -503,21 +579,68 @@ def test_profile_in_the_environment_is_kept(stand_in_launch, variable):
     assert _environment_sets(actions) == []
 
 
-def test_empty_profile_leaves_the_environment(stand_in_launch):
-    actions = run(LAUNCH_DIR / "synflux.launch.py", {"fastdds_profile": ""}, environment={})
-    assert _environment_sets(actions) == []
-    assert set(nodes(actions)) == {"vla_node", "vlm_node"}
+def _profile_log_lines(actions):
+    return [resolve(a.msg, None) for _, a in actions if isinstance(a, LogInfo) and FASTDDS in resolve(a.msg, None)]
 
 
-def test_synflux_applies_the_profile_to_both_nodes(stand_in_launch):
-    actions = run(LAUNCH_DIR / "synflux.launch.py", environment={})
-    files = [f for f, a in actions if isinstance(a, SetEnvironmentVariable)]
-    assert sorted(files) == ["vla.launch.py", "vlm.launch.py"]
+def test_an_empty_profile_cannot_be_typed():
+    with pytest.raises(RuntimeError, match="malformed launch argument 'fastdds_profile:='"):
+        command_line_arguments("ros2 launch synflux_ros vla.launch.py fastdds_profile:=")
 
 
-def test_missing_profile_fails_at_launch(stand_in_launch, tmp_path):
-    with pytest.raises(FileNotFoundError, match="fastdds_profile"):
-        run(LAUNCH_DIR / "vla.launch.py", {"fastdds_profile": str(tmp_path / "none.xml")}, environment={})
+@pytest.mark.parametrize("typed,delivered", [
+    ("fastdds_profile:=none", "none"),
+    ("fastdds_profile:=None", "None"),
+    ("fastdds_profile:=\"''\"", "''"),
+    ("fastdds_profile:='\"\"'", '""'),
+    ("fastdds_profile:=\\'\\'", "''"),
+    ("fastdds_profile:=''", ""),  # the shell makes this fastdds_profile:=, which ros2 launch refuses
+])
+@pytest.mark.parametrize("file", ["vla.launch.py", "vlm.launch.py", "synflux.launch.py"])
+def test_typed_none_leaves_the_environment(stand_in_launch, file, typed, delivered):
+    command = f"ros2 launch synflux_ros {file} {typed}"
+    if delivered == "":
+        with pytest.raises(RuntimeError, match="malformed"):
+            command_line_arguments(command)
+        return
+    assert command_line_arguments(command)[1] == {"fastdds_profile": delivered}
+    user = {"ROS_DOMAIN_ID": "7"}
+    actions = run_command(command, environment=user)
+    assert _environment_sets(actions) == [] and _profile_log_lines(actions) == []
+    found = nodes(actions)
+    assert set(found) == ({"vla_node", "vlm_node"} if file == "synflux.launch.py" else {file.split(".")[0] + "_node"})
+    assert all(n.launch_environment == user for n in found.values())
+
+
+@pytest.mark.parametrize("file", ["vla.launch.py", "synflux.launch.py"])
+def test_typed_profile_path_reaches_the_nodes(stand_in_launch, tmp_path, file):
+    profile = tmp_path / "my profiles" / "fast dds.xml"
+    profile.parent.mkdir()
+    profile.write_text(SHIPPED_PROFILE.read_text())
+    for typed in (f"fastdds_profile:={shlex.quote(str(profile))}", f'fastdds_profile:="{profile}"',
+                  f"'fastdds_profile:={profile}'"):
+        actions = run_command(f"ros2 launch synflux_ros {file} {typed}", environment={})
+        assert _environment_sets(actions) == [(FASTDDS, str(profile))], typed
+        assert all(n.launch_environment[FASTDDS] == str(profile) for n in nodes(actions).values())
+    actions = run_command(f"ros2 launch synflux_ros {file} fastdds_profile:=shipped", environment={})
+    assert _environment_sets(actions) == [(FASTDDS, str(SHIPPED_PROFILE))]
+
+
+def test_synflux_applies_the_profile_once_for_both_nodes(stand_in_launch):
+    actions = run_command("ros2 launch synflux_ros synflux.launch.py", environment={})
+    assert [f for f, a in actions if isinstance(a, SetEnvironmentVariable)] == ["synflux.launch.py"]
+    assert _profile_log_lines(actions) == [f"{FASTDDS}={SHIPPED_PROFILE} (fastdds_profile)"]
+    kinds = [type(a).__name__ for _, a in actions]
+    assert kinds.index("SetEnvironmentVariable") < kinds.index("Node")
+    found = nodes(actions)
+    assert set(found) == {"vla_node", "vlm_node"}
+    assert all(n.launch_environment == {FASTDDS: str(SHIPPED_PROFILE)} for n in found.values())
+
+
+@pytest.mark.parametrize("file", ["vla.launch.py", "synflux.launch.py"])
+def test_missing_profile_fails_at_launch(stand_in_launch, tmp_path, file):
+    with pytest.raises(FileNotFoundError, match="fastdds_profile.*none leaves the environment"):
+        run_command(f"ros2 launch synflux_ros {file} fastdds_profile:={tmp_path / 'none.xml'}", environment={})
 
 
 # ----------------------------------------------------------------------------- README
