@@ -22,12 +22,13 @@ import re
 import shutil
 import subprocess
 import sys
+import dataclasses
 import tempfile
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import sidecar
 from .executor import toolkit_env
 from ...graphset import cache, reader as graphset
 from ...core.contract import GraphMeta
@@ -35,8 +36,6 @@ from ...build.builder import BuildError, Builder
 
 TARGETS = ("rk3562", "rk3566", "rk3568", "rk3576", "rk3588")
 """Platforms of rknn-toolkit2 whose NPU takes these graphs; rk3588 is the one exercised here."""
-DTYPES = ("fp16", "int8")
-"""Data types of a compiled graph (``dtype`` of a sidecar entry)."""
 KINDS = ("vision_encoder", "embed", "prefill", "decode", "action_expert")
 """Graph kinds ``--quantize int8:KIND,...`` can name."""
 DEFAULT_INT8_KINDS = ("vision_encoder",)
@@ -46,8 +45,6 @@ INT8 = {"dtype": "w8a8", "algorithm": "normal", "method": "channel"}
 CALIB_SAMPLES = 4
 """Generated calibration samples per graph when no --calib is given."""
 CALIB_DIR = "calib"
-SIDECAR = "rknn.json"
-FORMAT = "synflux-rknn/1"
 COMPILER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile.py")
 VENV_HINT = "run `make rknn-venv` in the synflux_ros checkout (or pass --rknn-python PATH)"
 QUANTIZE_HINT = (f"--quantize fp16, int8 (= int8:{','.join(DEFAULT_INT8_KINDS)}) or int8:KIND[,KIND...] with "
@@ -59,7 +56,7 @@ class RKNNBuildError(BuildError):
 
 
 def rknn_dir(out: str, target: str) -> str:
-    return os.path.join(out, "rknn", target)
+    return sidecar.target_dir(out, target)
 
 
 def rebuild_command(out: str, target: str, quantize: str = "fp16") -> str:
@@ -346,14 +343,12 @@ def write_calibration(tdir: str, cal: Calibration) -> str:
     return os.path.join(CALIB_DIR, cal.graph, "dataset.txt")
 
 
-def read_sidecar(out: str, target: str) -> dict:
-    path = os.path.join(rknn_dir(out, target), SIDECAR)
+def read_sidecar(out: str, target: str) -> sidecar.Sidecar | None:
+    """The sidecar of an earlier compile for ``target`` (None when there is none or it cannot be used)."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) and data.get("format") == FORMAT else {}
+        return sidecar.read(out, target)
+    except (OSError, sidecar.SidecarError):
+        return None
 
 
 def prepare_source(out: str, name: str, onnx_file: str) -> tuple[str, list[str]]:
@@ -415,18 +410,18 @@ def compile_graph_set(out: str, manifest: dict, target: str, quantize: str = "fp
     toolkit = toolkit_version(python)
     tdir = rknn_dir(out, target)
     os.makedirs(tdir, exist_ok=True)
-    old = {} if force else read_sidecar(out, target)
-    old_graphs = old.get("graphs", {}) if old.get("target") == target else {}
+    old = None if force else read_sidecar(out, target)
+    old_graphs = old.graphs if old is not None else {}
     entries, stale = {}, []
     for g in manifest["graphs"]:
         name = g["name"]
         cal = plans.get(name)
         dtype = "int8" if cal else "fp16"
         key = rknn_key(g.get("key", ""), target, toolkit, dtype, cal.choices() if cal else None)
-        prev = old_graphs.get(name, {})
-        dataset = (prev.get("quantization") or {}).get("dataset", "")
-        if prev.get("key") == key and os.path.isfile(os.path.join(tdir, prev.get("file", ""))) and \
-                os.path.isfile(os.path.join(out, prev.get("source", ""))) and \
+        prev = old_graphs.get(name)
+        dataset = prev.quantization.dataset if prev is not None and prev.quantization else ""
+        if prev is not None and prev.key == key and os.path.isfile(os.path.join(tdir, prev.file)) and \
+                os.path.isfile(os.path.join(out, prev.source)) and \
                 (not cal or os.path.isfile(os.path.join(tdir, dataset))):
             entries[name] = prev
             continue
@@ -450,16 +445,16 @@ def compile_graph_set(out: str, manifest: dict, target: str, quantize: str = "fp
             job = {"name": name, "onnx": os.path.abspath(os.path.join(out, source)),
                    "out": os.path.abspath(os.path.join(tdir, f"{name}.rknn")),
                    "inputs": [[n, list(s)] for n, s in ins], "outputs": outs, "quantize": None}
-            info[name] = {"file": f"{name}.rknn", "source": source, "dtype": "fp16", "key": key,
-                          "onnx_key": g.get("key", ""), "inputs": [[n, list(s)] for n, s in ins], "outputs": outs}
+            info[name] = sidecar.GraphEntry(file=f"{name}.rknn", source=source, key=key,
+                                            onnx_key=str(g.get("key", "")), inputs=tuple(ins), outputs=tuple(outs))
             cal = plans.get(name)
             if cal:
                 cal = cal.without(unread)  # one .npy per input the compiled graph takes
                 dataset = write_calibration(tdir, cal)
                 job["quantize"] = {**INT8, "dataset": os.path.abspath(os.path.join(tdir, dataset))}
-                info[name]["dtype"] = "int8"
-                info[name]["quantization"] = {**INT8, "dataset": dataset, "samples": len(cal.samples),
-                                              "calib_sha256": cal.sha256, "calib_source": cal.source}
+                info[name] = dataclasses.replace(info[name], dtype="int8", quantization=sidecar.Quantization(
+                    **INT8, dataset=dataset, samples=len(cal.samples), calib_sha256=cal.sha256,
+                    calib_source=cal.source))
             jobs.append(job)
         log_path = os.path.join(tdir, "compile.log")
         with tempfile.TemporaryDirectory(prefix="synflux_rknn_") as tmp:
@@ -479,8 +474,8 @@ def compile_graph_set(out: str, manifest: dict, target: str, quantize: str = "fp
                     name = row["graph"]
                     done.add(name)
                     if row["ok"]:
-                        entries[name] = {**info[name], "seconds": row.get("seconds", 0.0)}
-                        progress(f"  {name}: compiled ({info[name]['dtype']}) in {row.get('seconds', 0.0):.1f} s")
+                        entries[name] = dataclasses.replace(info[name], seconds=row.get("seconds", 0.0))
+                        progress(f"  {name}: compiled ({info[name].dtype}) in {row.get('seconds', 0.0):.1f} s")
                     else:
                         said = "; ".join(row.get("messages") or []) or "no error lines in its log"
                         failures.append(f"graph {name!r} ({jobs[[j['name'] for j in jobs].index(name)]['onnx']}) "
@@ -493,20 +488,14 @@ def compile_graph_set(out: str, manifest: dict, target: str, quantize: str = "fp
             failures.append(f"the compiler stopped (exit code {rc}) before graphs {missing}; last lines of "
                             f"{log_path}:\n{tail}")
     graphs = {g["name"]: entries[g["name"]] for g in manifest["graphs"] if g["name"] in entries}
-    _prune_calibration(tdir, {n for n, e in graphs.items() if e.get("dtype") == "int8"})
-    sidecar = {"format": FORMAT, "target": target, "toolkit": toolkit,
-               "dtype": "int8" if any(e.get("dtype") == "int8" for e in graphs.values()) else "fp16",
-               "quantize": spec, "config_hash": manifest.get("config_hash", ""),
-               "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "graphs": graphs}
-    path = os.path.join(tdir, SIDECAR)
-    with open(path + ".partial", "w", encoding="utf-8") as fh:
-        json.dump(sidecar, fh, indent=1)
-    os.replace(path + ".partial", path)
+    _prune_calibration(tdir, {n for n, e in graphs.items() if e.dtype == "int8"})
+    written = sidecar.write(out, sidecar.Sidecar(target=target, toolkit=toolkit, graphs=graphs, quantize=spec,
+                                                 config_hash=manifest.get("config_hash", "")))
     if failures:
         raise RKNNBuildError(f"rknn-toolkit2 {toolkit} could not compile {len(failures)} graph(s) for {target}:\n  "
                              + "\n  ".join(failures) + f"\n(full log: {os.path.join(tdir, 'compile.log')})")
     progress(f"  rknn graphs up to date in {tdir}" if not stale else f"  wrote {len(stale)} .rknn files to {tdir}")
-    return sidecar
+    return written
 
 
 def _prune_calibration(tdir: str, keep: set) -> None:

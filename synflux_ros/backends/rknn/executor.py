@@ -30,12 +30,10 @@ from ...graphset.reader import GraphSetError, GraphSetNotFoundError
 from .. import BackendUnavailableError
 from ..binding import HostBuffer, HostBufferHooks
 from ..options import parse_options
+from . import sidecar
 from .options import CORE_MASKS, RKNNExecutorOptions
 
-SIDECAR = "rknn.json"
-FORMAT = "synflux-rknn/1"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
-DTYPES = ("fp16", "int8")  # of a compiled graph (synflux_ros/backends/rknn/build.py)
 
 
 def rebuild_command(graph_dir: str, target: str, quantize: str = "fp16") -> str:
@@ -283,7 +281,7 @@ class RKNNExecutor(graphset.ChecksWeightFormat, HostBufferHooks, Executor):
                 "rknn executor: runtime 'board' needs rknn-toolkit-lite2 (module rknnlite) and librknnrt.so: "
                 "pip install the rknn_toolkit_lite2 wheel of your toolkit version on the board")
         self.toolkit = ""
-        self._sidecar: dict = {}
+        self._sidecar: sidecar.Sidecar | None = None
         self._sidecar_path = ""
         self._onnx_keys: dict[str, str] = {}
         self._worker: SimulatorWorker | None = None
@@ -334,9 +332,8 @@ class RKNNExecutor(graphset.ChecksWeightFormat, HostBufferHooks, Executor):
         gdir = self.graph_dir
         manifest = graphset.read_manifest(gdir)
         self._onnx_keys = {g["name"]: str(g.get("key", "")) for g in manifest["graphs"]}
-        root = os.path.join(gdir, "rknn")
-        have = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else [])
-                      if os.path.isfile(os.path.join(root, d, SIDECAR)))
+        root = os.path.join(gdir, sidecar.ROOT)
+        have = sidecar.compiled_targets(gdir)
         target = self.target
         if not target:
             if self.runtime == "board":
@@ -353,28 +350,19 @@ class RKNNExecutor(graphset.ChecksWeightFormat, HostBufferHooks, Executor):
                 raise GraphSetNotFoundError(f"rknn executor: {gdir} has no RKNN graphs ({root} is empty or missing); "
                                             f"compile them with: {rebuild_command(gdir, 'rk3588')}")
         self.target = target
-        path = os.path.join(root, target, SIDECAR)
+        path = sidecar.sidecar_path(gdir, target)
         self._sidecar_path = path
-        if not os.path.isfile(path):
+        try:
+            self._sidecar = sidecar.read(gdir, target)
+        except FileNotFoundError:
             other = f" (it has: {', '.join(have)})" if have else ""
             raise GraphSetNotFoundError(f"rknn executor: {path} not found: {gdir} was not compiled for {target}"
-                                        f"{other}; compile it with: {rebuild_command(gdir, target)}")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (OSError, ValueError) as exc:
-            raise GraphSetError(f"rknn executor: {path}: unreadable ({exc}); rebuild: "
-                                f"{rebuild_command(gdir, target)}") from exc
-        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("target") != target:
-            raise GraphSetError(f"rknn executor: {path} is not a {FORMAT} description for {target}; rebuild: "
-                                f"{rebuild_command(gdir, target)}")
-        if data.get("dtype", "fp16") not in DTYPES:
-            raise GraphSetError(f"rknn executor: {path}: dtype {data.get('dtype')!r} is not supported "
-                                f"({', '.join(DTYPES)}); rebuild: {rebuild_command(gdir, target)}")
-        self._sidecar = data
+                                        f"{other}; compile it with: {rebuild_command(gdir, target)}") from None
+        except sidecar.SidecarError as exc:
+            raise GraphSetError(f"rknn executor: {path}: {exc}; rebuild: {rebuild_command(gdir, target)}") from None
 
     def _check_toolkit(self, version: str, exact: bool) -> None:
-        built = str(self._sidecar.get("toolkit", ""))
+        built = self._sidecar.toolkit
         same = built == version if exact else built.split(".")[:2] == version.split(".")[:2]
         if not same:
             what = "rknn-toolkit2 (simulator)" if exact else "rknn-toolkit-lite2"
@@ -398,48 +386,48 @@ class RKNNExecutor(graphset.ChecksWeightFormat, HostBufferHooks, Executor):
     # ------------------------------------------------------------------ the five hooks
     def _load_graph(self, path: str, meta: GraphMeta) -> object:
         gdir, target = self.graph_dir, self.target
-        entry = (self._sidecar.get("graphs") or {}).get(meta.name)
-        rebuild = rebuild_command(gdir, target, str(self._sidecar.get("quantize", "fp16")))
-        if not isinstance(entry, dict):
+        entry = self._sidecar.graphs.get(meta.name)
+        rebuild = rebuild_command(gdir, target, self._sidecar.quantize)
+        if entry is None:
             raise GraphSetNotFoundError(f"rknn executor: {self._sidecar_path} has no graph {meta.name!r}; compile "
                                         f"it with: {rebuild}")
         tdir = os.path.dirname(self._sidecar_path)
-        rknn_file = graphset.member_path(tdir, str(entry.get("file", "")), f"graph {meta.name!r} .rknn file")
+        rknn_file = graphset.member_path(tdir, entry.file, f"graph {meta.name!r} .rknn file")
         if not os.path.isfile(rknn_file):
             raise GraphSetNotFoundError(f"rknn executor: graph {meta.name!r}: {rknn_file} not found; {rebuild}")
-        if entry.get("onnx_key") != self._onnx_keys.get(meta.name):
+        if entry.onnx_key != self._onnx_keys.get(meta.name):
             raise GraphSetError(f"rknn executor: {rknn_file} was compiled from another version of "
                                 f"{meta.name}.onnx (the graph set was rebuilt since); recompile it with: {rebuild}")
-        dtype = entry.get("dtype", "fp16")
-        if dtype not in DTYPES:
+        dtype = entry.dtype
+        if dtype not in sidecar.DTYPES:
             raise GraphSetError(f"rknn executor: {self._sidecar_path}: graph {meta.name!r} has dtype {dtype!r} "
-                                f"({', '.join(DTYPES)} are supported); recompile it with: {rebuild}")
-        compiled = [(str(n), tuple(int(d) for d in s)) for n, s in entry.get("inputs", [])]
+                                f"({', '.join(sidecar.DTYPES)} are supported); recompile it with: {rebuild}")
+        compiled = list(entry.inputs)
         contract, fed = input_plan(meta), {n for n, _ in compiled}
         # a cache view that nothing in the graph reads was left out at compile time (build.rknn.prepare_source)
         plan = [p for p in contract if p[0] in fed or not graphset.VIEW_INPUTS.get(meta.inputs[p[1]].name)]
         if compiled != [(n, shape) for n, _, _, shape, _ in plan] or \
-                list(entry.get("outputs", [])) != [t.name for t in meta.outputs]:
+                list(entry.outputs) != [t.name for t in meta.outputs]:
             raise ShapeError(f"rknn executor: {rknn_file} was compiled with inputs {compiled} and outputs "
-                             f"{entry.get('outputs')}, the graph contract has {[(p[0], p[3]) for p in contract]} and "
+                             f"{list(entry.outputs)}, the graph contract has {[(p[0], p[3]) for p in contract]} and "
                              f"{[t.name for t in meta.outputs]}; recompile it with: {rebuild}")
         if self.runtime == "board":
             return _Graph(meta.name, self._load_board(rknn_file, meta), plan, entry)
-        source = graphset.member_path(gdir, str(entry.get("source", "")), f"graph {meta.name!r} RKNN source")
+        source = graphset.member_path(gdir, entry.source, f"graph {meta.name!r} RKNN source")
         if not os.path.isfile(source):
             raise GraphSetNotFoundError(f"rknn executor: graph {meta.name!r}: {source} (the ONNX file {rknn_file} "
                                         f"was compiled from, which the simulator builds again) not found; {rebuild}")
         quantize = None
         if dtype == "int8":
-            q = entry.get("quantization") or {}
-            dataset = graphset.member_path(tdir, str(q["dataset"]), f"graph {meta.name!r} calibration set") \
-                if q.get("dataset") else os.path.join(tdir, "calib", meta.name, "dataset.txt")
-            if not q.get("dataset") or not os.path.isfile(dataset):
+            q = entry.quantization or sidecar.Quantization()
+            dataset = graphset.member_path(tdir, q.dataset, f"graph {meta.name!r} calibration set") \
+                if q.dataset else os.path.join(tdir, "calib", meta.name, "dataset.txt")
+            if not q.dataset or not os.path.isfile(dataset):
                 raise GraphSetNotFoundError(
                     f"rknn executor: graph {meta.name!r} is int8 and the simulator quantizes it again on its "
                     f"calibration set, but {dataset} is missing; {rebuild}")
-            quantize = {"dtype": str(q.get("dtype", "w8a8")), "algorithm": str(q.get("algorithm", "normal")),
-                        "method": str(q.get("method", "channel")), "dataset": os.path.abspath(dataset)}
+            quantize = {"dtype": q.dtype, "algorithm": q.algorithm, "method": q.method,
+                        "dataset": os.path.abspath(dataset)}
         reply = self._worker.request({
             "op": "load", "graph": meta.name, "onnx": os.path.abspath(source), "target": target,
             "inputs": [[n, list(shape), dt, index, offset] for n, index, offset, shape, dt in plan],

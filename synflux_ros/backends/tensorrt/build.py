@@ -28,12 +28,12 @@ import warnings
 from dataclasses import dataclass
 
 from . import plan
+from .options import PRECISIONS
 from ...graphset import reader as graphset
 from ...build.builder import BuildError, Builder
 
 JETPACK_HINT = ("TensorRT comes with JetPack on a Jetson (python3-libnvinfer); on an x86 workstation with an "
                 "NVIDIA GPU, NVIDIA's tensorrt wheel")
-PRECISIONS = ("fp32", "fp16", "int8")
 
 
 class TensorRTBuildError(BuildError):
