@@ -198,6 +198,12 @@ bench-llm: install $(VENV)/.stamp-smollm2 llamacpp
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.gguf --work $(abspath $(BUILD))/bench
 
+# Which Fast DDS settings get 448x448 and 720p camera frames from one process to another: defaults, the shipped
+# shared-memory profile and LARGE_DATA, on either side (about two minutes; docs/ros-interfaces.md).
+.PHONY: bench-dds
+bench-dds: install
+	cd $(BUILD) && $(PY) -m synflux_ros.bench.dds_transport $(ARGS)
+
 # llama.cpp's Python binding, the reference of the GGUF rows and of check-quality: a source build (CPU,
 # a few minutes, once). Not a dependency of the package. ggml's native detection is off and the host's
 # instruction sets are named one by one with AMX off (llamacpp_build.py): a native build on a CPU with AMX
