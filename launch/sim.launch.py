@@ -2,7 +2,7 @@
 vla_node, joint_command back.
 
 Examples:
-  ros2 launch synflux_ros sim.launch.py                        # built-in arm, vla_demo_orin.yaml on mock
+  ros2 launch synflux_ros sim.launch.py                        # built-in arm, vla_sim_arm.yaml on mock
   ros2 launch synflux_ros sim.launch.py executor:=onnxruntime graph_dir:=/opt/graphs/vla_demo_orin
   ros2 launch synflux_ros sim.launch.py camera:=wrist image_width:=448 image_height:=448
   ros2 launch synflux_ros sim.launch.py model:=/path/to/robot.xml joint_names:='[j1, j2, j3, j4, j5, j6, grip]'
@@ -32,9 +32,9 @@ def _unset(fallback):
 
 _VLA = {a.name: a for a in common.VLA_ARGUMENTS}
 SIM_ARGUMENTS = [
-    _VLA['config'].renamed('config', 'vla_node model config YAML: a path, or a file name in '
-                           'share/synflux_ros/config (vla_demo_orin.yaml, vla_pi0.yaml, ...). '
-                           + _unset('vla_demo_orin.yaml')),
+    common.Argument('config', 'vla_node model config YAML: a path, or a file name in share/synflux_ros/config. '
+                    "Default: vla_sim_arm.yaml, the demo model with the built-in arm's joints and limits.",
+                    default='vla_sim_arm.yaml'),
     _VLA['executor'],
     _VLA['graph_dir'],
     _VLA['params_file'].renamed(

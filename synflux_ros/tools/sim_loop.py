@@ -29,7 +29,8 @@ ENABLE_TIMEOUT_S = 15.0
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=20.0, help="how long the loop runs once enabled")
-    ap.add_argument("--config", default="vla_demo_orin.yaml", help="vla_node's model config")
+    ap.add_argument("--config", default="vla_sim_arm.yaml", help="vla_node's model config (default: the demo "
+                                                                 "model with the arm's joints and limits)")
     ap.add_argument("--executor", default="", help="vla_node's backend (default: the config's)")
     ap.add_argument("--graph-dir", default="", help="vla_node's graph set (default: the config's)")
     ap.add_argument("--instruction", default="put the red block on the green pad")

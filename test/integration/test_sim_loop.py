@@ -16,7 +16,7 @@ from synflux_ros.tools.harness import call_service, config_path, spin_until
 
 pytest.importorskip("mujoco", reason="mujoco is not installed (make sim-venv)")
 
-with open(config_path("vla_demo_orin.yaml"), encoding="utf-8") as _fh:
+with open(config_path("vla_sim_arm.yaml"), encoding="utf-8") as _fh:
     EXECUTION = yaml.safe_load(_fh)["execution"]
 LO = np.array(EXECUTION["limits"]["position_min"])
 HI = np.array(EXECUTION["limits"]["position_max"])
@@ -55,7 +55,7 @@ def test_the_arm_follows_within_the_limits_stops_when_disabled_and_holds_when_th
     ns = f"/loop_{backend}"
     start_node("sim_robot_node", {"image_width": 224, "image_height": 224, "camera_rate_hz": 15.0,
                                   "joint_state_rate_hz": 100.0}, namespace=ns)
-    params = {"config": "vla_demo_orin.yaml", "executor": backend}
+    params = {"config": "vla_sim_arm.yaml", "executor": backend}
     if backend == "onnxruntime":
         params["graph_dir"] = str(demo_graphs["vla_demo_orin"])
     vla = start_node("vla_node", params, namespace=ns)

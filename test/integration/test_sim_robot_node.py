@@ -256,8 +256,9 @@ def test_sim_launch_starts_the_arm_and_vla_node_on_its_joints(stand_in_launch):
     started = nodes(run(SIM_LAUNCH))
     assert set(started) == {"sim_robot_node", "vla_node"}
     assert parameters_of(started["sim_robot_node"]) == ([], {})  # defaults: the node's own
-    # config: vla_node's default; the camera's rate, so that vla_node counts frames lost on the way
-    assert parameters_of(started["vla_node"]) == ([], {"joint_names": JOINTS, "camera_rate_hz": 10.0})
+    # config: the arm's (joints and limits); the camera's rate, so that vla_node counts frames lost on the way
+    assert parameters_of(started["vla_node"]) == ([], {"config": "vla_sim_arm.yaml", "joint_names": JOINTS,
+                                                        "camera_rate_hz": 10.0})
     assert started["vla_node"].namespace == started["sim_robot_node"].namespace == ""
 
 
