@@ -13,7 +13,7 @@ import numpy as np
 
 from .executor import DeviceTensor, Executor, GraphStats
 
-KV_KINDS = ("prefill", "decode", "action_expert")
+KV_KINDS = ("prefill", "decode", "action_expert", "action_expert_vjp")
 
 
 class PlacementError(ValueError):

@@ -58,7 +58,8 @@ def create_executor(cfg: ModelConfig, manifest: dict | None = None) -> Executor:
         return _load_member(cfg, cfg.executor.backend, cfg.executor.options, metas)
     groups: dict[str, tuple[str, dict, list]] = {}
     for meta in metas:
-        where = placements.get(meta.kind)
+        # Real-Time Chunking's VJP graph runs the action expert again: it goes where the expert goes
+        where = placements.get("action_expert" if meta.kind == "action_expert_vjp" else meta.kind)
         backend, options = (where.backend, dict(where.options)) if where else \
             (cfg.executor.backend, dict(cfg.executor.options))
         key = json.dumps([backend, options], sort_keys=True, default=str)

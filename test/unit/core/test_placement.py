@@ -79,3 +79,17 @@ def test_kv_graphs_apart_are_refused():
     with pytest.raises(PlacementError, match=r"read the KV cache .* must run on one executor, they are placed on "
                                              r"mock, mock:NPU"):
         create_executor(cfg)
+
+
+def test_the_rtc_vjp_graph_goes_where_the_action_expert_goes():
+    cfg = load_config(config_path("vla_demo_orin.yaml")).with_overrides(
+        execution={"mode": "rtc", "rtc": {"guidance": "vjp"}},
+        executor={"placement": {"prefill": "mock:NPU", "action_expert": "mock:NPU"}})
+    ex = create_executor(cfg)
+    try:
+        vjp = [g for g in ex.graphs if g.startswith("action_expert_vjp_")]
+        assert vjp, "the vjp config has no action_expert_vjp graphs"
+        for g in vjp:
+            assert ex.device_of(g) == ex.device_of(g.replace("_vjp", "")) == "mock:NPU"
+    finally:
+        ex.close()
