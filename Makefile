@@ -204,6 +204,20 @@ bench-llm: install $(VENV)/.stamp-smollm2 llamacpp
 bench-dds: install
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.dds_transport $(ARGS)
 
+# Chunk execution on the small π0 (synflux_ros/bench/control.py, a few minutes): switch jumps and command steps
+# of each merge mode on a simulated clock at delays of 2, 4 and 8 steps, the RTC chunk time against the plain
+# chunk and LeRobot's, the MuJoCo loop's command stream and watchdog, and build/bench/control.png;
+# `make bench-control ARGS="--jsonl rows.jsonl"`. matplotlib (the plot) comes from requirements-bench.txt.
+.PHONY: bench-control
+$(VENV)/.stamp-bench: requirements-bench.txt | $(VENV)/.stamp-deps
+	$(PY) -m pip install --quiet -r requirements-bench.txt
+	touch $@
+
+bench-control: install pi0ref-venv sim-venv $(VENV)/.stamp-bench
+	cd $(BUILD) && $(PY) -m synflux_ros.bench.control --ref-python $(PI0REF_PY) \
+	    --ref-script $(abspath test/reference/lerobot_pi0.py) --work $(abspath $(BUILD))/bench \
+	    --plot $(abspath $(BUILD))/bench/control.png $(ARGS)
+
 # llama.cpp's Python binding, the reference of the GGUF rows and of check-quality: a source build (CPU,
 # a few minutes, once). Not a dependency of the package. ggml's native detection is off and the host's
 # instruction sets are named one by one with AMX off (llamacpp_build.py): a native build on a CPU with AMX

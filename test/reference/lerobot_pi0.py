@@ -909,6 +909,14 @@ def run(args) -> dict:
                 "min_ms": min(times),
                 "max_ms": max(times),
             }
+            if rtc_cases:  # the first case's guided chunk, timed the same way
+                case = rtc_cases[0]
+                times = []
+                for _ in range(args.time):
+                    start = time.perf_counter()
+                    rtc_chunk(policy, batch, noise, inputs["prev"][case["prev_chunk"]], case)
+                    times.append((time.perf_counter() - start) * 1e3)
+                timing.update(rtc_median_ms=statistics.median(times), rtc_min_ms=min(times), rtc_max_ms=max(times))
 
     result = {"semantics": semantics, "actions_shape": list(actions.shape[1:])}
     if args.out:
@@ -1023,7 +1031,8 @@ def main(argv=None) -> None:
                                                   "max_guidance_weight, guidance: lerobot|vjp}; writes "
                                                   "actions_rtc_<i> and "
                                                   "actions_normalized_rtc_<i>")
-    rn.add_argument("--time", type=int, default=0, metavar="N", help="also time N calls of predict_action_chunk")
+    rn.add_argument("--time", type=int, default=0, metavar="N", help="also time N calls of predict_action_chunk "
+                                                                     "(with --rtc, also N of the first case's)")
     rn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 
     args = parser.parse_args(argv)
