@@ -294,8 +294,12 @@ class TorchExecutor(MockExecutor):
 
     name = "torch"
 
+    def __init__(self, graphs, modules):
+        super().__init__(graphs)
+        self.modules = modules
+
     def _load_graph(self, path, meta):
-        return self.options["modules"][meta.name]
+        return self.modules[meta.name]
 
     def _execute(self, handle, device_inputs, device_outputs, meta):
         ins = [torch.from_numpy(self._view(device_inputs[s.name], s.shape, s.dtype).copy()) for s in meta.inputs]
@@ -359,7 +363,7 @@ def test_greedy_decoding_matches_transformers(hf_checkpoint):
     gm = build_graph_modules(cfg, hf_dir=path)
     assert gm.tokenizer_path == os.path.join(path, "tokenizer.json")
     assert gm.source["weights"] == "hf" and gm.source["model_type"] == HF_VARIANTS[variant][0]
-    ex = TorchExecutor(graph_set(cfg), options={"modules": gm.modules}).load()
+    ex = TorchExecutor(graph_set(cfg), gm.modules).load()
     pool = KVCachePool(ex, 1, cfg.llm.kv_shape, cfg.llm.kv_dtype)
     ex.freeze()
     bb = LLMBackbone(cfg, ex)
