@@ -140,7 +140,9 @@ def measure(seconds: float, work: str, config: str = "vla_sim_arm.yaml", executo
             t_enabled = time.monotonic()
             rec.spin(seconds)
             rec.relay, t_stopped = False, time.monotonic()
-            rec.spin(timeout + 1.5)  # and a round of diagnostics
+            rec.spin(timeout + 0.5)
+            rec.diag = {}
+            spin_until(node, lambda: bool(rec.diag), 5.0)  # a round of diagnostics from after the hold
     finally:
         for p in procs:
             p.stop()

@@ -106,3 +106,26 @@ def test_quick_run_writes_rows_the_benchmark_page_accepts(tmp_path):
         assert r["metric"].endswith("run 1 of 1")
     ratios = {r["metric"].split(":")[0]: r["ratio"] for r in rows}
     assert ratios["rtc/lerobot, d = 4"] < 0.5 and ratios["replace, d = 4"] is None
+
+
+def test_the_loop_figures_from_synthetic_streams():
+    pytest.importorskip("rclpy")
+    from synflux_ros.tools import control_loop as loop
+
+    t = np.arange(0, 2.0, 0.01)
+    t_gappy = np.delete(t, [50, 51, 52])  # a 40 ms gap
+    t_gappy[120:] += 0.005  # and a 15 ms one, not a stall
+    count, largest = loop.stalls(t_gappy, 0.01)
+    assert count == 1 and largest == pytest.approx(0.04)
+    # a joint that follows its command 60 ms late, another that does not move
+    cmd = np.stack([np.sin(2 * np.pi * 0.7 * t), np.full_like(t, 0.3)], axis=1)
+    t_state = np.arange(0, 2.0, 0.005)
+    state = np.stack([np.sin(2 * np.pi * 0.7 * (t_state - 0.06)), np.full_like(t_state, 0.3)], axis=1)
+    delay, moving = loop.tracking_delay(t, cmd, t_state, state, 0.0, 2.0)
+    assert moving == 1 and delay == pytest.approx(0.06, abs=0.003)
+    # commands that change until 1.5 s, then repeat the last one: the hold starts at the first repetition
+    held = cmd.copy()
+    held[t >= 1.5] = held[t < 1.5][-1]
+    assert loop.first_hold(t, held, after=1.0) == pytest.approx(t[t >= 1.5][0])
+    assert loop.first_hold(t, held, after=1.6) is None  # held before the moment asked about
+    assert loop.first_hold(t, cmd, after=1.0) is None  # never settles
