@@ -40,7 +40,7 @@ class CommandFilter:
         self.velocity = np.zeros(n)
 
     def reset(self, position: np.ndarray | None) -> None:
-        """Start from ``position`` (the measured one on enable) at rest."""
+        """Start from ``position`` (where the arm is when commands are enabled) at rest."""
         self.last = None if position is None else self.clamp(np.asarray(position, np.float64))
         self.velocity[:] = 0.0
 

@@ -12,7 +12,7 @@ from synflux_ros.tools.harness import config_path
 
 @pytest.fixture(scope="module")
 def rtc_runtime():
-    cfg = load_config(config_path("vla_demo_orin.yaml"))
+    cfg = load_config(config_path("vla_sim_arm.yaml"))
     cfg = cfg.with_overrides(execution={"mode": "rtc", "rtc": {"schedule": "ones", "execution_horizon": 8,
                                                                  "max_guidance_weight": 100.0}})
     rt = VLARuntime(cfg)
