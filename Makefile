@@ -133,7 +133,7 @@ $(DOCS_VENV)/.stamp-docs: requirements-docs.txt
 	$(DOCS_PY) -m pip install --quiet -r requirements-docs.txt
 	touch $@
 
-docs: $(DOCS_VENV)/.stamp-docs
+docs: $(DOCS_VENV)/.stamp-docs $(VENV)/.stamp-deps
 	bash .ci/docs.sh $(DOCS_PY)
 
 # The edit loop: the unit tests (the layer and security scans among them) without the simulators, about a

@@ -36,7 +36,7 @@ from ..backends import UnknownBackendError, buildable_backends, builder_table, r
 from ..core.config import ConfigError, ModelConfig, load_config
 from ..core.contract import GraphMeta, graph_set
 from ..model.time_embedding import time_embedding
-from ..graphset import reader as graphset, writer as graphset_writer
+from ..graphset import cache, reader as graphset, writer as graphset_writer
 from .builder import PORTABLE_WEIGHT_DTYPES, BuildError, flags_given
 
 OPSET = 17
@@ -99,9 +99,7 @@ def graph_key(cfg: ModelConfig, meta: GraphMeta, weights: str, versions: dict) -
                                            if k not in ModelConfig._RUNTIME_ONLY["action"]}}
     else:
         sections = {"llm": llm}
-    blob = json.dumps({"graph": meta.to_dict(), "sections": sections, "weights": weights, "tools": versions},
-                      sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return cache.key({"graph": meta.to_dict(), "sections": sections, "weights": weights, "tools": versions})
 
 
 def onnx_inputs(meta: GraphMeta) -> list[tuple[str, tuple, str]]:

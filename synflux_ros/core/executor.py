@@ -82,17 +82,6 @@ class Executor(abc.ABC):
         full[index] = data
         self._h2d(np.ascontiguousarray(full), device_buffer)
 
-    runtime_label = ""
-    """How option errors name the library that picks a value left at 0 (``ORT``, ``OpenVINO``)."""
-
-    def _int_option(self, key: str) -> int:
-        """``options[key]`` as an integer >= 0, where 0 leaves the choice to the backend's library."""
-        value = self.options.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{self.name} executor: {key} must be an integer >= 0 "
-                             f"(0 = {self.runtime_label or self.name}'s default), got {value!r}")
-        return value
-
     alloc_is_zeroed = False
     """True when ``_alloc_device`` returns zero-filled memory (then fresh tensors are not cleared again)."""
 

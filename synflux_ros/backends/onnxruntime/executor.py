@@ -134,7 +134,6 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
     """Runs a synflux-build graph set with ONNX Runtime: weights loaded once for all graphs, every input
     and output bound to the static buffers (see docs/backends/onnxruntime.md)."""
     name = "onnxruntime"
-    runtime_label = "ORT"
     weight_dtypes: tuple[str, ...] = ("float32", "int8", "int4")
     """Quantized sets (``synflux-build --weights``): DequantizeLinear + MatMul, fused by ORT's optimiser
     (level ``extended``/``all``) into ``com.microsoft.MatMulNBits``."""

@@ -57,7 +57,6 @@ class OpenVINOExecutor(HostBufferHooks, Executor):
     """Runs a synflux-build graph set with OpenVINO: one compiled model and request per graph, every input
     and output set to the static buffers (see docs/backends/openvino.md)."""
     name = "openvino"
-    runtime_label = "OpenVINO"
     options_type = OpenVINOExecutorOptions
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):

@@ -58,7 +58,6 @@ class _Engine:
 
 class TensorRTExecutor(graphset.ChecksWeightFormat, Executor):
     name = "tensorrt"
-    runtime_label = "TensorRT"
     options_type = TensorRTExecutorOptions
 
     def __init__(self, graphs, graph_dir: str = "", options: dict | None = None):
