@@ -1,4 +1,4 @@
-"""Chunk execution measured on the small π0: switch jumps and command steps per merge mode, what Real-Time
+"""Chunk execution on the small π0: switch jumps and command steps per merge mode, what Real-Time
 Chunking costs, and the MuJoCo loop's command stream and watchdog.
 
     python -m synflux_ros.bench.control --ref-python .venv-pi0ref/bin/python \\
@@ -118,7 +118,7 @@ class Run:
     commands: np.ndarray = None
     plan: np.ndarray = None  # the plan sampled at each tick, before the limits
     switch_times: list = field(default_factory=list)
-    offer_jumps: list = field(default_factory=list)  # Offer.switch_jump of each chunk after the first
+    offer_jumps: list = field(default_factory=list)  # Offer.disagreement of each chunk after the first
     executed_jumps: list = field(default_factory=list)  # the plan at the switch time, after minus before
     executed_rows: list = field(default_factory=list)  # the same per joint
     counts: dict = field(default_factory=dict)
@@ -167,12 +167,11 @@ def simulate(chunks: Chunks, mode: str, delay: int, frames: int, every: int, ste
         while pending and pending[0][0] <= now + TOL:
             arrival, t_obs, actions, raw = pending.pop(0)
             before = ctl.plan.sample(arrival)
-            # a copy: the aggregate modes merge into a float64 chunk in place (the caller's array)
-            offer = ctl.on_chunk(actions.copy(), t_obs, arrival, raw)
+            offer = ctl.on_chunk(actions, t_obs, arrival, raw)
             if offer.delay_steps != delay:
                 raise RuntimeError(f"{mode}: chunk placed at step {offer.delay_steps}, expected {delay}")
             if before is not None:
-                run.offer_jumps.append(offer.switch_jump)
+                run.offer_jumps.append(offer.disagreement)
                 run.executed_rows.append(np.abs(ctl.plan.sample(arrival) - before))
                 run.executed_jumps.append(float(run.executed_rows[-1].max()))
                 run.switch_times.append(arrival)

@@ -528,6 +528,7 @@ class VLANode(SynfluxNode):
                       chunk_delay_steps=offer.delay_steps if offer else -1,
                       chunk_delay_ms=offer.delay_s * 1e3 if offer else float("nan"),
                       last_switch_jump=offer.switch_jump if offer else float("nan"),
+                      last_switch_disagreement=offer.disagreement if offer else float("nan"),
                       last_chunk_error=self._chunk_error)
         for key in ("chunks_accepted", "chunks_refused", "chunks_late", "chunks_non_finite", "chunks_unplaced",
                     "ticks_commanded", "ticks_held", "watchdog_holds", "hold_stale_state", "hold_chunk_timeout",

@@ -132,7 +132,7 @@ class Controller:
     def on_chunk(self, actions: np.ndarray, t_obs: float, now: float, raw: np.ndarray | None = None) -> Offer:
         """Merge a chunk [horizon, joints] from a frame stamped ``t_obs``; ChunkRefused says why one is not
         executed (the plan in force goes on)."""
-        actions = np.asarray(actions, np.float64)
+        actions = np.array(actions, np.float64)  # a copy: the caller's chunk is never changed
         if actions.ndim != 2 or actions.shape[1] != len(self.joints):
             self.counts["chunks_refused"] += 1
             raise ChunkRefused(f"chunk of shape {actions.shape}, expected [steps, {len(self.joints)}]")

@@ -30,11 +30,13 @@ class ChunkRefused(ValueError):
 
 @dataclass(frozen=True)
 class Offer:
-    """What became of an accepted chunk: the first step executed (``delay_steps``), the delay in seconds and
-    the largest jump between the plan before and after the switch at the switch time."""
+    """What became of an accepted chunk: the first step executed (``delay_steps``), the delay in seconds, the
+    largest jump of the plan at the switch time (after the merge against before it: what the robot is sent)
+    and the largest disagreement of the chunk's step d with the plan before it (what the model offered)."""
     delay_steps: int
     delay_s: float
     switch_jump: float
+    disagreement: float = 0.0
 
 
 class ChunkPlan:
@@ -71,12 +73,11 @@ class ChunkPlan:
                                f"{self.period * 1e3:.0f} ms")
         self.delays.append(d)
         times = t_obs + self.period * np.arange(d, n)
-        new = np.asarray(actions[d:], np.float64)
-        new_raw = None if raw is None else np.asarray(raw[d:], np.float64)
+        new = np.array(actions[d:], np.float64)  # a copy: the merge writes into it
+        new_raw = None if raw is None else np.array(raw[d:], np.float64)
         old = self.sample_rows(times)  # the plan in force at the new times (NaN past its end)
-        jump = 0.0
-        if old is not None and np.isfinite(old[0]).all():
-            jump = float(np.max(np.abs(new[0] - old[0])))
+        at_switch = old is not None and np.isfinite(old[0]).all()
+        disagreement = float(np.max(np.abs(new[0] - old[0]))) if at_switch else 0.0
         mode = self.cfg.mode
         counts = np.ones(len(times), np.int64)
         if old is not None and mode in AGGREGATE_WEIGHTS:
@@ -104,7 +105,8 @@ class ChunkPlan:
             self.raw = np.concatenate([old_raw, new_raw])
         else:
             self.raw = None
-        return Offer(d, late, jump)
+        jump = float(np.max(np.abs(new[0] - old[0]))) if at_switch else 0.0
+        return Offer(d, late, jump, disagreement)
 
     def _counts_at(self, times: np.ndarray) -> np.ndarray:
         idx = np.clip(np.searchsorted(self.times, times - 0.5 * self.period), 0, len(self.times) - 1)

@@ -206,3 +206,11 @@ def test_a_limits_error_in_a_config_file_names_its_path(make_config):
         "position_min": [0.0] * 7, "position_max": [1.0] * 6 + [-1.0]}})
     with pytest.raises(ConfigError, match=r"execution\.limits: joint 'joint_6' has position_min"):
         load_config(path)
+
+
+def test_the_callers_chunk_is_never_changed():
+    c = controller(mode="weighted_average", state_timeout=0.0)
+    c.on_chunk(np.zeros((H, 3)), 10.0, 10.0)
+    chunk = np.full((H, 3), 0.05)
+    c.on_chunk(chunk, 10.04, 10.08)
+    np.testing.assert_array_equal(chunk, 0.05)

@@ -56,8 +56,11 @@ def test_the_plan_runs_out_after_the_last_step():
 def test_aggregate_modes_weigh_old_and_new_where_they_overlap(mode, w_old):
     p = plan(mode)
     p.offer(np.zeros((H, 1)), 10.0, 10.0)
-    offer = p.offer(np.ones((H, 1)), 10.0 + 2 * P, 10.0 + 3 * P)  # new chunk from step 1 (t = 10.06)
-    assert offer.switch_jump == pytest.approx(1.0)
+    chunk = np.ones((H, 1))
+    offer = p.offer(chunk, 10.0 + 2 * P, 10.0 + 3 * P)  # new chunk from step 1 (t = 10.06)
+    assert offer.disagreement == pytest.approx(1.0)  # what the model offered at the switch
+    assert offer.switch_jump == pytest.approx(1.0 - w_old)  # what the robot is sent
+    np.testing.assert_array_equal(chunk, 1.0)  # the caller's chunk is not merged into
     t = 10.0 + 2 * P + P * np.arange(1, H)
     got = p.sample_rows(t)[:, 0]
     overlap = t <= 10.0 + (H - 1) * P + 1e-9  # the old chunk covers these times
