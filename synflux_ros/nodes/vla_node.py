@@ -25,7 +25,7 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 from ..msg import ActionChunk
 from ..model.image import ImageError, decode_compressed, decode_raw
 from ..core.pipeline import source_rate
-from ..runtimes.control import Controller
+from ..runtimes.control import ControlLoop, Controller
 from ..runtimes.execution import ChunkRefused
 from ..runtimes.robot_state import CameraImages, NoFreshState, RobotStateBuffer
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
@@ -102,7 +102,7 @@ class VLANode(SynfluxNode):
         self._subs, self._pubs = [], {}
         self._busy_pipelines = []  # pipelines whose stage threads outlived stop()
         self.controller: Controller | None = None
-        self._control_timer = None
+        self._control_loop: ControlLoop | None = None
         self._enable_srv = None
         self._chunk_error = ""
 
@@ -176,11 +176,11 @@ class VLANode(SynfluxNode):
             self._pubs["command"] = self.create_lifecycle_publisher(Float64MultiArray, "joint_command", 10)
         if p["publish_joint_trajectory"]:
             self._pubs["traj"] = self.create_lifecycle_publisher(JointTrajectory, "joint_trajectory", 10)
-        # The control tick and the enable service share one group: an enable never interleaves with a tick.
-        control = MutuallyExclusiveCallbackGroup()
-        self._enable_srv = self.create_service(SetBool, "~/enable", self._on_enable, callback_group=control)
-        self._control_timer = self.create_timer(1.0 / ex.control_rate_hz, self._on_control_tick,
-                                                callback_group=control)
+        # The control ticks run in a thread of their own (not an executor timer): the executor's other callbacks
+        # (image decoding, the pipeline's results) would delay and bunch them. The controller takes a lock.
+        self._enable_srv = self.create_service(SetBool, "~/enable", self._on_enable,
+                                               callback_group=MutuallyExclusiveCallbackGroup())
+        self._control_loop = ControlLoop(self.controller, self._now, self._send_command, self._on_tick_error)
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
@@ -188,6 +188,8 @@ class VLANode(SynfluxNode):
     def activate(self) -> None:
         self._active_since = time.monotonic()
         self.pipeline.start()
+        if self._control_loop is not None:
+            self._control_loop.start()
         if self.controller is not None and self.cfg.execution.autoenable:
             try:
                 self.get_logger().info(f"commands {self.controller.enable(self._now())} (execution.autoenable)")
@@ -197,6 +199,7 @@ class VLANode(SynfluxNode):
     def deactivate(self) -> None:
         if self.controller is not None:
             self.controller.disable("deactivated")
+            self._control_loop.stop()
         self.pipeline.stop()
 
     def runtime_in_use(self) -> bool:
@@ -205,9 +208,9 @@ class VLANode(SynfluxNode):
     def teardown(self) -> None:
         if self.controller is not None:
             self.controller.disable("cleaned up")
-        if self._control_timer is not None:
-            self.destroy_timer(self._control_timer)
-            self._control_timer = None
+        if self._control_loop is not None:
+            self._control_loop.stop()
+            self._control_loop = None
         if self._enable_srv is not None:
             self.destroy_service(self._enable_srv)
             self._enable_srv = None
@@ -388,12 +391,13 @@ class VLANode(SynfluxNode):
                 time_from_start=Duration(sec=s, nanosec=int(round((t - s) * 1e9)))))
         return traj
 
-    def _on_control_tick(self):
-        if not self._active or self.controller is None:
-            return
-        cmd = self.controller.tick(self._now())
-        if cmd is not None and "command" in self._pubs:
-            self._pubs["command"].publish(Float64MultiArray(data=[float(v) for v in cmd]))
+    def _send_command(self, cmd):
+        pub = self._pubs.get("command")
+        if pub is not None and self._active:
+            pub.publish(Float64MultiArray(data=[float(v) for v in cmd]))
+
+    def _on_tick_error(self, exc: Exception):
+        self.get_logger().error(f"control tick failed: {type(exc).__name__}: {exc}", throttle_duration_sec=2.0)
 
     def _on_enable(self, request, response):
         if request.data:
@@ -529,12 +533,16 @@ class VLANode(SynfluxNode):
                       chunk_delay_ms=offer.delay_s * 1e3 if offer else float("nan"),
                       last_switch_jump=offer.switch_jump if offer else float("nan"),
                       last_switch_disagreement=offer.disagreement if offer else float("nan"),
-                      last_chunk_error=self._chunk_error)
+                      last_chunk_error=self._chunk_error, hold_reaction_ms=c.hold_reaction_s * 1e3)
         for key in ("chunks_accepted", "chunks_refused", "chunks_late", "chunks_non_finite", "chunks_unplaced",
                     "ticks_commanded", "ticks_held", "watchdog_holds", "hold_stale_state", "hold_chunk_timeout",
                     "hold_ran_out", "hold_no_chunk", "position_limit", "velocity_limit", "acceleration_limit",
                     "max_relative_target"):
             values[key] = c.counts[key]
+        loop = self._control_loop
+        if loop is not None:
+            values.update(control_ticks=loop.ticks, control_ticks_late=loop.late_ticks,
+                          control_ticks_skipped=loop.skipped_ticks, control_max_late_ms=loop.max_late_s * 1e3)
         problems = []
         if status.state == "holding":
             problems.append(f"holding: {status.reason}")

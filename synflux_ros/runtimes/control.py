@@ -10,6 +10,7 @@ watchdog) repeats the last command exactly. Details: docs/execution.md.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -109,6 +110,7 @@ class Controller:
         self._delta = np.asarray(cfg.delta_mask, bool) if any(cfg.delta_mask) else None
         self._safe = np.asarray(cfg.safe_action, np.float64) if cfg.on_timeout == "safe_action" else None
         self._hold_kind = ""
+        self.hold_reaction_s = float("nan")  # the last timeout's hold: its tick minus the moment it expired
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ inputs
@@ -190,11 +192,14 @@ class Controller:
             return f"the joint state is {age:.2f} s old (execution.state_timeout {self.cfg.state_timeout} s)"
         return ""
 
-    def _hold(self, kind: str, why: str) -> np.ndarray | None:
-        """Hold (or move to the safe action); a hold of a new ``kind`` is counted once, as ``hold_<kind>``."""
+    def _hold(self, kind: str, why: str, expired_at: float | None = None, now: float = 0.0) -> np.ndarray | None:
+        """Hold (or move to the safe action); a hold of a new ``kind`` is counted once, as ``hold_<kind>``, and
+        for a timeout that expired at ``expired_at`` the reaction time is kept (:attr:`hold_reaction_s`)."""
         if self.status.state != "holding" or self._hold_kind != kind:
             self.counts["watchdog_holds"] += 1
             self.counts[f"hold_{kind}"] += 1
+            if expired_at is not None:
+                self.hold_reaction_s = now - expired_at
         self._hold_kind = kind
         self.status = Status("holding", why)
         self.counts["ticks_held"] += 1
@@ -209,12 +214,14 @@ class Controller:
                 return None
             stale = self._state_stale(now)
             if stale:
-                return self._hold("stale_state", stale)
+                expired = None if self._state_at is None else self._state_at + self.cfg.state_timeout
+                return self._hold("stale_state", stale, expired, now)
             if self.last_chunk_at is None:
                 return self._hold("no_chunk", "no chunk yet")
             if self.cfg.chunk_timeout > 0 and now - self.last_chunk_at > self.cfg.chunk_timeout:
                 return self._hold("chunk_timeout", f"no fresh chunk for {now - self.last_chunk_at:.2f} s "
-                                                   f"(execution.chunk_timeout {self.cfg.chunk_timeout} s)")
+                                                   f"(execution.chunk_timeout {self.cfg.chunk_timeout} s)",
+                                  self.last_chunk_at + self.cfg.chunk_timeout, now)
             target = self.plan.sample(now)
             if target is None:
                 return self._hold("ran_out", f"the last chunk ran out {now - self.plan.end_time():.2f} s ago")
@@ -260,3 +267,57 @@ class Controller:
                         f.dt = t - now if not out else t - (now + out[-1][0])
                     out.append((t - now, f(row, self._state, scratch)))
             return out
+
+
+class ControlLoop:
+    """``send(controller.tick(clock()))`` once per control period, in a thread of its own.
+
+    Paced on an absolute schedule of the monotonic clock, so ticks neither drift nor bunch: a tick that comes
+    late (the process was busy) is counted in :attr:`late_ticks` with the largest lateness, and the next one
+    keeps the schedule; one more than a period late skips the missed ticks rather than firing them at once.
+    ``clock`` gives the time the controller works in (the node's ROS clock); ``send`` gets each command that
+    is not None; ``on_error`` any exception of a tick (the loop goes on)."""
+
+    def __init__(self, controller: Controller, clock, send, on_error=None):
+        self.controller, self.clock, self.send, self.on_error = controller, clock, send, on_error
+        self.period = controller.dt
+        self.ticks = self.late_ticks = self.skipped_ticks = 0
+        self.max_late_s = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="synflux-control", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            late = time.monotonic() - next_at
+            if late > 0.5 * self.period:
+                self.late_ticks += 1
+                self.max_late_s = max(self.max_late_s, late)
+            try:
+                cmd = self.controller.tick(self.clock())
+                if cmd is not None:
+                    self.send(cmd)
+            except Exception as exc:  # noqa: BLE001 - a failing tick is reported, the loop keeps the schedule
+                if self.on_error is not None:
+                    self.on_error(exc)
+            self.ticks += 1
+            next_at += self.period
+            now = time.monotonic()
+            if now - next_at > self.period:  # more than a tick behind: skip the missed ones
+                missed = int((now - next_at) / self.period)
+                self.skipped_ticks += missed
+                next_at += missed * self.period
+            self._stop.wait(max(0.0, next_at - time.monotonic()))

@@ -162,4 +162,8 @@ def measure(seconds: float, work: str, config: str = "vla_sim_arm.yaml", executo
             "tracked_joints": moving, "chunks": len(rec.chunks), "chunk_timeout_s": timeout,
             "hold_after_timeout_ms": None if held is None else (held - last_chunk - timeout) * 1e3,
             "hold_reason": rec.diag.get("command_reason", "?"),
+            "hold_reaction_ms": float(rec.diag.get("hold_reaction_ms", "nan")),
+            "node_ticks": int(float(rec.diag.get("control_ticks", "0"))),
+            "node_ticks_late": int(float(rec.diag.get("control_ticks_late", "0"))),
+            "node_max_late_ms": float(rec.diag.get("control_max_late_ms", "nan")),
             "holds": {k: rec.diag.get(k, "?") for k in ("hold_chunk_timeout", "hold_ran_out")}}

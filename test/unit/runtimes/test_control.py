@@ -124,6 +124,7 @@ def test_the_watchdog_holds_within_one_tick_of_the_chunk_timeout():
         t += 1 / RATE
         np.testing.assert_array_equal(c.tick(t), held)
     assert c.counts["hold_chunk_timeout"] == 1
+    assert 0 < c.hold_reaction_s <= 1 / RATE + 1e-9  # the first tick after the timeout expired
 
 
 def test_a_stale_joint_state_holds_and_a_fresh_one_resumes():
@@ -214,3 +215,33 @@ def test_the_callers_chunk_is_never_changed():
     chunk = np.full((H, 3), 0.05)
     c.on_chunk(chunk, 10.04, 10.08)
     np.testing.assert_array_equal(chunk, 0.05)
+
+
+def test_the_control_loop_ticks_on_schedule_and_survives_a_failing_tick():
+    import threading
+    import time as _time
+    c = controller(state_timeout=0.0)
+    c.enable(10.0)
+    c.on_chunk(np.zeros((H, 3)), 10.0, 10.0)
+    sent, errors = [], []
+    fail = threading.Event()
+
+    def send(cmd):
+        if fail.is_set():
+            fail.clear()
+            raise RuntimeError("publisher gone")
+        sent.append(_time.monotonic())
+    from synflux_ros.runtimes.control import ControlLoop
+    loop = ControlLoop(c, lambda: 10.05, send, errors.append)
+    loop.start()
+    _time.sleep(0.3)
+    fail.set()
+    _time.sleep(0.3)
+    loop.stop()
+    assert errors and "publisher gone" in str(errors[0])
+    assert 0.6 * 0.6 * RATE <= loop.ticks <= 0.6 * RATE + 5, loop.ticks
+    gaps = np.diff(sent)
+    assert np.median(gaps) == pytest.approx(1 / RATE, rel=0.3)
+    n = loop.ticks
+    _time.sleep(0.05)
+    assert loop.ticks == n  # stopped
