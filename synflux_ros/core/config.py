@@ -477,7 +477,7 @@ class PipelineConfig:
     queue_depth: int = _spec(1, min=1, max=64, doc="frames waiting between two stages")
 
 
-EXECUTION_MODES = ("replace", "rtc", "weighted_average", "average", "conservative", "latest_only",
+EXECUTION_MODES = ("auto", "replace", "rtc", "weighted_average", "average", "conservative", "latest_only",
                    "temporal_ensemble")
 
 
@@ -541,7 +541,9 @@ class ExecutionConfig:
     _RELATIVE_ERRORS = True
     joints: tuple[str, ...] = _spec(default_factory=tuple, doc="commanded joints in action order, one per "
                                                                  "published action value; empty = no commands")
-    mode: str = _spec("replace", choices=EXECUTION_MODES, doc="how a new chunk merges with the one executing")
+    mode: str = _spec("auto", choices=EXECUTION_MODES, doc="how a new chunk merges with the one executing (auto: "
+                                                          "rtc for flow-matching heads with absolute actions, "
+                                                          "else replace)")
     control_rate_hz: float = _spec(100.0, min=1.0, max=2000.0, doc="rate of joint_command")
     lookahead: float = _spec(0.0, min=0.0, doc="seconds added to the measured delay for the hop to the "
                                                "controller")
@@ -642,6 +644,16 @@ class ModelConfig:
                 raise ConfigError(f"llm.prefill_buckets: with bidirectional prefill attention the whole prefix "
                                   f"({self.prefix_vision_tokens} vision tokens and the instruction) must fit the "
                                   f"largest bucket, {self.llm.prefill_buckets[-1]}")
+
+    @property
+    def resolved_execution(self) -> ExecutionConfig:
+        """``execution`` with ``mode: auto`` resolved: rtc for a flow-matching head with absolute actions (make
+        bench-control: far smoother switches at about the plain chunk's cost), else replace."""
+        if self.execution.mode != "auto":
+            return self.execution
+        flow = self.action is not None and self.action.head_type == "flow_matching"
+        rtc = flow and not any(self.execution.delta_mask)
+        return dataclasses.replace(self.execution, mode="rtc" if rtc else "replace")
 
     @property
     def prefix_vision_tokens(self) -> int:

@@ -161,7 +161,7 @@ class VLANode(SynfluxNode):
             self._subs.append(self.create_subscription(String, "instruction", self._on_instruction, qos,
                                                        callback_group=inputs, event_callbacks=quiet))
         cams = f", cameras {', '.join(cameras)}" if cameras else ""
-        ex = cfg.execution
+        ex = cfg.resolved_execution
         commands = (f", commanding {len(joints)} joints at {ex.control_rate_hz:g} Hz ({ex.mode})" if joints else
                     ", no commands (no execution joints)")
         return (f"{cfg.name!r} ({cfg.action.head_type}, horizon {cfg.action.action_horizon} x "
@@ -170,7 +170,7 @@ class VLANode(SynfluxNode):
 
     def _setup_execution(self, p: dict, cfg) -> None:
         """The chunk executor, its command streams, the enable service and the control timer."""
-        ex = cfg.execution
+        ex = cfg.resolved_execution
         self.controller = Controller(ex, cfg.action.step_period, cfg.action.action_horizon)
         if p["publish_joint_command"]:
             self._pubs["command"] = self.create_lifecycle_publisher(Float64MultiArray, "joint_command", 10)
@@ -282,7 +282,7 @@ class VLANode(SynfluxNode):
             seq = self._seq
             self._seq += 1
         frame = Frame(seq, rgb, t_receipt, meta=header, state=state)
-        if self.controller is not None and self.cfg.execution.mode == "rtc":
+        if self.controller is not None and self.controller.cfg.mode == "rtc":
             controller = self.controller
             frame.rtc = lambda: controller.rtc_guidance(stamp)  # taken when the head starts: the freshest plan
         self.pipeline.submit(frame)
@@ -527,7 +527,7 @@ class VLANode(SynfluxNode):
         c = self.controller
         status = c.status
         offer = c.last_offer
-        values.update(execution_mode=self.cfg.execution.mode, commands_enabled=c.enabled,
+        values.update(execution_mode=c.cfg.mode, commands_enabled=c.enabled,
                       command_state=status.state, command_reason=status.reason, frames_not_needed=counts["not_needed"],
                       chunk_delay_steps=offer.delay_steps if offer else -1,
                       chunk_delay_ms=offer.delay_s * 1e3 if offer else float("nan"),

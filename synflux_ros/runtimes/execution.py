@@ -2,9 +2,9 @@
 
 Step ``i`` of a chunk computed from a frame stamped ``t_obs`` is the target for ``t_obs + i * step_period``.
 When the chunk arrives at ``now`` it takes over from step ``d = ceil((now + lookahead - t_obs) / period)``:
-the measured delay, not an assumed one. :class:`ChunkPlan` merges it with what is executing (``execution.mode``)
-and samples the merged plan at any time; :class:`Controller` (``runtimes/control.py``) turns samples into
-commands. The modes and when to use each: docs/execution.md.
+the measured delay, not an assumed one. :class:`ChunkPlan` merges it with what is executing (``execution.mode``;
+``auto``, which the model config resolves, acts as ``replace`` here) and samples the merged plan at any time;
+:class:`Controller` (``runtimes/control.py``) turns samples into commands. The modes: docs/execution.md.
 """
 from __future__ import annotations
 

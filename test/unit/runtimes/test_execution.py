@@ -105,3 +105,15 @@ def test_the_rtc_leftover_is_the_model_space_plan_from_the_frame_on():
     np.testing.assert_allclose(left, raw[4:])
     assert p.inference_delay() == 1
     assert plan("rtc").leftover(10.0) is None
+
+
+def test_auto_is_rtc_for_flow_heads_with_absolute_actions_else_replace():
+    from synflux_ros.core.config import load_config
+    from synflux_ros.tools.harness import config_path
+    arm = load_config(config_path("vla_sim_arm.yaml"))
+    assert arm.execution.mode == "auto" and arm.resolved_execution.mode == "rtc"
+    deltas = arm.with_overrides(execution={"delta_mask": [True] * 7})
+    assert deltas.resolved_execution.mode == "replace"
+    tokens = load_config(config_path("vla_openvla.yaml"))
+    assert tokens.resolved_execution.mode == "replace"
+    assert arm.with_overrides(execution={"mode": "temporal_ensemble"}).resolved_execution.mode == "temporal_ensemble"
