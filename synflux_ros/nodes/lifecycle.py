@@ -16,6 +16,17 @@ from .diagnostics import ERROR, diagnostic_array
 from .params import Param, ParameterError, declare, load_node_config, read
 
 
+def destroy_entities(node, subscriptions: list, publishers: dict) -> None:
+    """Destroy the subscriptions and publishers a node keeps in ``subscriptions`` and ``publishers`` (both are
+    emptied): what a node's cleanup shares whatever else it frees."""
+    for s in subscriptions:
+        node.destroy_subscription(s)
+    subscriptions.clear()
+    for pub in publishers.values():
+        node.destroy_publisher(pub)
+    publishers.clear()
+
+
 class SynfluxNode(LifecycleNode):
     """Lifecycle shared by the model nodes.
 

@@ -25,6 +25,7 @@ from ..sim.gl import NoBackend, select_backend
 from ..sim.loop import SimLoop, Tick
 from ..sim.robot import MIN_PHYSICS_RATE_HZ, SimError, SimRobot
 from .diagnostics import ERROR, OK, WARN, diagnostic_array
+from .lifecycle import destroy_entities
 from .params import Param, ParameterError
 from .process import run_lifecycle_node
 
@@ -207,12 +208,7 @@ class SimRobotNode(LifecycleNode):
         if self.frames is not None and not self.frames.stop():
             self.get_logger().error("the camera thread did not stop within 5 s")
         self.loop = self.frames = None
-        for s in self._subs:
-            self.destroy_subscription(s)
-        self._subs = []
-        for pub in self._pubs.values():
-            self.destroy_publisher(pub)
-        self._pubs = {}
+        destroy_entities(self, self._subs, self._pubs)
         if self._timer is not None:
             self.destroy_timer(self._timer)
             self._timer = None

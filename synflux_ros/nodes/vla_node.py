@@ -30,7 +30,7 @@ from ..runtimes.execution import ChunkRefused
 from ..runtimes.robot_state import CameraImages, NoFreshState, RobotStateBuffer
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
 from .diagnostics import ERROR, OK, WARN, median
-from .lifecycle import SynfluxNode
+from .lifecycle import SynfluxNode, destroy_entities
 from .params import COMMON_PARAMS, Param
 from .process import run_lifecycle_node
 
@@ -225,12 +225,7 @@ class VLANode(SynfluxNode):
                 for key in self._retired:
                     self._retired[key] += getattr(c, key)
             self.pipeline = None
-        for s in self._subs:
-            self.destroy_subscription(s)
-        self._subs = []
-        for pub in self._pubs.values():
-            self.destroy_publisher(pub)
-        self._pubs = {}
+        destroy_entities(self, self._subs, self._pubs)
 
     # ---------------------------------------------------------------- inputs
     def _count(self, key: str, n: int = 1):

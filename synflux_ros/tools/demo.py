@@ -15,7 +15,6 @@ import time
 import os
 
 import numpy as np
-import rclpy
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image
 from std_msgs.msg import String
@@ -24,7 +23,8 @@ from ..graphset import reader as graphset
 from ..core.config import load_config
 from ..msg import ActionChunk
 from ..srv import Chat, EndSession
-from .harness import NodeProcess, call_service, config_path, rgb_image, ros_env, spin_until, use_env
+from .harness import (NodeProcess, call_service, config_path, rgb_image, ros_env, spin_until, use_env,
+                      run_with_nodes)
 
 
 def main(argv=None) -> int:
@@ -43,24 +43,9 @@ def main(argv=None) -> int:
     vla = NodeProcess("vla_node", {"config": args.vla_config, **common}, env=env)
     vlm = NodeProcess("vlm_node", {"config": args.vlm_config, **common}, env=env)
     procs = [vla, vlm]
-    rclpy.init()
-    node = rclpy.create_node("synflux_demo")
-    ok = True
-    try:
-        for p in procs:
-            if not p.wait_output("configured", 60):
-                print(f"{p.name} did not start:\n{p.output()}", file=sys.stderr)
-                return 1
-            print(f"  {p.name}: " + next(line for line in p.output().splitlines() if "configured" in line)
-                  .split("]: ", 1)[-1])
-        ok = run_vla(node, args.frames, describe(args.vla_config, args.executor)) and \
-            run_chat(node, args.vlm_config, describe(args.vlm_config, args.executor))
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
-        codes = {p.name: p.stop() for p in procs}
-        print(f"nodes stopped, exit codes {codes}")
-    return 0 if ok and all(c == 0 for c in codes.values()) else 1
+    return run_with_nodes("synflux_demo", procs, 60, lambda node: (
+        run_vla(node, args.frames, describe(args.vla_config, args.executor))
+        and run_chat(node, args.vlm_config, describe(args.vlm_config, args.executor))))
 
 
 def describe(config: str, executor: str) -> str:

@@ -323,3 +323,35 @@ def chunk_for_frame(node, chunks: list, publish, stamp: int, timeout: float = 20
             return next(c for c in chunks if stamp_of(c) == stamp)
         stamp += 1000
     raise AssertionError(f"no chunk for the frame stamped {stamp}")
+
+
+def wait_configured(procs, timeout: float, tail: int = 4000) -> bool:
+    """Wait for each started node to log that it is configured and print that line; False, with the end of
+    the node's output on stderr, for the first that does not within ``timeout`` seconds."""
+    for p in procs:
+        if not p.wait_output("configured", timeout):
+            print(f"{p.name} did not start:\n{p.output()[-tail:]}", file=sys.stderr)
+            return False
+        line = next(x for x in p.output().splitlines() if "configured" in x)
+        print(f"  {p.name}: {line.split(']: ', 1)[-1]}")
+    return True
+
+
+def run_with_nodes(client_name: str, procs, timeout: float, body) -> int:
+    """Start rclpy and a client node, wait until the started nodes ``procs`` are configured, run
+    ``body(node)`` (truthy = it went well), then stop everything; 0 when the body went well and every node
+    exited cleanly, else 1."""
+    import rclpy
+    rclpy.init()
+    node = rclpy.create_node(client_name)
+    ok = False
+    try:
+        if not wait_configured(procs, timeout):
+            return 1
+        ok = bool(body(node))
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
+        codes = {p.name: p.stop() for p in procs}
+        print(f"nodes stopped, exit codes {codes}")
+    return 0 if ok and all(c == 0 for c in codes.values()) else 1

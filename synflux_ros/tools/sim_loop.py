@@ -8,11 +8,9 @@ refused, clamped by the arm) and how each joint moved. Exits with 1 when no comm
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import numpy as np
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
@@ -20,7 +18,7 @@ from std_msgs.msg import Float64MultiArray, String
 
 from ..msg import ActionChunk
 from ..sim import arm
-from .harness import NodeProcess, call_service, ros_env, spin_until, use_env
+from .harness import NodeProcess, call_service, ros_env, run_with_nodes, spin_until, use_env
 
 START_TIMEOUT_S = 90.0
 ENABLE_TIMEOUT_S = 15.0
@@ -56,23 +54,8 @@ def main(argv=None) -> int:
         vla_params["graph_dir"] = args.graph_dir
     vla = NodeProcess("vla_node", vla_params, env=env)
     procs = [sim, vla]
-    rclpy.init()
-    node = rclpy.create_node("synflux_sim_loop")
-    ok = False
-    try:
-        for p in procs:
-            if not p.wait_output("configured", START_TIMEOUT_S):
-                print(f"{p.name} did not start:\n{p.output()[-4000:]}", file=sys.stderr)
-                return 1
-            line = next(x for x in p.output().splitlines() if "configured" in x)
-            print(f"  {p.name}: {line.split(']: ', 1)[-1]}")
-        ok = Loop(node, joints, args.model == "").run(args.seconds, args.instruction)
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
-        codes = {p.name: p.stop() for p in procs}
-        print(f"nodes stopped, exit codes {codes}")
-    return 0 if ok and all(c == 0 for c in codes.values()) else 1
+    return run_with_nodes("synflux_sim_loop", procs, START_TIMEOUT_S,
+                          lambda node: Loop(node, joints, args.model == "").run(args.seconds, args.instruction))
 
 
 class Loop:
@@ -159,6 +142,8 @@ class Loop:
               f"{sim.get('real_time_factor', '?')}, lag resets {sim.get('lag_resets', '?')})")
         if vla:
             print(f"vla_node       {vla.get('_message', '')}")
+            if vla.get("last_chunk_error"):
+                print(f"               last refused: {vla['last_chunk_error']}")
         moved = self.motion(start_state)
         if not commands:
             print(f"\nNo joint_command arrived from vla_node in {elapsed:.0f} s: the loop is not closed. "
