@@ -71,7 +71,9 @@ def seeded_feeds(meta: GraphMeta, cfg: ModelConfig, rng: np.random.Generator, kv
             feeds[name] = np.array([max(1, bucket // 2)], spec.dtype)
         elif name == "time_embedding":
             feeds[name] = time_embedding(rng.uniform(0.0, 1.0), spec.shape[-1])
-        else:  # pixel values, embeddings, noisy actions: Gaussian at the scale the graph sees
+        elif name in ("weights", "flow_time"):  # RTC guidance: prefix weights and flow time lie in [0, 1]
+            feeds[name] = rng.uniform(0.0, 1.0, spec.shape).astype(spec.dtype)
+        else:  # pixel values, embeddings, noisy actions, RTC targets: Gaussian at the scale the graph sees
             scale = 0.05 if name in ("inputs_embeds", "deepstack_embeds") else 1.0
             feeds[name] = (rng.standard_normal(spec.shape) * scale).astype(spec.dtype)
     return feeds

@@ -49,9 +49,48 @@ def _slice_scatter(base, src, dim=0, start=None, end=None, step=1):
     return torch.cat(parts, dim) if len(parts) > 1 else src.clone()
 
 
-def _exportable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Rewrite the few ATen calls of a make_fx record that the TorchScript ONNX exporter does not take."""
+def _param_behind(node, gm: torch.fx.GraphModule):
+    """The parameter that ``node`` is, or is a transpose (or a transpose of a transpose) of; else None."""
+    permute = torch.ops.aten.permute.default
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == permute \
+            and list(node.args[1]) == [1, 0]:
+        node = node.args[0]
+    return getattr(gm, node.target) if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
+
+
+def _square_weight_products(gm: torch.fx.GraphModule) -> None:
+    """Products of the backward pass ``x @ B`` with B a square parameter or its transpose, as ``(B.T @ x.T).T``.
+
+    The backward pass multiplies by the transposes of the weights that the forward pass multiplies by. For a
+    square W the products ``x @ W`` and ``y @ W.T`` have the same shapes, and OpenVINO's CPU plugin (2026.4) then
+    computes the second with the first's weight layout (a silently wrong correction). With the backward's weight
+    as the left operand only the forward's product keeps W on the right; other backends compute the same either
+    way. The forward's products (``addmm``, and ``mm`` of an untransposed parameter) are left as they are.
+    """
     aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != aten.mm.default:
+            continue
+        x, b = node.args
+        if not (isinstance(b, torch.fx.Node) and b.target == aten.permute.default):
+            continue
+        weight = _param_behind(b, gm)
+        if weight is None or weight.dim() != 2 or weight.shape[0] != weight.shape[1]:
+            continue
+        with gm.graph.inserting_before(node):
+            b_t = gm.graph.call_function(aten.permute.default, (b, [1, 0]))
+            x_t = gm.graph.call_function(aten.permute.default, (x, [1, 0]))
+            product = gm.graph.call_function(aten.mm.default, (b_t, x_t))
+            result = gm.graph.call_function(aten.permute.default, (product, [1, 0]))
+        node.replace_all_uses_with(result)
+        gm.graph.erase_node(node)
+
+
+def _exportable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Rewrite the few ATen calls of a make_fx record that the TorchScript ONNX exporter does not take, and the
+    products that OpenVINO gets wrong (:func:`_square_weight_products`)."""
+    aten = torch.ops.aten
+    _square_weight_products(gm)
     swap = {aten.full.default: _full, aten._softmax.default: _softmax, aten.slice_scatter.default: _slice_scatter,
             aten._to_copy.default: _to_copy}
     for node in list(gm.graph.nodes):
