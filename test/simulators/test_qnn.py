@@ -256,6 +256,21 @@ def test_an_operator_qnn_cannot_run_is_named(tmp_path):
     ref.close()
 
 
+def test_the_rtc_vjp_graphs_are_refused_at_load_naming_the_graph(tmp_path):
+    """The vjp guidance's backward pass multiplies by the weights the forward pass multiplies by, in the other
+    layout; QNN takes none of those products, so the runtime refuses the config when it loads, not mid-chunk."""
+    from synflux_ros.runtimes.vla import VLARuntime
+    raw = yaml.safe_load(int32_config("vla_demo_orin", tmp_path).read_text())
+    raw["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
+    (tmp_path / "vjp.yaml").write_text(yaml.safe_dump(raw))
+    build(load_config(str(tmp_path / "vjp.yaml")), str(tmp_path / "graphs"))
+    cfg = load_config(str(tmp_path / "graphs" / "config.yaml")).with_overrides(
+        executor={"backend": "qnn", "graph_dir": str(tmp_path / "graphs"), "options": QNN})
+    with pytest.raises(RuntimeError, match=r"qnn executor: cannot load graph 'action_expert_vjp_\d+' .*"
+                                           r"QNN cannot run \d+ of its operators \(Gemm "):
+        VLARuntime(cfg)
+
+
 # ------------------------------------------------------------------------------------------ context binaries
 def test_context_binaries_are_written_once_and_reused(int32_graph_sets, tmp_path):
     gdir = tmp_path / "graphs"
