@@ -117,6 +117,11 @@ def plan_engines(metas: list[GraphMeta], dla_kinds=()) -> list[EngineSpec]:
         raise PlanError(f"the tensorrt backend does not take the LLM inputs {', '.join(multimodal)} yet (Qwen3-VL's "
                         f"multimodal positions and DeepStack maps); run this model on onnxruntime, openvino, qnn "
                         f"or rknn")
+    vjp = [m.name for m in kinds.get("action_expert_vjp", [])]
+    if vjp:
+        raise PlanError(f"the tensorrt backend does not build the graphs {', '.join(vjp)} of Real-Time Chunking's vjp "
+                        f"guidance yet (docs/real-time-chunking.md#backends); set execution.rtc.guidance: lerobot, "
+                        f"or run this config on onnxruntime or openvino")
     engines: list[EngineSpec] = []
 
     def static(meta: GraphMeta, dla: bool) -> EngineSpec:

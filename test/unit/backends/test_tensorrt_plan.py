@@ -168,3 +168,14 @@ def test_device_tags_keep_builds_apart():
     assert plan.device_tag("8.7", None, "fp16") == "sm87-fp16"
     assert plan.device_tag("8.7", 1, "int8") == "sm87-int8-dla1"
     assert plan.device_tag("12.0", None, "fp32") == "sm120-fp32"
+
+
+def test_the_rtc_vjp_graphs_are_refused_naming_them():
+    """The engine plan has no route for the vjp guidance's graphs: the build and the executor's load say so."""
+    cfg = load_config(os.path.join(CONFIG, "vla_demo_orin.yaml")).with_overrides(
+        execution={"mode": "rtc", "rtc": {"guidance": "vjp"}})
+    with pytest.raises(plan.PlanError, match=r"tensorrt backend does not build the graphs action_expert_vjp_160, "
+                                             r"action_expert_vjp_256 .*guidance: lerobot"):
+        plan.plan_engines(graph_set(cfg))
+    lerobot = cfg.with_overrides(execution={"mode": "rtc", "rtc": {"guidance": "lerobot"}})
+    assert {e.name for e in plan.plan_engines(graph_set(lerobot))} >= {"action_expert"}
