@@ -75,3 +75,20 @@ def test_the_command_is_installed(demo_graphs):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "action chunk, frame 0" in r.stdout and "checks within the thresholds" in r.stdout
+
+
+def test_rtc_guidance_inputs_are_fed_in_their_ranges():
+    """Prefix weights and flow time are fractions; a Gaussian feed would validate the vjp graph far outside them."""
+    import numpy as np
+    from synflux_ros.build.validate import seeded_feeds
+    cfg = load_config(config_path("vla_demo_orin.yaml")).with_overrides(
+        execution={"mode": "rtc", "rtc": {"guidance": "vjp"}})
+    vjp = [m for m in graph_set(cfg) if m.kind == "action_expert_vjp"]
+    assert vjp
+    for i, meta in enumerate(vjp):
+        feeds = seeded_feeds(meta, cfg, np.random.default_rng([0, i]), kv=None)
+        for name in ("weights", "flow_time"):
+            spec = next(s for s in meta.inputs if s.name == name)
+            assert feeds[name].shape == tuple(spec.shape) and feeds[name].dtype == np.dtype(spec.dtype)
+            assert 0.0 <= feeds[name].min() and feeds[name].max() <= 1.0, name
+        assert feeds["target"].std() > 0.5  # the leftover chunk: Gaussian like the noisy actions
