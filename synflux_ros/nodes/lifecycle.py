@@ -27,7 +27,62 @@ def destroy_entities(node, subscriptions: list, publishers: dict) -> None:
     publishers.clear()
 
 
-class SynfluxNode(LifecycleNode):
+class ManagedNode(LifecycleNode):
+    """The transitions every node of the package shares: deactivate stops the work (:meth:`stop_work`),
+    cleanup and shutdown free all that configure made (:meth:`release_resources`); ``/diagnostics`` comes
+    from ``_diag`` on the timer ``_timer``, which :meth:`destroy_diagnostics` removes."""
+
+    def __init__(self, node_name: str, **kwargs):
+        super().__init__(node_name, **kwargs)
+        self._active = False
+        self._timer = None
+        self._diag = None
+
+    def stop_work(self) -> None:
+        pass
+
+    def release_resources(self) -> None:
+        raise NotImplementedError
+
+    def try_configure(self, configure) -> bool:
+        """Run ``configure()``; on a ParameterError or any other exception say why once (``last_error``), free
+        what was made and return False: the node stays unconfigured, ready for another attempt."""
+        self.last_error = ""
+        try:
+            configure()
+        except ParameterError as exc:
+            self.last_error = str(exc)
+        except Exception as exc:  # anything else while loading: report it, do not crash the process
+            self.last_error = f"[{self.get_name()}] configure failed: {type(exc).__name__}: {exc}"
+        if self.last_error:
+            self.get_logger().error(self.last_error)
+            self.release_resources()
+            return False
+        return True
+
+    def destroy_diagnostics(self) -> None:
+        if self._timer is not None:
+            self.destroy_timer(self._timer)
+            self._timer = None
+        if self._diag is not None:
+            self.destroy_publisher(self._diag)
+            self._diag = None
+
+    def on_deactivate(self, state: State) -> TransitionCallbackReturn:
+        self._active = False
+        self.stop_work()
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: State) -> TransitionCallbackReturn:
+        self.release_resources()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: State) -> TransitionCallbackReturn:
+        self.release_resources()
+        return TransitionCallbackReturn.SUCCESS
+
+
+class SynfluxNode(ManagedNode):
     """Lifecycle shared by the model nodes.
 
     configure: read and validate parameters, load the model config, ``setup()`` (runtime, ROS
@@ -44,9 +99,6 @@ class SynfluxNode(LifecycleNode):
         declare(self, self.PARAMS)
         self.last_error = ""
         self.runtime = None
-        self._active = False
-        self._timer = None
-        self._diag = None
 
     # hooks -------------------------------------------------------------
     def setup(self, params: dict, cfg: ModelConfig) -> str:
@@ -79,22 +131,18 @@ class SynfluxNode(LifecycleNode):
 
     # lifecycle -----------------------------------------------------------
     def on_configure(self, state: State) -> TransitionCallbackReturn:
-        self.last_error = ""  # a failed configure must not poison the next attempt
-        try:
+        made = {}
+
+        def configure():
             p = read(self, self.PARAMS)
             if p["diagnostics_period"] <= 0:
                 raise self.fail("diagnostics_period", f"must be > 0, got {p['diagnostics_period']!r}")
             cfg = load_node_config(self, self.MODE, p["config"], p["executor"], p["graph_dir"])
             self.get_logger().info(f"loading {cfg.name!r} on {cfg.executor.backend!r}")
-            summary = self.setup(p, cfg)
-        except ParameterError as exc:
-            self.last_error = str(exc)
-        except Exception as exc:  # anything else while loading: report it, do not crash the process
-            self.last_error = f"[{self.get_name()}] configure failed: {type(exc).__name__}: {exc}"
-        if self.last_error:
-            self.get_logger().error(self.last_error)
-            self.release_resources()
+            made.update(p=p, cfg=cfg, summary=self.setup(p, cfg))
+        if not self.try_configure(configure):  # a failed configure does not poison the next attempt
             return TransitionCallbackReturn.FAILURE
+        p, cfg, summary = made["p"], made["cfg"], made["summary"]
         self.cfg = cfg
         self._diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._timer = self.create_timer(p["diagnostics_period"], self._publish_diagnostics,
@@ -108,28 +156,13 @@ class SynfluxNode(LifecycleNode):
         self._active = True
         return super().on_activate(state)
 
-    def on_deactivate(self, state: State) -> TransitionCallbackReturn:
-        self._active = False
+    def stop_work(self) -> None:
         self.deactivate()
-        return super().on_deactivate(state)
-
-    def on_cleanup(self, state: State) -> TransitionCallbackReturn:
-        self.release_resources()
-        return TransitionCallbackReturn.SUCCESS
-
-    def on_shutdown(self, state: State) -> TransitionCallbackReturn:
-        self.release_resources()
-        return TransitionCallbackReturn.SUCCESS
 
     def release_resources(self) -> None:
         self._active = False
         self.teardown()
-        if self._timer is not None:
-            self.destroy_timer(self._timer)
-            self._timer = None
-        if self._diag is not None:
-            self.destroy_publisher(self._diag)
-            self._diag = None
+        self.destroy_diagnostics()
         if self.runtime is not None:
             if self.runtime_in_use():
                 self.get_logger().error("the model is still in use by a device call; its memory is freed at "

@@ -15,7 +15,6 @@ import time
 from diagnostic_msgs.msg import DiagnosticArray
 from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.lifecycle import Node as LifecycleNode
 from rclpy.lifecycle import State, TransitionCallbackReturn
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
@@ -25,7 +24,7 @@ from ..sim.gl import NoBackend, select_backend
 from ..sim.loop import SimLoop, Tick
 from ..sim.robot import MIN_PHYSICS_RATE_HZ, SimError, SimRobot
 from .diagnostics import ERROR, OK, WARN, diagnostic_array
-from .lifecycle import destroy_entities
+from .lifecycle import ManagedNode, destroy_entities
 from .params import Param, ParameterError
 from .process import run_lifecycle_node
 
@@ -63,7 +62,7 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-class SimRobotNode(LifecycleNode):
+class SimRobotNode(ManagedNode):
     """Lifecycle node around :class:`SimLoop`: configure loads the model and starts the camera thread (so a
     bad parameter or a missing OpenGL fails at start), activate starts the physics, deactivate pauses it."""
 
@@ -81,8 +80,7 @@ class SimRobotNode(LifecycleNode):
         self._lock = threading.Lock()
         self._counts = dict(joint_states=0, images=0, inactive_commands=0)
         self._last_diag = (time.monotonic(), 0)  # (time, images) at the last /diagnostics
-        self._pubs, self._subs, self._timer, self._diag = {}, [], None, None
-        self._active = False
+        self._pubs, self._subs = {}, []
 
     # ---------------------------------------------------------------- parameters
     def fail(self, param: str, problem: str) -> ParameterError:
@@ -131,18 +129,8 @@ class SimRobotNode(LifecycleNode):
 
     # ---------------------------------------------------------------- lifecycle
     def on_configure(self, state: State) -> TransitionCallbackReturn:
-        self.last_error = ""
-        try:
-            self._configure()
-        except ParameterError as exc:
-            self.last_error = str(exc)
-        except Exception as exc:  # anything else while loading: report it, do not crash the process
-            self.last_error = f"[{self.get_name()}] configure failed: {type(exc).__name__}: {exc}"
-        if self.last_error:
-            self.get_logger().error(self.last_error)
-            self.release_resources()
-            return TransitionCallbackReturn.FAILURE
-        return TransitionCallbackReturn.SUCCESS
+        ok = self.try_configure(self._configure)
+        return TransitionCallbackReturn.SUCCESS if ok else TransitionCallbackReturn.FAILURE
 
     def _configure(self) -> None:
         p = self._p = self.read_params()
@@ -187,18 +175,8 @@ class SimRobotNode(LifecycleNode):
         self.loop.start()
         return result
 
-    def on_deactivate(self, state: State) -> TransitionCallbackReturn:
-        self._active = False
+    def stop_work(self) -> None:
         self.loop.stop()
-        return super().on_deactivate(state)
-
-    def on_cleanup(self, state: State) -> TransitionCallbackReturn:
-        self.release_resources()
-        return TransitionCallbackReturn.SUCCESS
-
-    def on_shutdown(self, state: State) -> TransitionCallbackReturn:
-        self.release_resources()
-        return TransitionCallbackReturn.SUCCESS
 
     def release_resources(self) -> None:
         """Stop the physics and camera threads, then remove the node's ROS entities."""
@@ -209,12 +187,7 @@ class SimRobotNode(LifecycleNode):
             self.get_logger().error("the camera thread did not stop within 5 s")
         self.loop = self.frames = None
         destroy_entities(self, self._subs, self._pubs)
-        if self._timer is not None:
-            self.destroy_timer(self._timer)
-            self._timer = None
-        if self._diag is not None:
-            self.destroy_publisher(self._diag)
-            self._diag = None
+        self.destroy_diagnostics()
         self.robot = None
 
     # ---------------------------------------------------------------- ROS side of the threads
