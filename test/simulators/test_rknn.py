@@ -528,3 +528,16 @@ def test_board_runtime_feeds_rknnlite_in_compiled_order(tmp_path, fake_board):
     finally:
         board.close()
         ref.close()
+
+
+def test_the_rtc_vjp_graphs_are_refused_by_the_build_and_the_executor(tmp_path):
+    """rknn-toolkit2 does not finish compiling action_expert_vjp: the build says so before it starts the compiler,
+    and the executor refuses such a graph set at load, naming the graphs."""
+    cfg = load_config(str(REPO / "config" / "vla_demo_orin.yaml")).with_overrides(
+        llm=SHRUNK["vla_demo_orin"], execution={"mode": "rtc", "rtc": {"guidance": "vjp"}})
+    with pytest.raises(BuildError, match=r"rknn: cannot run the graphs action_expert_vjp_160 .*guidance: lerobot"):
+        build(cfg, str(tmp_path), backend="rknn", options=RKNNOptions(target=TARGET))
+    assert not (tmp_path / "rknn").exists()  # the compiler never started
+    ex = build_executor("rknn", graph_set(cfg), str(tmp_path), {"target": TARGET})
+    with pytest.raises(GraphSetError, match=r"rknn: cannot run the graphs action_expert_vjp_160 "):
+        ex.load()
