@@ -64,7 +64,7 @@ def _square_weight_products(gm: torch.fx.GraphModule) -> None:
     The backward pass multiplies by the transposes of the weights that the forward pass multiplies by. For a
     square W the products ``x @ W`` and ``y @ W.T`` have the same shapes, and OpenVINO's CPU plugin (2026.4) then
     computes the second with the first's weight layout (a silently wrong correction). With the backward's weight
-    as the left operand only the forward's product keeps W on the right; other backends compute the same either
+    as the left operand only the forward's product keeps W on the right; onnxruntime computes the same either
     way. The forward's products (``addmm``, and ``mm`` of an untransposed parameter) are left as they are.
     """
     aten = torch.ops.aten
