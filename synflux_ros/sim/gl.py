@@ -70,6 +70,8 @@ def select_backend(candidates=BACKENDS) -> str:
         return _chosen
     given = os.environ.get("MUJOCO_GL", "").strip().lower()
     if given:
+        if given in BACKENDS:  # PyOpenGL's platform must be the same one (a stale other value only fails)
+            os.environ["PYOPENGL_PLATFORM"] = given
         _chosen = given
         return given
     if "mujoco" in sys.modules:
@@ -81,7 +83,7 @@ def select_backend(candidates=BACKENDS) -> str:
         error = probe(backend)
         if not error:
             os.environ["MUJOCO_GL"] = backend
-            os.environ.setdefault("PYOPENGL_PLATFORM", backend)
+            os.environ["PYOPENGL_PLATFORM"] = backend
             _chosen = backend
             return backend
         failures.append(f"{backend}: {error}")

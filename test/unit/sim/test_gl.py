@@ -12,6 +12,7 @@ from synflux_ros.sim import gl
 @pytest.fixture()
 def fresh(monkeypatch):
     monkeypatch.setattr(gl, "_chosen", None)
+    monkeypatch.delenv("PYOPENGL_PLATFORM", raising=False)  # restored afterwards, whatever the test set
     return monkeypatch
 
 
@@ -46,3 +47,10 @@ def test_the_script_prints_the_backend_that_renders_here():
         pytest.skip(r.stderr.strip())
     assert r.stdout.strip() in gl.BACKENDS
     assert gl.probe(r.stdout.strip()) == ""
+
+
+def test_a_given_backend_sets_pyopengl_to_the_same_platform(fresh):
+    fresh.setenv("MUJOCO_GL", "osmesa")
+    fresh.setenv("PYOPENGL_PLATFORM", "egl")  # e.g. left over from another process's choice
+    assert gl.select_backend() == "osmesa"
+    assert os.environ["PYOPENGL_PLATFORM"] == "osmesa"
