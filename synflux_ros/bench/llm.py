@@ -407,7 +407,8 @@ def memory_probe(graph_dir: str, threads: int, options: dict) -> dict:
     rng = np.random.default_rng(0)
     for meta in ex.graphs.values():  # every graph once: mapped weights are read, kernels' buffers made
         ex.run(meta.name, seeded_feeds(meta, cfg, rng, kv))
-    return {"rss_peak_growth": _status("VmHWM:") - base, "rss_growth": _status("VmRSS:") - base,
+    rss = _status("VmRSS:")  # before the peak: the kernel reports a peak of at least the RSS at its reading
+    return {"rss_peak_growth": _status("VmHWM:") - base, "rss_growth": rss - base,
             "pss_growth": _status("Pss:", "/proc/self/smaps_rollup") - base_pss, "pss_growth_loaded": loaded,
             "graphs": len(ex.graphs), "weights_file": os.path.getsize(os.path.join(graph_dir, "weights.bin"))}
 
