@@ -15,13 +15,10 @@ marked as requiring gradients before the velocity is evaluated), to the same tol
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 pytest.importorskip("onnxruntime")
@@ -33,12 +30,8 @@ from synflux_ros.model.tokenizer import load_tokenizer  # noqa: E402
 from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
 
 from checkpoints import write_tokenizer  # noqa: E402
+from pi0_reference import JOINTS, REF_PY, SIDE, base_config, reference  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-REF_PY = ROOT / ".venv-pi0ref" / "bin" / "python"
-REF_SCRIPT = ROOT / "test" / "reference" / "lerobot_pi0.py"
-JOINTS = [f"joint_{i}" for i in range(8)]
-SIDE = 56
 INSTRUCTION = "pick up the red block"
 TOLERANCE = 1e-4
 PREV_SEQ, SEQ = 4, 5  # frame numbers (they seed the noise) of the previous chunk and of the guided one
@@ -56,29 +49,6 @@ VJP_CASES = [("linear", 2, 6, 10.0, "robot_dims"), ("linear", 4, 6, 10.0, "robot
 LEFTOVERS = {"robot_dims": 3, "model_dims": 2}  # steps of the previous chunk executed before the new frame
 
 
-def reference(*args: str, timeout: float = 600) -> dict:
-    proc = subprocess.run([str(REF_PY), str(REF_SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert proc.returncode == 0, f"reference {args[0]} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def base_config(path: Path, vjp: bool = False) -> str:
-    raw = {
-        "name": "pi0-small", "mode": "vla",
-        "vision": {"resolution": [SIDE, SIDE], "tile_size": [SIDE, SIDE], "tokens_per_tile": 16, "patch_size": 14,
-                   "hidden_dim": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64},
-        "llm": {"num_layers": 2, "hidden_dim": 64, "num_heads": 8, "num_kv_heads": 1, "head_dim": 16,
-                "vocab_size": 257152, "prefill_buckets": [32], "decode_buckets": [128], "max_seq_len": 128,
-                "architecture": "gemma"},
-        "action": {"head_type": "flow_matching", "action_dim": 32, "action_horizon": 10, "state_dim": 32,
-                   "state_joints": JOINTS, "seed": 7},
-        "executor": {"backend": "onnxruntime"},
-    }
-    if vjp:
-        raw["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
-    path.write_text(yaml.safe_dump(raw))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +66,8 @@ def compare(ckpt: Path, tmp: Path, cases: list, guidance: str) -> dict:
     """Our chunks (plain and guided, with ``guidance``) and LeRobot's for the same inputs, from one reference
     run; the vjp graph set also gives the lerobot flavour's chunks (``ours_lerobot``)."""
     out = tmp / "graphs"
-    assert build_tool.main(["--config", base_config(tmp / "base.yaml", vjp=guidance == "vjp"), "--out", str(out),
+    execution = {"mode": "rtc", "rtc": {"guidance": "vjp"}} if guidance == "vjp" else None
+    assert build_tool.main(["--config", base_config(tmp / "base.yaml", execution), "--out", str(out),
                             "--from-hf", str(ckpt), "--backend", "onnxruntime"]) == 0
     cfg = load_config(str(out / "config.yaml"))
     assert cfg.action.output_dim == 6 and cfg.action.action_norm is not None

@@ -1,0 +1,44 @@
+"""The small π0 the LeRobot parity tests share: the reference runner (LeRobot 0.4.4 in .venv-pi0ref) and the
+config the ``--from-hf`` import starts from."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+REF_PY = ROOT / ".venv-pi0ref" / "bin" / "python"
+REF_SCRIPT = ROOT / "test" / "reference" / "lerobot_pi0.py"
+JOINTS = [f"joint_{i}" for i in range(8)]
+SIDE = 56  # the checkpoint's image_resolution: 4x4 patches of 14 per camera
+
+
+def reference(*args: str, timeout: float = 600) -> dict:
+    """Run the reference script in its venv; its last stdout line is a JSON result."""
+    proc = subprocess.run([str(REF_PY), str(REF_SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, f"reference {args[0]} failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def base_config(path: Path, execution: dict | None = None) -> str:
+    """The config the import starts from: the joint names (not in a LeRobot checkpoint), buckets, executor, and
+    an ``execution`` section when given."""
+    raw = {
+        "name": "pi0-small", "mode": "vla",
+        "vision": {"resolution": [SIDE, SIDE], "tile_size": [SIDE, SIDE], "tokens_per_tile": 16, "patch_size": 14,
+                   "hidden_dim": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64},
+        "llm": {"num_layers": 2, "hidden_dim": 64, "num_heads": 8, "num_kv_heads": 1, "head_dim": 16,
+                "vocab_size": 257152, "prefill_buckets": [32], "decode_buckets": [128], "max_seq_len": 128,
+                "architecture": "gemma"},
+        "action": {"head_type": "flow_matching", "action_dim": 32, "action_horizon": 10, "state_dim": 32,
+                   "state_joints": JOINTS, "state_max_age": 0.1, "seed": 7},
+        "executor": {"backend": "onnxruntime"},
+    }
+    if execution:
+        raw["execution"] = execution
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
