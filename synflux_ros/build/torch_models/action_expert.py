@@ -66,11 +66,12 @@ class ActionExpert(nn.Module):
         self.inv_freq = rope_inv_freq(self.llm.head_dim, self.llm.rope_theta, self.rope)
         self.rope_cos, self.rope_sin = (_param(t) for t in rope_table(self.rope_rows, self.inv_freq))
 
-    def velocity(self, noisy_actions, time_embedding, prefix_len, past_kv, span: int, state=None):
+    def tokens(self, noisy_actions, time_embedding, prefix_len, span: int, state=None, embed=None):
+        """The expert's input rows and what every layer shares: x [n, W] (the state token first, if any, then
+        the h action tokens), n, rotary cos/sin [n, Dh] and the attention bias [n, span + n]. ``embed``
+        replaces :meth:`action_embed` (the vjp graph's, which keeps what its backward pass needs)."""
         h = self.horizon
-        x = self.action_in_proj(noisy_actions[0])  # [h, W]
-        t_emb = time_embedding.expand(h, self.time_dim)
-        x = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat((x, t_emb), dim=-1))))
+        x = (embed or self.action_embed)(noisy_actions[0], time_embedding)  # [h, W]
         n = h
         own = torch.ones(h, h, dtype=torch.bool)  # the action tokens see each other
         if self.state_proj is not None:
@@ -82,9 +83,22 @@ class ActionExpert(nn.Module):
         cos, sin = rope_lookup(self.rope_cos, self.rope_sin, prefix_len + rows)
         prefix_ok = (torch.arange(span, dtype=torch.int64)[None, :] < prefix_len).expand(n, span)
         bias = attention_bias(torch.cat((prefix_ok, own), dim=1))
+        return x, n, cos, sin, bias
+
+    def action_mlp_in(self, actions, time_embedding):
+        """actions [h, a] -> the pre-activation of pi0's action-time MLP [h, W]."""
+        t_emb = time_embedding.expand(actions.shape[0], self.time_dim)
+        return self.action_time_mlp_in(torch.cat((self.action_in_proj(actions), t_emb), dim=-1))
+
+    def action_embed(self, actions, time_embedding):
+        """actions [h, a] -> the action tokens [h, W] (pi0's action-time MLP)."""
+        return self.action_time_mlp_out(F.silu(self.action_mlp_in(actions, time_embedding)))
+
+    def velocity(self, noisy_actions, time_embedding, prefix_len, past_kv, span: int, state=None):
+        x, n, cos, sin, bias = self.tokens(noisy_actions, time_embedding, prefix_len, span, state)
         for i, layer in enumerate(self.layers):
             x, _, _ = layer(x, cos, sin, *layer_kv(past_kv, i, span), bias)
-        return self.action_out_proj(self.norm(x[n - h:])).unsqueeze(0)
+        return self.action_out_proj(self.norm(x[n - self.horizon:])).unsqueeze(0)
 
 
 class ActionExpertGraph(nn.Module):

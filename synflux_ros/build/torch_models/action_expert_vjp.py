@@ -5,106 +5,160 @@ flow time t, the graph returns the velocity v(x) and the vector-Jacobian product
 ``x1 = x - t * v(x)`` with the weighted error ``e = (target - x1) * weights``: ``J^T e = e - t * (dv/dx)^T e``
 (the paper's Algorithm 1; docs/real-time-chunking.md). The guidance weight stays on the host.
 
-torch's autograd computes the product; the TorchScript exporter cannot trace autograd itself, so the forward and
-backward pass are first recorded as one graph of ATen operations (``make_fx`` with the core decompositions) on
-example inputs, and that graph is exported. Nothing in the expert depends on input values through Python, so
-the record holds for any input (prefix_len stays a tensor). The expert's parameters enter the record as the same
-tensors, so the exported graph's weights are the action expert graphs' weights, stored once in the graph set.
+The backward pass is written out here rather than recorded from autograd: it computes only the gradient of the
+action rows' inputs (no weight gradients, no gradient of the prefix keys and values, which do not depend on x),
+from the forward pass's saved activations, so one call costs about two forward passes. The forward pass is the
+expert's own code path, and every product reads the expert's parameters as they are (no transposed copies), so
+the graph set stores the weights once. Products of the backward pass put the weight on the left, ``(W @ dᵀ)ᵀ``,
+where the forward pass has it on the right (see :func:`_times_t`).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .action_expert import ActionExpert
+from .decoder import _SQRT_2_OVER_PI, apply_rope, gelu_tanh, layer_kv
 
 
-def _full(size, fill_value, dtype=None, **_):
-    """aten.full with a boolean fill, which the TorchScript tracer cannot record."""
-    if isinstance(fill_value, bool):
-        return torch.ones(size, dtype=dtype) if fill_value else torch.zeros(size, dtype=dtype)
-    return torch.full(size, fill_value, dtype=dtype)
+def _times_t(d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``d @ wᵀ`` for a weight ``w`` that the forward pass multiplies by as ``x @ w``, computed as ``(w @ dᵀ)ᵀ``.
 
-
-def _to_copy(x, dtype=None, **_):
-    return x.clone() if dtype is None else x.to(dtype)
-
-
-def _softmax(x, dim, half_to_float=False):
-    return torch.softmax(x, dim)
-
-
-def _slice_scatter(base, src, dim=0, start=None, end=None, step=1):
-    """aten.slice_scatter (no ONNX symbolic) as a concatenation: base outside [start, end), src inside."""
-    if step != 1:
-        raise NotImplementedError("slice_scatter with a step")
-    dim = dim % base.dim()
-    size = base.shape[dim]
-    start = 0 if start is None else (start + size if start < 0 else start)
-    end = size if end is None else min(end + size if end < 0 else end, size)
-    parts = ([base.narrow(dim, 0, start)] if start > 0 else []) + [src] + \
-        ([base.narrow(dim, end, size - end)] if end < size else [])
-    return torch.cat(parts, dim) if len(parts) > 1 else src.clone()
-
-
-def _param_behind(node, gm: torch.fx.GraphModule):
-    """The parameter that ``node`` is, or is a transpose (or a transpose of a transpose) of; else None."""
-    permute = torch.ops.aten.permute.default
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == permute \
-            and list(node.args[1]) == [1, 0]:
-        node = node.args[0]
-    return getattr(gm, node.target) if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
-
-
-def _square_weight_products(gm: torch.fx.GraphModule) -> None:
-    """Products of the backward pass ``x @ B`` with B a square parameter or its transpose, as ``(B.T @ x.T).T``.
-
-    The backward pass multiplies by the transposes of the weights that the forward pass multiplies by. For a
-    square W the products ``x @ W`` and ``y @ W.T`` have the same shapes, and OpenVINO's CPU plugin (2026.4) then
-    computes the second with the first's weight layout (a silently wrong correction). With the backward's weight
-    as the left operand only the forward's product keeps W on the right; onnxruntime computes the same either
-    way. The forward's products (``addmm``, and ``mm`` of an untransposed parameter) are left as they are.
+    With the weight as the left operand no transposed copy of it is made (the exporter would fold a
+    ``Transpose`` of a parameter into a second initializer), and OpenVINO's CPU plugin (2026.4), which computes
+    ``y @ Wᵀ`` with the layout of ``x @ W`` when one square constant feeds both, sees two different products.
     """
-    aten = torch.ops.aten
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target != aten.mm.default:
-            continue
-        x, b = node.args
-        if not (isinstance(b, torch.fx.Node) and b.target == aten.permute.default):
-            continue
-        weight = _param_behind(b, gm)
-        if weight is None or weight.dim() != 2 or weight.shape[0] != weight.shape[1]:
-            continue
-        with gm.graph.inserting_before(node):
-            b_t = gm.graph.call_function(aten.permute.default, (b, [1, 0]))
-            x_t = gm.graph.call_function(aten.permute.default, (x, [1, 0]))
-            product = gm.graph.call_function(aten.mm.default, (b_t, x_t))
-            result = gm.graph.call_function(aten.permute.default, (product, [1, 0]))
-        node.replace_all_uses_with(result)
-        gm.graph.erase_node(node)
+    return torch.matmul(w, d.t()).t()
 
 
-def _exportable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Rewrite the few ATen calls of a make_fx record that the TorchScript ONNX exporter does not take, and the
-    products that OpenVINO gets wrong (:func:`_square_weight_products`)."""
-    aten = torch.ops.aten
-    _square_weight_products(gm)
-    swap = {aten.full.default: _full, aten._softmax.default: _softmax, aten.slice_scatter.default: _slice_scatter,
-            aten._to_copy.default: _to_copy}
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target in (aten.lift_fresh_copy.default, aten.alias.default):
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-            continue
-        node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("layout", "pin_memory", "device")}
-        node.target = swap.get(node.target, node.target)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+def _linear_back(d: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """The input gradient of ``F.linear(x, W, b)``: ``d @ W``. Where W is square (``action_time_mlp_out``) the
+    forward pass of this graph computes ``(W @ xᵀ)ᵀ``, the weight on the left, for OpenVINO (:func:`_times_t`)."""
+    return torch.matmul(d, linear.weight)
+
+
+def _rms(x, norm):
+    """RMSNorm forward as :class:`decoder.RMSNorm` computes it, and what its backward pass needs."""
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    xhat = x * r
+    gain = norm.weight + 1.0 if norm.unit_offset else norm.weight
+    return xhat * gain, (xhat, r, gain)
+
+
+def _rms_back(d, saved):
+    xhat, r, gain = saved
+    dxhat = d * gain
+    return r * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+
+
+def _rope_back(d, cos, sin):
+    """The transpose of :func:`decoder.apply_rope` (a rotation by -angle)."""
+    half = d.shape[-1] // 2
+    ds = d * sin
+    return d * cos + torch.cat((ds[..., half:], -ds[..., :half]), dim=-1)
+
+
+def _act(g, kind: str):
+    return gelu_tanh(g) if kind == "gelu_tanh" else F.silu(g)
+
+
+def _act_grad(g, kind: str):
+    if kind == "gelu_tanh":
+        # Spelled so that no subexpression equals one of gelu_tanh's export form (``0.5 * x``, its tanh): the
+        # exporter would share it, and onnxruntime's FastGelu fusion removes the nodes it fuses even when
+        # another node reads them (an invalid graph).
+        th = torch.tanh(_SQRT_2_OVER_PI * g * (1.0 + 0.044715 * g * g))
+        return 0.5 * (1.0 + th) + g * (1.0 - th * th) * (0.5 * _SQRT_2_OVER_PI) * (1.0 + 3 * 0.044715 * g * g)
+    s = torch.sigmoid(g)
+    return s * (1.0 + g * (1.0 - s))
+
+
+def _matrices(module, joined: str, parts: tuple[str, ...], linears: tuple[str, ...]):
+    """The [in, out] matrices a block multiplies by: the joined one, the separate ones, or the Linear weights'
+    transposes (a module that was not fused)."""
+    if getattr(module, joined) is not None:
+        return [getattr(module, joined)]
+    if getattr(module, parts[0]) is not None:
+        return [getattr(module, p) for p in parts]
+    return [getattr(module, name).weight.t() for name in linears]
+
+
+def _project(x, mats):
+    outs = [torch.matmul(x, m) for m in mats]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _project_back(d, mats):
+    if len(mats) == 1:
+        return _times_t(d, mats[0])
+    out, at = None, 0
+    for m in mats:
+        part = _times_t(d[:, at:at + m.shape[1]], m)
+        out, at = (part if out is None else out + part), at + m.shape[1]
+    return out
+
+
+class _Layer:
+    """One expert layer's forward pass with its saved activations, and its input gradient."""
+
+    def __init__(self, layer, x, cos, sin, past_k, past_v, bias):
+        att, mlp = layer.self_attn, layer.mlp
+        self.layer, self.cos, self.sin = layer, cos, sin
+        n, nh, kvh, dh = x.shape[0], att.num_heads, att.num_kv_heads, att.head_dim
+        self.shape = (n, nh, kvh, dh)
+        self.qkv = _matrices(att, "qkv_t", ("q_t", "k_t", "v_t"), ("q_proj", "k_proj", "v_proj"))
+        self.gate_up = _matrices(mlp, "gate_up_t", ("gate_t", "up_t"), ("gate_proj", "up_proj"))
+        self.o = att.o_t if att.o_t is not None else att.o_proj.weight.t()
+        self.down = mlp.down_t if mlp.down_t is not None else mlp.down_proj.weight.t()
+        h1, self.n1 = _rms(x, layer.input_layernorm)
+        qkv = _project(h1, self.qkv)
+        q = qkv[:, :nh * dh].reshape(n, nh, dh)
+        k = qkv[:, nh * dh:(nh + kvh) * dh].reshape(n, kvh, dh)
+        v = qkv[:, (nh + kvh) * dh:].reshape(n, kvh, dh).transpose(0, 1)
+        self.qn = self.kn = None
+        if att.q_norm is not None:
+            q, self.qn = _rms(q, att.q_norm)
+            k, self.kn = _rms(k, att.k_norm)
+        q = apply_rope(q.transpose(0, 1), cos, sin)
+        k = apply_rope(k.transpose(0, 1), cos, sin)
+        self.span = past_k.shape[1]
+        self.keys = torch.cat((past_k, k), dim=1).unsqueeze(1)  # [KV, 1, S, Dh]
+        self.values = torch.cat((past_v, v), dim=1).unsqueeze(1)
+        self.qg = q.reshape(kvh, nh // kvh, n, dh)
+        self.scale = att.scale
+        self.probs = torch.softmax(torch.matmul(self.qg, self.keys.transpose(-1, -2)) * att.scale + bias, dim=-1)
+        self.ctx = torch.matmul(self.probs, self.values)  # [KV, G, n, Dh]
+        x = x + torch.matmul(self.ctx.reshape(nh, n, dh).transpose(0, 1).reshape(n, nh * dh), self.o)
+        h2, self.n2 = _rms(x, layer.post_attention_layernorm)
+        gu = _project(h2, self.gate_up)
+        inter = gu.shape[-1] // 2
+        self.g, self.u = gu[:, :inter], gu[:, inter:]
+        self.act = mlp.act
+        self.a = _act(self.g, mlp.act)
+        self.out = x + torch.matmul(self.a * self.u, self.down)
+
+    def backward(self, d):
+        """d: the gradient of the layer's output [n, W] -> the gradient of its input."""
+        n, nh, kvh, dh = self.shape
+        dh_mlp = _times_t(d, self.down)
+        dg = dh_mlp * self.u * _act_grad(self.g, self.act)
+        du = dh_mlp * self.a
+        d = d + _rms_back(_project_back(torch.cat((dg, du), dim=-1), self.gate_up), self.n2)
+        dctx = _times_t(d, self.o).reshape(n, nh, dh).transpose(0, 1).reshape(kvh, nh // kvh, n, dh)
+        dprobs = torch.matmul(dctx, self.values.transpose(-1, -2))
+        dscores = self.probs * (dprobs - (dctx * self.ctx).sum(-1, keepdim=True)) * self.scale
+        dq = torch.matmul(dscores, self.keys).reshape(nh, n, dh)
+        own = dscores[..., self.span:]  # the layer's own keys; the prefix's do not depend on x
+        dk = torch.matmul(own.transpose(-1, -2), self.qg).sum(1)  # [KV, n, Dh]
+        dv = torch.matmul(self.probs[..., self.span:].transpose(-1, -2), dctx).sum(1)
+        dq = _rope_back(dq, self.cos, self.sin).transpose(0, 1)  # [n, nh, Dh]
+        dk = _rope_back(dk, self.cos, self.sin).transpose(0, 1)
+        if self.qn is not None:
+            dq, dk = _rms_back(dq, self.qn), _rms_back(dk, self.kn)
+        dqkv = torch.cat((dq.reshape(n, nh * dh), dk.reshape(n, kvh * dh), dv.transpose(0, 1).reshape(n, kvh * dh)),
+                         dim=-1)
+        return d + _rms_back(_project_back(dqkv, self.qkv), self.n1)
 
 
 class ActionExpertVJPGraph(nn.Module):
@@ -114,56 +168,35 @@ class ActionExpertVJPGraph(nn.Module):
     def __init__(self, expert: ActionExpert, bucket: int):
         super().__init__()
         self.expert, self.bucket = expert, bucket
-        self._record: torch.fx.GraphModule | None = None
-
-    def guided(self, x, time_embedding, prefix_len, kv_flat, state, target, weights, flow_time):
-        """Velocity and correction by autograd (flat past_kv: keys and values of layer 0, then layer 1, ...)."""
-        past_kv = [(kv_flat[2 * i], kv_flat[2 * i + 1]) for i in range(len(kv_flat) // 2)]
-        with torch.enable_grad():
-            x = x.detach().requires_grad_(True)
-            v = self.expert.velocity(x, time_embedding, prefix_len, past_kv, self.bucket, state)
-            x1 = x - flow_time * v
-            error = ((target - x1) * weights).detach()
-            (correction,) = torch.autograd.grad(x1, x, error)
-        return v.detach(), correction
 
     def forward(self, noisy_actions, time_embedding, prefix_len, past_kv, *rest):
         state, (target, weights, flow_time) = (rest[0], rest[1:]) if len(rest) == 4 else (None, rest)
-        kv_flat = [t for layer in past_kv for t in layer]
-        if self._record is None:
-            return self.guided(noisy_actions, time_embedding, prefix_len, kv_flat, state, target, weights, flow_time)
-        args = (noisy_actions, time_embedding, prefix_len, *kv_flat, *(() if state is None else (state,)),
-                target, weights, flow_time)
-        return self._record(*args)
+        e, span = self.expert, self.bucket
+        h = e.horizon
+        saved: list = []
 
-    def example_inputs(self):
-        """Inputs to record the graph with (the flat form of :meth:`folded`'s record, the contract's dtypes)."""
-        e = self.expert
-        llm = e.llm
-        h, a = e.horizon, e.action_dim
-        kv = [torch.zeros(llm.num_kv_heads, llm.max_seq_len, llm.head_dim, dtype=getattr(torch, llm.kv_dtype))
-              for _ in range(2 * llm.num_layers)]
-        state = (torch.zeros(1, e.state_dim),) if e.state_proj is not None else ()
-        return (torch.zeros(1, h, a), torch.zeros(1, e.time_dim), torch.ones(1, dtype=torch.int64), *kv, *state,
-                torch.zeros(1, h, a), torch.zeros(1, h, 1), torch.zeros(1))
+        def embed(actions, temb):
+            """The expert's action embedding; its output product with the weight on the left (``_linear_back``)."""
+            saved.append(e.action_mlp_in(actions, temb))
+            out = e.action_time_mlp_out
+            return torch.matmul(out.weight, F.silu(saved[0]).t()).t() + out.bias
 
-    @contextlib.contextmanager
-    def folded(self):
-        """Within this context ``forward`` runs the recorded forward-and-backward graph (what is exported)."""
-        from torch._decomp import core_aten_decompositions
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        layers = self.expert.llm.num_layers
-        with_state = self.expert.state_proj is not None
-
-        def flat(x, temb, plen, *rest):
-            kv, rest = rest[:2 * layers], rest[2 * layers:]
-            state, (target, weights, flow_time) = (rest[0], rest[1:]) if with_state else (None, rest)
-            return self.guided(x, temb, plen, list(kv), state, target, weights, flow_time)
-
-        self._record = _exportable(make_fx(flat, decomposition_table=core_aten_decompositions())(
-            *self.example_inputs()))
-        try:
-            yield self
-        finally:
-            self._record = None
+        x, n, cos, sin, bias = e.tokens(noisy_actions, time_embedding, prefix_len, span, state, embed)
+        layers = []
+        for i, layer in enumerate(e.layers):
+            layers.append(_Layer(layer, x, cos, sin, *layer_kv(past_kv, i, span), bias))
+            x = layers[-1].out
+        final, norm_saved = _rms(x[n - h:], e.norm)
+        velocity = e.action_out_proj(final).unsqueeze(0)
+        error = (target - (noisy_actions - flow_time * velocity)) * weights
+        # the gradient of the velocity's inner product with the error, down to the action rows' inputs
+        d = _rms_back(_linear_back(error[0], e.action_out_proj), norm_saved)
+        if n > h:  # the state token does not depend on x; its own gradient never reaches the action rows
+            d = torch.cat((torch.zeros(n - h, d.shape[1], dtype=d.dtype), d), dim=0)
+        for layer in reversed(layers):
+            d = layer.backward(d)
+        (z,) = saved
+        d = _linear_back(d[n - h:], e.action_time_mlp_out) * _act_grad(z, "silu")
+        d = _linear_back(d, e.action_time_mlp_in)[:, :e.width]
+        vjp = _linear_back(d, e.action_in_proj).unsqueeze(0)
+        return velocity, error - flow_time * vjp

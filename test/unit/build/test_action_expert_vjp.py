@@ -24,15 +24,15 @@ torch.set_num_threads(2)
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
 
 
-def tiny_pi0(guidance="vjp", kv_dtype="float16"):
+def tiny_pi0(guidance="vjp", kv_dtype="float16", architecture="gemma", state_dim=10, kv_heads=1):
     cfg = load_config(str(CONFIG_DIR / "vla_pi0.yaml"))
     return cfg.with_overrides(
-        llm={"num_layers": 2, "hidden_dim": 64, "num_heads": 4, "num_kv_heads": 1, "head_dim": 16, "vocab_size": 512,
-             "intermediate_size": 128, "prefill_buckets": [32], "decode_buckets": [48, 64], "max_seq_len": 64,
-             "kv_dtype": kv_dtype},
+        llm={"num_layers": 2, "hidden_dim": 64, "num_heads": 4, "num_kv_heads": kv_heads, "head_dim": 16,
+             "vocab_size": 512, "intermediate_size": 128, "prefill_buckets": [32], "decode_buckets": [48, 64],
+             "max_seq_len": 64, "kv_dtype": kv_dtype, "architecture": architecture},
         vision={"tokens_per_tile": 16, "hidden_dim": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
         action={"action_dim": 6, "action_horizon": 8, "expert_hidden_dim": 32, "expert_intermediate_size": 48,
-                "state_dim": 10},
+                "state_dim": state_dim, **({} if state_dim else {"state_joints": []})},
         execution={"mode": "rtc", "rtc": {"guidance": guidance}})
 
 
@@ -75,9 +75,14 @@ def test_the_vjp_graphs_come_with_the_vjp_guidance_only():
     assert [t.name for t in vjp.outputs] == ["velocity", "correction"]
 
 
-@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
-def test_vjp_graph_is_autograd_through_the_expert_in_torch_and_onnx(kv_dtype, tmp_path):
-    cfg = tiny_pi0(kv_dtype=kv_dtype)
+@pytest.mark.parametrize("kv_dtype,architecture,state_dim,kv_heads", [
+    ("float16", "gemma", 10, 1),  # pi0: unit-offset norms, tanh GELU, the state token
+    ("float32", "qwen3", 0, 2),  # q/k norms, SiLU, grouped heads, no state token
+    ("float32", "llama", 10, 4),
+])
+def test_vjp_graph_is_autograd_through_the_expert_in_torch_and_onnx(kv_dtype, architecture, state_dim, kv_heads,
+                                                                    tmp_path):
+    cfg = tiny_pi0(kv_dtype=kv_dtype, architecture=architecture, state_dim=state_dim, kv_heads=kv_heads)
     gm = build_graph_modules(cfg, seed=3)
     metas = {m.name: m for m in graph_set(cfg)}
     rng = np.random.default_rng(0)
