@@ -20,6 +20,7 @@ from ...core.contract import GraphMeta
 from ...graphset.reader import GraphSetError
 from ..onnxruntime.executor import OnnxRuntimeExecutor
 from .options import QNNExecutorOptions
+from .weights import private_weights
 
 # Provider options the executor sets from its own options (not to be given again in provider_options).
 _OWN_PROVIDER_KEYS = ("backend_type", "backend_path", "soc_model", "enable_htp_fp16_precision",
@@ -142,9 +143,20 @@ class QNNExecutor(graphset.ChecksWeightFormat, OnnxRuntimeExecutor):
         so.log_severity_level = max(so.log_severity_level, 3)
         so.add_provider_for_devices(self._devices, self.provider_options)
         try:
-            return self._ort.InferenceSession(path, so)
+            return self._ort.InferenceSession(self._model_source(path, so), so)
         except Exception as exc:  # ORT raises its own exception types; name the graph, file and operators
             raise RuntimeError(self._load_error(meta, path, exc)) from exc
+
+    def _model_source(self, path: str, so):
+        """``path``, or the bytes of the graph with a private copy of each weight that its products read in two
+        roles (:mod:`.weights`; the vjp guidance's graph), its other tensors read from the weights beside it."""
+        import onnx
+        model = onnx.load(path, load_external_data=False)
+        if not private_weights(model):
+            return path
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                    os.path.dirname(os.path.abspath(path)))
+        return model.SerializeToString()
 
     def _where(self) -> str:
         soc = f", soc_model {self.soc_model}" if self.soc_model is not None else ""
@@ -175,7 +187,7 @@ class QNNExecutor(graphset.ChecksWeightFormat, OnnxRuntimeExecutor):
             so.log_severity_level = 3
             so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
             so.add_provider_for_devices(self._devices, self.provider_options)
-            session = self._ort.InferenceSession(path, so)
+            session = self._ort.InferenceSession(self._model_source(path, so), so)
             found, on_qnn = [], 0
             for sub in session.get_provider_graph_assignment_info():
                 if sub.ep_name == self._ep_name:

@@ -117,9 +117,10 @@ class _Layer:
         k = qkv[:, nh * dh:(nh + kvh) * dh].reshape(n, kvh, dh)
         v = qkv[:, (nh + kvh) * dh:].reshape(n, kvh, dh).transpose(0, 1)
         self.qn = self.kn = None
-        if att.q_norm is not None:
-            q, self.qn = _rms(q, att.q_norm)
-            k, self.kn = _rms(k, att.k_norm)
+        if att.q_norm is not None:  # per head, on [rows * heads, Dh]: QNN's HTP computes this chain wrong in 3-D
+            q, self.qn = _rms(q.reshape(n * nh, dh), att.q_norm)
+            k, self.kn = _rms(k.reshape(n * kvh, dh), att.k_norm)
+            q, k = q.reshape(n, nh, dh), k.reshape(n, kvh, dh)
         q = apply_rope(q.transpose(0, 1), cos, sin)
         k = apply_rope(k.transpose(0, 1), cos, sin)
         self.span = past_k.shape[1]
@@ -155,7 +156,8 @@ class _Layer:
         dq = _rope_back(dq, self.cos, self.sin).transpose(0, 1)  # [n, nh, Dh]
         dk = _rope_back(dk, self.cos, self.sin).transpose(0, 1)
         if self.qn is not None:
-            dq, dk = _rms_back(dq, self.qn), _rms_back(dk, self.kn)
+            dq = _rms_back(dq.reshape(n * nh, dh), self.qn).reshape(n, nh, dh)
+            dk = _rms_back(dk.reshape(n * kvh, dh), self.kn).reshape(n, kvh, dh)
         dqkv = torch.cat((dq.reshape(n, nh * dh), dk.reshape(n, kvh * dh), dv.transpose(0, 1).reshape(n, kvh * dh)),
                          dim=-1)
         return d + _rms_back(_project_back(dqkv, self.qkv), self.n1)
@@ -171,7 +173,13 @@ class ActionExpertVJPGraph(nn.Module):
 
     def forward(self, noisy_actions, time_embedding, prefix_len, past_kv, *rest):
         state, (target, weights, flow_time) = (rest[0], rest[1:]) if len(rest) == 4 else (None, rest)
-        e, span = self.expert, self.bucket
+        return self.guided(noisy_actions, time_embedding, prefix_len, past_kv, self.bucket, state, target, weights,
+                           flow_time)
+
+    def guided(self, noisy_actions, time_embedding, prefix_len, past_kv, span, state, target, weights, flow_time):
+        """Velocity and correction over the first ``span`` cache positions (an int, or a traced size: the
+        shape-polymorphic graph of :mod:`synflux_ros.backends.tensorrt.build_models`)."""
+        e = self.expert
         h = e.horizon
         saved: list = []
 
