@@ -347,7 +347,7 @@ def _profiled_key(manifest: dict) -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256()
     for g in sorted(manifest["graphs"], key=lambda g: g["name"]):
-        if g["kind"] in ("embed", "prefill", "decode", "action_expert"):
+        if g["kind"] in ("embed", "prefill", "decode", "action_expert", "action_expert_vjp"):
             h.update(f"{g['name']}={g.get('key', '')};".encode())
     for path in (os.path.join(here, "build_onnx.py"), os.path.join(here, "build_models.py")):
         with open(path, "rb") as fh:

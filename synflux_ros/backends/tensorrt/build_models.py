@@ -17,6 +17,7 @@ input shapes instead of Python ints, so a trace exports them as dynamic dims:
     ProfiledLLM(lm, kv_dtype)(embed(ids) [1,1,H], 1, cache_position, past_kv, span [d])       == decode_<d>
     ProfiledActionExpert(expert)(noisy_actions, time_embedding, prefix_len, past_kv, span [d] (, state))
                                                                                               == action_expert_<d>
+    ProfiledActionExpertVJP(expert)(..., span [d] (, state), target, weights, flow_time)  == action_expert_vjp_<d>
 
 ``past_kv`` is taken the way the static modules take it (the contract tensor or its per-layer views).
 """
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from ...build.torch_models.action_expert import ActionExpert
+from ...build.torch_models.action_expert_vjp import ActionExpertVJPGraph
 from ...build.torch_models.decoder import CausalLM, torch_dtype
 
 
@@ -85,6 +87,20 @@ class ProfiledActionExpert(nn.Module):
     def forward(self, noisy_actions, time_embedding, prefix_len, past_kv, attention_span, state=None):
         return (self.expert.velocity(noisy_actions, time_embedding, prefix_len, past_kv, attention_span.shape[0],
                                      state),)
+
+
+class ProfiledActionExpertVJP(nn.Module):
+    """action_expert_vjp: the inputs of :class:`ProfiledActionExpert`, then target [1, h, a], weights [1, h, 1],
+    flow_time [1] -> velocity, correction [1, h, a] (``ActionExpertVJPGraph`` with bucket D)."""
+
+    def __init__(self, expert: ActionExpert):
+        super().__init__()
+        self.graph = ActionExpertVJPGraph(expert, 0)
+
+    def forward(self, noisy_actions, time_embedding, prefix_len, past_kv, attention_span, *rest):
+        state, (target, weights, flow_time) = (rest[0], rest[1:]) if len(rest) == 4 else (None, rest)
+        return self.graph.guided(noisy_actions, time_embedding, prefix_len, past_kv, attention_span.shape[0], state,
+                                 target, weights, flow_time)
 
 
 class FlatViews(nn.Module):

@@ -3,7 +3,7 @@
 Exported from the same torch modules (same weights) as the static per-bucket graph set, with two dynamic
 dims, ``T`` (new rows) and ``D`` (cache positions attended, the length of the shape-only input
 ``attention_span``): ``llm`` at (T = p, D = S) is ``prefill_<p>``, ``embed`` then ``llm`` at T = 1 is
-``decode_<d>``, ``action_expert`` at D = d is ``action_expert_<d>``. The graphs share one ``weights.bin``
+``decode_<d>``, ``action_expert`` at D = d is ``action_expert_<d>`` (``action_expert_vjp`` likewise). The graphs share one ``weights.bin``
 (external data, as TensorRT's ``OnnxParser.parse_from_file`` reads it). Each kind's inputs and outputs are
 listed in docs/internals/build.md.
 
@@ -32,7 +32,7 @@ def profiled_graph_names(cfg: ModelConfig) -> list[str]:
     """The kinds of :data:`PROFILED_KINDS` this config's graph set has, in that order."""
     kinds = {m.kind for m in graph_set(cfg)}
     have = {"embed": bool(kinds & {"embed", "decode"}), "llm": bool(kinds & {"prefill", "decode"}),
-            "action_expert": "action_expert" in kinds}
+            "action_expert": "action_expert" in kinds, "action_expert_vjp": "action_expert_vjp" in kinds}
     return [k for k in PROFILED_KINDS if have[k]]
 
 
@@ -62,6 +62,12 @@ def profiled_io(cfg: ModelConfig, kind: str) -> tuple[list[tuple[str, tuple, str
         ins = [("noisy_actions", ha, "float32"), ("time_embedding", (1, time_embedding_dim(cfg)), "float32"), ("prefix_len", (1,), "int64"),
                *_kv_views(cfg), span, *([("state", (1, act.state_dim), "float32")] if act.state_dim else [])]
         return ins, [("velocity", ha, "float32")]
+    if kind == "action_expert_vjp":
+        ins, outs = profiled_io(cfg, "action_expert")
+        ha = (1, act.action_horizon, act.action_dim)
+        ins += [("target", ha, "float32"), ("weights", (1, act.action_horizon, 1), "float32"),
+                ("flow_time", (1,), "float32")]
+        return ins, outs + [("correction", ha, "float32")]
     raise ValueError(f"unknown profiled graph kind {kind!r} (kinds: {', '.join(PROFILED_KINDS)})")
 
 
@@ -90,7 +96,7 @@ def _example(cfg: ModelConfig, kind: str, t: int, d: int):
 def _module(cfg: ModelConfig, kind: str, modules):
     """The torch module of ``kind`` (taking the flat inputs of :func:`profiled_io`), built on the
     weights of the static modules in ``modules`` (a GraphModules or its ``.modules`` dict)."""
-    from .build_models import FlatViews, ProfiledActionExpert, ProfiledEmbed, ProfiledLLM
+    from .build_models import FlatViews, ProfiledActionExpert, ProfiledActionExpertVJP, ProfiledEmbed, ProfiledLLM
     mods = getattr(modules, "modules", modules)
     lm = next((m.lm for m in mods.values() if hasattr(m, "lm")), None)
     if kind in ("embed", "llm") and lm is None:
@@ -102,8 +108,8 @@ def _module(cfg: ModelConfig, kind: str, modules):
         return FlatViews(ProfiledLLM(lm, cfg.llm.kv_dtype, logits=reads_logits(cfg)), 3, L).eval()
     expert = next((m.expert for m in mods.values() if hasattr(m, "expert")), None)
     if expert is None:
-        raise BuildError("no action_expert module to take the action expert of the 'action_expert' graph from")
-    return FlatViews(ProfiledActionExpert(expert), 3, L).eval()
+        raise BuildError(f"no action_expert module to take the action expert of the {kind!r} graph from")
+    return FlatViews((ProfiledActionExpert if kind == "action_expert" else ProfiledActionExpertVJP)(expert), 3, L).eval()
 
 
 def _dynamic_axes(cfg: ModelConfig, kind: str) -> dict:

@@ -23,7 +23,7 @@ SIDECAR = "tensorrt.json"
 ONNX_SUBDIR = "tensorrt/onnx"
 SPAN_INPUT = "attention_span"
 SPAN_DTYPE = "float32"
-PROFILED_KINDS = ("embed", "llm", "action_expert")
+PROFILED_KINDS = ("embed", "llm", "action_expert", "action_expert_vjp")
 DLA_CAPABLE = ("vision_encoder", "action_expert")
 """Kinds that may be placed on a DLA core (static, fp16/int8, no KV-length-dependent control flow)."""
 
@@ -117,11 +117,6 @@ def plan_engines(metas: list[GraphMeta], dla_kinds=()) -> list[EngineSpec]:
         raise PlanError(f"the tensorrt backend does not take the LLM inputs {', '.join(multimodal)} yet (Qwen3-VL's "
                         f"multimodal positions and DeepStack maps); run this model on onnxruntime, openvino, qnn "
                         f"or rknn")
-    vjp = [m.name for m in kinds.get("action_expert_vjp", [])]
-    if vjp:
-        raise PlanError(f"the tensorrt backend does not build the graphs {', '.join(vjp)} of Real-Time Chunking's vjp "
-                        f"guidance yet (docs/real-time-chunking.md#backends); set execution.rtc.guidance: lerobot, "
-                        f"or run this config on onnxruntime or openvino")
     engines: list[EngineSpec] = []
 
     def static(meta: GraphMeta, dla: bool) -> EngineSpec:
@@ -150,6 +145,10 @@ def plan_engines(metas: list[GraphMeta], dla_kinds=()) -> list[EngineSpec]:
     elif experts:
         engines.append(EngineSpec("action_expert", "action_expert", f"{ONNX_SUBDIR}/action_expert.onnx",
                                   tuple(Profile(m.name, ((SPAN_INPUT, (m.attrs["bucket"],)),)) for m in experts)))
+    vjp = kinds.get("action_expert_vjp", [])
+    if vjp:  # on the GPU even when the expert is on DLA: the backward pass is no DLA network
+        engines.append(EngineSpec("action_expert_vjp", "action_expert_vjp", f"{ONNX_SUBDIR}/action_expert_vjp.onnx",
+                                  tuple(Profile(m.name, ((SPAN_INPUT, (m.attrs["bucket"],)),)) for m in vjp)))
     return engines
 
 
@@ -221,7 +220,7 @@ def plan_routes(metas: list[GraphMeta], engines: list[EngineSpec]) -> dict[str, 
         if engine is None:
             raise PlanError(f"no engine serves graph {meta.name!r}")
         binds = _contract_binds(meta)
-        if engine.kind in ("llm", "action_expert") and not engine.dla:
+        if engine.kind in ("llm", "action_expert", "action_expert_vjp") and not engine.dla:
             binds.append((SPAN_INPUT, Bind("span")))
         routes[meta.name] = Route(meta.name, (Step(engine.name, engine.profile_index(meta.name), tuple(binds)),))
     return routes

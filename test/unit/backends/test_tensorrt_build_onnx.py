@@ -29,7 +29,8 @@ from checkpoints import demo_size  # noqa: E402
 torch.set_num_threads(2)
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
-CONFIGS = ["vla_demo_orin", "vlm_demo", "vla_pi0", "vla_openvla"]
+CONFIGS = ["vla_demo_orin", "vlm_demo", "vla_pi0", "vla_openvla", "vla_pi0+vjp"]
+VJP = {"mode": "rtc", "rtc": {"guidance": "vjp"}}  # "+vjp": Real-Time Chunking's vjp guidance (its own graphs)
 
 
 def session(model) -> "ort.InferenceSession":
@@ -45,8 +46,11 @@ class Built:
     (sessions on the written files, so their external data is read the way TensorRT's parser reads it)."""
 
     def __init__(self, name: str, tmp: Path):
-        with open(CONFIG_DIR / f"{name}.yaml", encoding="utf-8") as fh:
-            self.cfg = cfg = from_dict(demo_size(yaml.safe_load(fh)))
+        with open(CONFIG_DIR / f"{name.split('+')[0]}.yaml", encoding="utf-8") as fh:
+            raw = demo_size(yaml.safe_load(fh))
+        if name.endswith("+vjp"):
+            raw["execution"] = VJP
+        self.cfg = cfg = from_dict(raw)
         self.gm = build_graph_modules(cfg, seed=0)
         self.metas = {m.name: m for m in graph_set(cfg) if m.kind != "vision_encoder"}
         self.static = {n: session(build_tool.export_graph(self.gm.modules[n], m, str(tmp)))
@@ -80,7 +84,7 @@ class Built:
 
 @pytest.fixture(scope="module", params=CONFIGS)
 def built(request, tmp_path_factory):
-    return Built(request.param, tmp_path_factory.mktemp(request.param))
+    return Built(request.param, tmp_path_factory.mktemp(request.param.replace("+", "-")))
 
 
 def i64(v) -> np.ndarray:
@@ -100,6 +104,7 @@ def test_names_files_and_quiet_export(built):
     cfg = built.cfg
     want = ["embed", "llm"] + (["action_expert"] if cfg.action is not None
                                and cfg.action.head_type == "flow_matching" else [])
+    want += ["action_expert_vjp"] if any(m.kind == "action_expert_vjp" for m in graph_set(cfg)) else []
     assert tro.profiled_graph_names(cfg) == want
     assert list(built.paths) == want
     assert all(os.path.isabs(p) and p == os.path.join(os.path.abspath(built.out), f"{k}.onnx")
@@ -128,17 +133,22 @@ def test_declared_dims_symbolic_and_standard_ops(built):
 
 
 def test_weights_external_and_shared(built):
-    """One weights.bin beside the graphs, referenced by a relative path, every large tensor in it."""
+    """One weights.bin beside the graphs, referenced by a relative path, every large tensor in it once (the vjp
+    graph reads the action expert's)."""
     size = os.path.getsize(os.path.join(built.out, graphset.WEIGHTS_FILE))
-    total, refs = 0, 0
+    stored = set()
     for path in built.paths.values():
         for t in graphset.external_initializers(path):
             assert t.location == graphset.WEIGHTS_FILE and t.offset + t.length <= size
-            total += t.length
-            refs += 1
+            stored.add((t.offset, t.length))
         model = onnx.load(path, load_external_data=False)
         assert all(len(i.raw_data) < graphset.EXTERNAL_MIN_BYTES for i in model.graph.initializer)
-    assert refs and total <= size <= total + refs * graphset.ALIGNMENT
+    total = sum(length for _, length in stored)
+    assert stored and total <= size <= total + len(stored) * graphset.ALIGNMENT
+    if "action_expert_vjp" in built.paths:
+        expert = {(t.offset, t.length) for t in graphset.external_initializers(built.paths["action_expert"])}
+        vjp = {(t.offset, t.length) for t in graphset.external_initializers(built.paths["action_expert_vjp"])}
+        assert vjp and vjp <= expert
 
 
 def test_embed_equals_static(built):
@@ -198,6 +208,27 @@ def test_action_expert_equals_static(built):
             want = built.static[f"action_expert_{d}"].run(None, feeds)[0]
             got = built.prof["action_expert"].run(None, {**feeds, "attention_span": built.span(d)})[0]
             close(got, want, atol=1e-5, what=f"action_expert_{d} at prefix {prefix}")
+
+
+def test_action_expert_vjp_equals_static(built):
+    if "action_expert_vjp" not in built.prof:
+        pytest.skip(f"{built.cfg.name}: no Real-Time Chunking vjp graphs")
+    act = built.cfg.action
+    h, a = act.action_horizon, act.action_dim
+    for d in built.llm.decode_buckets:
+        for prefix, t in ((7, 0.9), (d, 0.3)):
+            feeds = {"noisy_actions": built.rng.standard_normal((1, h, a)).astype(np.float32),
+                     "time_embedding": time_embedding(t, time_embedding_dim(built.cfg)), "prefix_len": i64(prefix),
+                     **built.views(), "target": built.rng.standard_normal((1, h, a)).astype(np.float32),
+                     "weights": np.linspace(1, 0, h, dtype=np.float32).reshape(1, h, 1),
+                     "flow_time": np.array([t], np.float32)}
+            if act.state_dim:
+                feeds["state"] = built.rng.standard_normal((1, act.state_dim)).astype(np.float32)
+            want = built.static[f"action_expert_vjp_{d}"].run(None, feeds)
+            got = built.prof["action_expert_vjp"].run(None, {**feeds, "attention_span": built.span(d)})
+            assert np.abs(want[1]).max() > 1e-3  # a correction to compare
+            for name, g, w in zip(("velocity", "correction"), got, want):
+                close(g, w, atol=1e-5, what=f"action_expert_vjp_{d} {name} at prefix {prefix}")
 
 
 def test_other_sizes_match_eager_torch(built):

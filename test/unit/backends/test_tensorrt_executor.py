@@ -37,9 +37,13 @@ TAG = plan.device_tag("8.7", None, "fp16")
 
 
 def graph_set_for(tmp_path_factory, name: str):
-    d = tmp_path_factory.mktemp(name.replace(".yaml", ""))
+    """The graph set of a shipped config at demo size; ``<config>.yaml+vjp`` adds Real-Time Chunking's vjp graphs."""
+    name, _, extra = name.partition("+")
+    d = tmp_path_factory.mktemp(name.replace(".yaml", "") + (f"-{extra}" if extra else ""))
     with open(os.path.join(CONFIG, name), encoding="utf-8") as fh:
         raw = demo_size(yaml.safe_load(fh))
+    if extra == "vjp":
+        raw["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
     (d / name).write_text(yaml.safe_dump(raw))
     cfg = load_config(str(d / name))
     out = str(d / "graphs")
@@ -61,7 +65,7 @@ def fake_device():
         yield trt, cudart
 
 
-@pytest.fixture(scope="module", params=["vla_demo_orin.yaml", "vlm_demo.yaml", "vla_pi0.yaml"])
+@pytest.fixture(scope="module", params=["vla_demo_orin.yaml", "vlm_demo.yaml", "vla_pi0.yaml", "vla_pi0.yaml+vjp"])
 def graphs(request, tmp_path_factory):
     out = graph_set_for(tmp_path_factory, request.param)
     stand_in.write_engines(out, TAG)
@@ -78,6 +82,9 @@ def test_stand_in_every_graph_and_the_whole_model_match_onnxruntime(fake_device,
     # every LLM graph of the set is compared: decode steps, or a flow-matching VLA's prefill (it has no decode)
     llm = "decode_" if reads_logits(load_config(os.path.join(graphs, "config.yaml"))) else "prefill_"
     assert any(r.check.startswith(llm) for r in rows)
+    if "-vjp" in os.path.basename(os.path.dirname(graphs)):  # the vjp guidance's engine: velocity and correction
+        assert {r.check.split("/")[-1] for r in rows if r.check.startswith("action_expert_vjp_")} == {
+            "velocity", "correction"}, sorted(r.check for r in rows)
 
 
 def test_stand_in_decode_steps_replay_as_cuda_graphs(fake_device, graphs):

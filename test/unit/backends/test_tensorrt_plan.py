@@ -170,12 +170,24 @@ def test_device_tags_keep_builds_apart():
     assert plan.device_tag("12.0", None, "fp32") == "sm120-fp32"
 
 
-def test_the_rtc_vjp_graphs_are_refused_naming_them():
-    """The engine plan has no route for the vjp guidance's graphs: the build and the executor's load say so."""
+def test_the_rtc_vjp_graphs_get_an_engine_of_their_own_with_a_profile_per_bucket():
+    """The vjp guidance's graphs: one shape-polymorphic engine with a profile per span, on the GPU even when the
+    action expert is placed on DLA; each graph's route binds its contract tensors and the span."""
     cfg = load_config(os.path.join(CONFIG, "vla_demo_orin.yaml")).with_overrides(
         execution={"mode": "rtc", "rtc": {"guidance": "vjp"}})
-    with pytest.raises(plan.PlanError, match=r"tensorrt backend does not build the graphs action_expert_vjp_160, "
-                                             r"action_expert_vjp_256 .*guidance: lerobot"):
-        plan.plan_engines(graph_set(cfg))
+    metas = graph_set(cfg)
+    for dla in ((), plan.DLA_CAPABLE):
+        engines = {e.name: e for e in plan.plan_engines(metas, dla)}
+        vjp = engines["action_expert_vjp"]
+        assert (vjp.kind, vjp.onnx, vjp.dla) == ("action_expert_vjp", "tensorrt/onnx/action_expert_vjp.onnx", False)
+        assert [(p.graph, p.shape(plan.SPAN_INPUT)) for p in vjp.profiles] == [
+            ("action_expert_vjp_160", (160,)), ("action_expert_vjp_256", (256,))]
+        routes = plan.plan_routes(metas, list(engines.values()))
+        (step,) = routes["action_expert_vjp_256"].steps
+        binds = dict(step.bindings)
+        assert step.engine == "action_expert_vjp" and step.profile == 1
+        assert binds[plan.SPAN_INPUT].source == "span"
+        assert {n for n, b in step.bindings if b.source == "output"} == {"velocity", "correction"}
+        assert {"target", "weights", "flow_time", "past_kv.0.0"} <= set(binds)
     lerobot = cfg.with_overrides(execution={"mode": "rtc", "rtc": {"guidance": "lerobot"}})
-    assert {e.name for e in plan.plan_engines(graph_set(lerobot))} >= {"action_expert"}
+    assert "action_expert_vjp" not in {e.name for e in plan.plan_engines(graph_set(lerobot))}
