@@ -19,20 +19,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 CARRY = os.path.join(ROOT, ".gpu-carry", "graphs")
 CONFIG = os.path.join(ROOT, "config")
-CONFIGS = ("vlm_demo.yaml", "vla_demo_orin.yaml")
+CONFIGS = ("vlm_demo.yaml", "vla_demo_orin.yaml", "vla_pi0.yaml+vjp")
+"""``+vjp``: the config with Real-Time Chunking's vjp guidance (adds the action_expert_vjp graphs and engine)."""
 
 
 def build_graph_set(name: str, out_dir: str) -> str:
-    """``config/<name>`` shrunk with ``checkpoints.demo_size``, built into ``out_dir/graphs`` (graph set +
-    ``tensorrt/onnx``); returns the graph set directory."""
+    """``config/<name>`` shrunk with ``checkpoints.demo_size`` (``<name>+vjp``: with the vjp guidance), built into
+    ``out_dir/graphs`` (graph set + ``tensorrt/onnx``); returns the graph set directory."""
     sys.path.insert(0, os.path.dirname(HERE))  # test/: checkpoints
     from checkpoints import demo_size
     from synflux_ros.backends.tensorrt.build import export_profiled
     from synflux_ros.build.export import build
     from synflux_ros.core.config import load_config
     os.makedirs(out_dir, exist_ok=True)
+    name, _, extra = name.partition("+")
     with open(os.path.join(CONFIG, name), encoding="utf-8") as fh:
         raw = demo_size(yaml.safe_load(fh))
+    if extra == "vjp":
+        raw["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
     cfg_path = os.path.join(out_dir, name)
     with open(cfg_path, "w", encoding="utf-8") as fh:
         yaml.safe_dump(raw, fh)
@@ -44,7 +48,13 @@ def build_graph_set(name: str, out_dir: str) -> str:
 
 
 def carried(name: str) -> str:
-    return os.path.join(CARRY, name.rsplit(".", 1)[0], "graphs")
+    return os.path.join(CARRY, _stem(name), "graphs")
+
+
+def _stem(name: str) -> str:
+    """vla_pi0.yaml+vjp -> vla_pi0-vjp"""
+    base, _, extra = name.partition("+")
+    return base.rsplit(".", 1)[0] + (f"-{extra}" if extra else "")
 
 
 def graph_set(name: str, dest: str) -> str | None:
@@ -64,6 +74,6 @@ def graph_set(name: str, dest: str) -> str | None:
 
 if __name__ == "__main__":
     for config in sys.argv[1:] or CONFIGS:
-        d = os.path.join(CARRY, config.rsplit(".", 1)[0])
+        d = os.path.join(CARRY, _stem(config))
         shutil.rmtree(d, ignore_errors=True)
         print(config, "->", build_graph_set(config, d))
