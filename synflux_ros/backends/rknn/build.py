@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import sidecar
-from .executor import refuse_uncompilable, toolkit_env
+from .executor import toolkit_env
 from ...graphset import cache, reader as graphset
-from ...core.contract import GraphMeta, graph_set
+from ...core.contract import GraphMeta
 from ...build.builder import BuildError, Builder
 
 TARGETS = ("rk3562", "rk3566", "rk3568", "rk3576", "rk3588")
@@ -563,6 +563,5 @@ class RKNNBuilder(Builder):
         return options
 
     def compile(self, cfg, out, manifest, options, *, hf_dir, seed, force, progress) -> None:
-        refuse_uncompilable(graph_set(cfg), RKNNBuildError)
         compile_graph_set(out, manifest, options.target, options.quantize, force=force,
                           toolkit_python=options.toolkit_python, calib=options.calib, progress=progress)

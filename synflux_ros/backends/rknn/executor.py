@@ -253,20 +253,6 @@ def input_plan(meta: GraphMeta) -> list[tuple[str, int, int, tuple, str]]:
     return plan
 
 
-UNCOMPILABLE_KINDS = ("action_expert_vjp",)
-"""Graph kinds rknn-toolkit2 does not compile: the RTC vjp guidance's graph (forward and backward pass through the
-action expert) keeps the compiler busy without an end (docs/real-time-chunking.md#backends)."""
-
-
-def refuse_uncompilable(metas, error=ValueError) -> None:
-    """Raise ``error`` naming the graphs of :data:`UNCOMPILABLE_KINDS` among ``metas``, and what to do instead."""
-    names = [m.name for m in metas if m.kind in UNCOMPILABLE_KINDS]
-    if names:
-        raise error(f"rknn: cannot run the graphs {', '.join(names)} of Real-Time Chunking's vjp guidance "
-                    f"(rknn-toolkit2 does not compile them; docs/real-time-chunking.md#backends); set "
-                    f"execution.rtc.guidance: lerobot, or run this config on onnxruntime or openvino")
-
-
 class RKNNExecutor(graphset.ChecksWeightFormat, HostBufferHooks, Executor):
     """Runs a graph set compiled by ``synflux-build --backend rknn`` on a Rockchip NPU (RKNNLite) or in
     rknn-toolkit2's simulator behind a worker process (see docs/backends/rknn.md)."""
@@ -326,7 +312,6 @@ class RKNNExecutor(graphset.ChecksWeightFormat, HostBufferHooks, Executor):
         if self._loaded:
             return self
         try:
-            refuse_uncompilable(self.graphs.values(), GraphSetError)
             self.check_weight_format()
             self._open_graph_set()
             if self.runtime == "simulator":

@@ -9,7 +9,6 @@ say where each engine tensor lives. The engine table: docs/backends/tensorrt.md#
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 

@@ -39,15 +39,17 @@ def _linear_back(d: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
 
 
 def _rms(x, norm):
-    """RMSNorm forward as :class:`decoder.RMSNorm` computes it, and what its backward pass needs."""
+    """RMSNorm forward (:class:`decoder.RMSNorm`'s value) and what its backward pass needs. Written ``x * (r * g)``
+    and the backward's ``x * r`` made anew: rknn-toolkit2 fuses the chain ``(x * r) * g`` into one op and drops
+    ``x * r`` even when another node reads it."""
     r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
-    xhat = x * r
     gain = norm.weight + 1.0 if norm.unit_offset else norm.weight
-    return xhat * gain, (xhat, r, gain)
+    return x * (r * gain), (x, r, gain)
 
 
 def _rms_back(d, saved):
-    xhat, r, gain = saved
+    x, r, gain = saved
+    xhat = x * r
     dxhat = d * gain
     return r * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
 
@@ -128,7 +130,8 @@ class _Layer:
         self.values = torch.cat((past_v, v), dim=1).unsqueeze(1)
         self.qg = q.reshape(kvh, nh // kvh, n, dh)
         self.scale = att.scale
-        self.probs = torch.softmax(torch.matmul(self.qg, self.keys.transpose(-1, -2)) * att.scale + bias, dim=-1)
+        # the scale on q: rknn-toolkit2 fuses (q @ kᵀ) * scale + bias -> softmax -> @ v and drops the probabilities
+        self.probs = torch.softmax(torch.matmul(self.qg * att.scale, self.keys.transpose(-1, -2)) + bias, dim=-1)
         self.ctx = torch.matmul(self.probs, self.values)  # [KV, G, n, Dh]
         x = x + torch.matmul(self.ctx.reshape(nh, n, dh).transpose(0, 1).reshape(n, nh * dh), self.o)
         h2, self.n2 = _rms(x, layer.post_attention_layernorm)
