@@ -90,16 +90,18 @@ $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
 # failures that follow come from a full disk, which the first line says.
 TEST_DIRS := unit integration parity simulators gpu launch
 TEST_DISK_GIB := 4
+# The slowest cases of each process, listed after its report (where the 10-minute goal of make test goes).
+DURATIONS := --durations=25 --durations-min=5
 test: install rknn-venv pi0ref-venv docs sim-venv
 	@mkdir -p $(BUILD); free=$$(df -Pk $(BUILD) | awk 'NR==2 {print int($$4 / 1048576)}'); [ "$$free" -ge $(TEST_DISK_GIB) ] || \
 	  echo "make test: WARNING: $$free GiB free on the disk of $(abspath $(BUILD)); the tests write about \
 	$(TEST_DISK_GIB) GiB there, and a full disk makes them fail"
 	cd test && base=$${ROS_DOMAIN_ID:-$$(( RANDOM % 100 + 1 ))}; \
-	  ROS_DOMAIN_ID=$$(( base % 101 + 1 )) nice -n 5 $(PY) -m pytest -q -rs -p no:cacheprovider \
+	  ROS_DOMAIN_ID=$$(( base % 101 + 1 )) nice -n 5 $(PY) -m pytest -q -rs -p no:cacheprovider $(DURATIONS) \
 	    --basetemp=$(abspath $(BUILD))/pytest-simulators -m simulator $(TEST_DIRS) \
 	    > $(abspath $(BUILD))/test-simulators.log 2>&1 & sim=$$!; \
 	  trap "kill $$sim 2>/dev/null" INT TERM; \
-	  ROS_DOMAIN_ID=$$base $(PY) -m pytest -q -rs --basetemp=$(abspath $(BUILD))/pytest-main \
+	  ROS_DOMAIN_ID=$$base $(PY) -m pytest -q -rs $(DURATIONS) --basetemp=$(abspath $(BUILD))/pytest-main \
 	    -m "not simulator" $(TEST_DIRS); rc=$$?; \
 	  wait $$sim; sim_rc=$$?; \
 	  echo "== NPU simulator tests (marker simulator), run beside the others =="; \
