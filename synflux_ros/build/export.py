@@ -261,6 +261,24 @@ def resolve_config(cfg: ModelConfig, hf_dir: str | None) -> ModelConfig:
     return config_from_hf(hf_dir, cfg)
 
 
+def check_serves(cfg: ModelConfig, hf_dir: str | None) -> None:
+    """Refuse (BuildError), before anything is exported, a chat config that ``vlm_node`` would refuse at start with
+    the tokenizer and chat template the graph set ships (:func:`synflux_ros.runtimes.vlm.check_chat_setup`). A set
+    that ships no tokenizer (the config names none, the checkpoint has no tokenizer.json) is not checked: its
+    tokenizer is given at run time."""
+    shipped = os.path.join(hf_dir, "tokenizer.json") if hf_dir else ""
+    shipped = shipped if os.path.isfile(shipped) else ""
+    if cfg.mode != "vlm" or not (shipped or cfg.tokenizer.path):
+        return
+    from ..model.tokenizer import load_tokenizer
+    from ..runtimes.vlm import chat_template_of, check_chat_setup
+    try:
+        tokenizer = load_tokenizer(cfg, shipped)
+        check_chat_setup(cfg, tokenizer, chat_template_of(cfg, tokenizer))
+    except ConfigError as exc:
+        raise BuildError(f"{cfg.name}: vlm_node would refuse this graph set at start: {exc}") from None
+
+
 def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str | None = None, seed: int = 0,
           force: bool = False, threads: int | None = None, weights: str = "float32", block: int = 32,
           options=None) -> dict:
@@ -288,6 +306,7 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
         raise BuildError(f"{type(options).__name__} is not an options type of --backend {backend!r} ({takes})")
     if builder:
         options = builder.prepare(options, weights)  # before exporting anything
+    check_serves(resolve_config(cfg, hf_dir), hf_dir)
     manifest = _build_onnx(cfg, out, backend, hf_dir, seed, force, threads, weights, block)
     if builder:
         builder.compile(resolve_config(cfg, hf_dir), out, manifest, options, hf_dir=hf_dir, seed=seed, force=force,

@@ -84,6 +84,33 @@ def _utf8(name: str, text: str) -> bytes:
         raise RequestError(f"{name} is not valid Unicode text ({exc.reason} at character {exc.start})") from None
 
 
+def chat_template_of(cfg: ModelConfig, tokenizer: Tokenizer):
+    """The chat template the runtime renders with: ``tokenizer.chat_template`` (relative to the config file), else
+    the one beside the tokenizer (:func:`~synflux_ros.model.chat_template.load_chat_template`)."""
+    path = cfg.tokenizer.chat_template
+    if path and not os.path.isabs(path) and cfg.source:
+        path = os.path.join(os.path.dirname(cfg.source), path)
+    return load_chat_template(tokenizer.directory, path)
+
+
+def check_chat_setup(cfg: ModelConfig, tokenizer: Tokenizer, template) -> None:
+    """Raise ConfigError for what the runtime cannot chat with: a vision config whose tokenizer lacks the image
+    token or whose template places no images, no end-of-sequence id. ``synflux-build`` runs the same check, so
+    it refuses a graph set that ``vlm_node`` would refuse at start."""
+    if cfg.vision is not None:
+        marker = cfg.tokenizer.image_token
+        try:
+            tokenizer.special(marker)
+        except KeyError:
+            raise ConfigError(f"tokenizer.image_token: {marker!r} is not a token of the tokenizer; a model with "
+                              f"a vision section needs the token its chat template marks images with") from None
+        if marker not in template.source and "image" not in template.source:
+            raise ConfigError(f"the chat template ({template.origin}) does not place images; set "
+                              f"tokenizer.chat_template to one that does, or use a text-only config")
+    if not tuple(tokenizer.eos_ids):
+        raise ConfigError("text.eos_token_ids: no end-of-sequence id (set it or use a tokenizer that has one)")
+
+
 class VLMRuntime(ModelRuntime):
     """Multi-turn chat: one KV-cache slot per session, each turn prefilling only its new tokens (or, with
     ``session.reuse_kv_cache: false``, the whole history). One turn runs at a time."""
@@ -96,32 +123,15 @@ class VLMRuntime(ModelRuntime):
     def _setup(self) -> None:
         self.sessions = SessionManager(self.kv_pool, self.cfg.session.eviction)
         tok = self.tokenizer
-        self.template = load_chat_template(tok.directory, self._config_path(self.cfg.tokenizer.chat_template))
-        self._image_id = None
-        if self.cfg.vision is not None:
-            marker = self.cfg.tokenizer.image_token
-            try:
-                self._image_id = tok.special(marker)
-            except KeyError:
-                raise ConfigError(f"tokenizer.image_token: {marker!r} is not a token of the tokenizer; a model with "
-                                  f"a vision section needs the token its chat template marks images with") from None
-            if marker not in self.template.source and "image" not in self.template.source:
-                raise ConfigError(f"the chat template ({self.template.origin}) does not place images; set "
-                                  f"tokenizer.chat_template to one that does, or use a text-only config")
-        eos = tuple(tok.eos_ids)
-        if not eos:
-            raise ConfigError("text.eos_token_ids: no end-of-sequence id (set it or use a tokenizer that has one)")
-        self._eos = eos
+        self.template = chat_template_of(self.cfg, tok)
+        check_chat_setup(self.cfg, tok, self.template)
+        self._image_id = tok.special(self.cfg.tokenizer.image_token) if self.cfg.vision is not None else None
+        self._eos = tuple(tok.eos_ids)
         vis = self.cfg.vision
         self._grid = vis.merged_grid if self.backbone.mrope and vis is not None else None
         self._lock = threading.Lock()
         self.turns_served = 0
         self.requests_refused = 0
-
-    def _config_path(self, path: str) -> str:
-        if path and not os.path.isabs(path) and self.cfg.source:
-            return os.path.join(os.path.dirname(self.cfg.source), path)
-        return path
 
     # ---------------------------------------------------------------- validation
     def sampling_params(self, req: ChatRequest) -> SamplingParams:
