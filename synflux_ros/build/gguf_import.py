@@ -514,7 +514,7 @@ def convert(path: str, out_dir: str, progress: Callable[[str], None] | None = No
     for name in os.listdir(out_dir):
         os.utime(os.path.join(out_dir, name), (0, 0))
     if not model.chat_template:
-        say("  GGUF has no tokenizer.chat_template: the runtimes will use the built-in ChatML template")
+        say("  GGUF has no tokenizer.chat_template: a base model, served as plain text completion")
     say(f"  dequantized {sum(model.types.values())} tensors to float32 ({total / 2**20:.1f} MiB)")
     return model
 

@@ -401,7 +401,8 @@ class TokenizerConfig:
     max_instruction_tokens: int = _spec(0, min=0, doc="VLA: the instruction's tokens are cut to this many (LeRobot "
                                                       "pi0: tokenizer_max_length, 48); 0 = no cut")
     chat_template: str = _spec("", doc="VLM: a chat template (.jinja file); empty = the checkpoint's (beside the "
-                                       "tokenizer), else the built-in ChatML")
+                                       "tokenizer), else plain text completion for a checkpoint's tokenizer "
+                                       "without one (a base model), else the built-in ChatML")
     image_token: str = _spec("<|image_pad|>", doc="VLM: the token the chat template marks an image with; each "
                                                   "becomes the image's vision tokens")
 

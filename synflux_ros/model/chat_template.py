@@ -6,8 +6,11 @@ Where the template comes from, first found wins:
 2. beside the tokenizer (the graph set ships the checkpoint's files): ``chat_template.jinja``,
    ``chat_template.json`` (``{"chat_template": ...}``, multimodal processors), ``tokenizer_config.json``'s
    ``chat_template`` (a string, or a list of named templates: ``default``);
-3. the built-in ChatML template with Qwen's vision tokens (:data:`CHATML`), for checkpoints without one
-   and for random-weight demo models.
+3. a checkpoint whose tokenizer.json has no template beside it is a base model: :class:`PlainCompletion`
+   serves the conversation as one text (the messages in order, nothing between them), tokenized as the
+   tokenizer tokenizes a prompt (its BOS where its post-processor adds one);
+4. the built-in ChatML template with Qwen's vision tokens (:data:`CHATML`) for the byte-level tokenizer of
+   random-weight demo models.
 
 Rendering matches transformers: a sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``
 and the loop-controls extension, its ``tojson`` (no HTML escaping), ``raise_exception`` and
@@ -96,6 +99,9 @@ def special_tokens(tokenizer_dir: str) -> dict[str, str]:
 class ChatTemplate:
     """A compiled chat template: ``render(messages)`` -> text, as transformers renders it."""
 
+    plain = False
+    """The rendered text is chat markup: special tokens in it become their ids, nothing is added."""
+
     def __init__(self, source: str = "", origin: str = "", specials: dict | None = None):
         try:
             import jinja2
@@ -132,6 +138,28 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template ({self.origin}) refuses this conversation: {exc}") from None
 
 
-def load_chat_template(tokenizer_dir: str, explicit: str = "") -> ChatTemplate:
+class PlainCompletion:
+    """A base model's "template": the conversation as one text, each message's content after the last (a turn
+    continues the session's text, the reply included), tokenized as a prompt (``Tokenizer.encode_prompt``)."""
+
+    plain = True
+    source = ""
+
+    def __init__(self, origin: str):
+        self.origin = origin
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        parts = []
+        for m in messages:
+            if not isinstance(m["content"], str):
+                raise ChatTemplateError(f"{self.origin} takes text only: a message with images needs a chat "
+                                        f"template that places them (tokenizer.chat_template)")
+            parts.append(m["content"])
+        return "".join(parts)
+
+
+def load_chat_template(tokenizer_dir: str, explicit: str = "") -> ChatTemplate | PlainCompletion:
     source, origin = find_template(tokenizer_dir, explicit)
+    if not source and tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        return PlainCompletion(f"plain text completion (no chat template beside {tokenizer_dir}/tokenizer.json)")
     return ChatTemplate(source, origin, special_tokens(tokenizer_dir))

@@ -37,6 +37,10 @@ class Tokenizer(abc.ABC):
         """A rendered chat template: special tokens written in it become their ids (user text goes
         through :meth:`encode`, where they stay text)."""
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Text as a base model reads a prompt: with the tokens the tokenizer adds around one (a BOS)."""
+        return self.encode(text)
+
     special_strings: frozenset = frozenset()
     """The text of every special token (a chat message holding one is refused: it would become a token)."""
 
@@ -118,6 +122,10 @@ class HFTokenizer(Tokenizer):
 
     def encode_chat(self, text: str) -> list[int]:
         return self._chat_tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """With the tokens tokenizer.json's post-processor adds (transformers' ``tokenizer(text)``)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -226,7 +226,8 @@ class VLMRuntime(ModelRuntime):
         rows as ``(image key, row)``."""
         convo = ([{"role": "system", "content": system}] if system else []) + [m.for_template() for m in messages]
         try:
-            ids = self.tokenizer.encode_chat(self.template.render(convo))
+            text = self.template.render(convo)
+            ids = self.tokenizer.encode_prompt(text) if self.template.plain else self.tokenizer.encode_chat(text)
         except ChatTemplateError as exc:
             raise RequestError(str(exc)) from None
         keys = [k for m in messages for k in m.images]

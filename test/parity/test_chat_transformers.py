@@ -1,6 +1,7 @@
 """Greedy chat through vlm_node (onnxruntime, fp32) equals transformers' generate on the same weights, with
 the checkpoint's own chat template: several prompts, a conversation of three turns with a system prompt,
-for text-only Llama, Qwen3 and Gemma checkpoints (tiny, random weights)."""
+for text-only Llama, Qwen3 and Gemma checkpoints (tiny, random weights); and a base checkpoint (no chat
+template) served as plain text completion, each turn continuing the text."""
 from __future__ import annotations
 
 import json
@@ -42,14 +43,19 @@ def hf_model(family: str, vocab: int):
     return transformers.GemmaForCausalLM(transformers.GemmaConfig(**common, head_dim=16))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma"])
-def served(request, tmp_path_factory, ros_env):
-    """(transformers model, its tokenizer, eos ids, a chat client of vlm_node serving the same weights)."""
-    family = request.param
-    ckpt = tmp_path_factory.mktemp(f"{family}_ckpt")
-    write_tokenizer(str(ckpt))
+def serve(family: str, tmp_path_factory, ros_env, base: bool = False):
+    """(transformers model, its tokenizer, eos ids, a chat client of vlm_node serving the same weights); ``base``:
+    a tokenizer whose post-processor adds a BOS and no chat template (a base model)."""
+    ckpt = tmp_path_factory.mktemp(f"{family}{'_base' if base else ''}_ckpt")
+    write_tokenizer(str(ckpt), first_specials=("<s>",) if base else ())
+    if base:
+        from tokenizers import Tokenizer, processors
+        raw = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+        raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+        raw.save(str(ckpt / "tokenizer.json"))
     (ckpt / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHATML, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+        **({"bos_token": "<s>"} if base else {"chat_template": CHATML}), "eos_token": "<|im_end|>",
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
     tok = transformers.AutoTokenizer.from_pretrained(str(ckpt))
     torch.manual_seed(1)
     hf = hf_model(family, len(tok)).eval()
@@ -60,13 +66,13 @@ def served(request, tmp_path_factory, ros_env):
     hf.save_pretrained(ckpt)
     base = tmp_path_factory.mktemp("cfg") / "chat.yaml"
     base.write_text(yaml.safe_dump({
-        "name": f"{family}-chat", "mode": "vlm",
+        "name": f"{family}-{'base' if base else 'chat'}", "mode": "vlm",
         "llm": {"num_layers": 2, "hidden_dim": 64, "num_heads": 4, "vocab_size": len(tok),
                 "prefill_buckets": [32, 128], "decode_buckets": [256, 512], "max_seq_len": 512},
         "text": {"max_new_tokens": NEW}, "session": {"max_sessions": 3}}))
     out = tmp_path_factory.mktemp(f"{family}_graphs")
     assert build_tool.main(["--config", str(base), "--out", str(out), "--from-hf", str(ckpt)]) == 0
-    ns = f"/parity_{family}"
+    ns = f"/parity_{family}{'_base' if base else ''}"
     eos = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     node = rclpy.create_node(f"parity_client_{uuid.uuid4().hex[:8]}")
     with testing.NodeProcess("vlm_node", {"config": str(out / "config.yaml")}, env=ros_env,
@@ -74,6 +80,16 @@ def served(request, tmp_path_factory, ros_env):
         yield hf, tok, eos, ChatClient(node, ns)
         assert proc.alive(), proc.output()[-3000:]
     node.destroy_node()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma"])
+def served(request, tmp_path_factory, ros_env):
+    yield from serve(request.param, tmp_path_factory, ros_env)
+
+
+@pytest.fixture(scope="module")
+def base_served(tmp_path_factory, ros_env):
+    yield from serve("llama", tmp_path_factory, ros_env, base=True)
 
 
 def reference(hf, tok, eos, messages) -> tuple[str, int]:
@@ -105,3 +121,22 @@ def test_a_three_turn_conversation_with_a_system_prompt_equals_transformers(serv
         assert (got.reply, got.generated_tokens) == (want, n), f"turn {i + 1}"
         assert got.reply and (got.cached_tokens > 0) == (i > 0)
         messages.append({"role": "assistant", "content": got.reply})
+
+
+def test_a_base_checkpoint_continues_the_text_as_transformers_generates(base_served):
+    """No chat template: each turn's input is the session's text so far (prompts and replies in order) as
+    transformers tokenizes a prompt (its BOS first), and the reply is what generate continues it with."""
+    hf, tok, eos, chat = base_served
+    text = ""
+    for i, prompt in enumerate(["the robot picks up", " the red block and", " puts it"]):
+        got = ok(chat.chat("base", prompt, temperature=0.0))
+        text += prompt
+        ids = tok(text, return_tensors="pt").input_ids
+        assert ids[0, 0].item() == tok.convert_tokens_to_ids("<s>")
+        with torch.no_grad():
+            out = hf.generate(ids, do_sample=False, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=eos[0])
+        new = out[0, ids.shape[1]:].tolist()
+        want = tok.decode([t for t in new if t not in eos], skip_special_tokens=True)
+        assert (got.reply, got.generated_tokens) == (want, len(new)), f"turn {i + 1}"
+        assert (got.cached_tokens > 0) == (i > 0)
+        text += got.reply

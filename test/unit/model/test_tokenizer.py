@@ -158,9 +158,11 @@ def test_load_tokenizer_selects_by_path(tmp_path, bpe_path):
 
 
 def test_vlm_runtime_with_a_tokenizer_json(tmp_path, bpe_path):
+    from synflux_ros.model.chat_template import CHATML
     from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime
+    (tmp_path / "chatml.jinja").write_text(CHATML)
     d = vlm_raw()
-    d["tokenizer"] = {"path": str(bpe_path)}
+    d["tokenizer"] = {"path": str(bpe_path), "chat_template": str(tmp_path / "chatml.jinja")}
     d["session"]["max_sessions"] = 1
     rt = VLMRuntime(from_dict(d))
     r1 = rt.chat(ChatRequest("s", "hello robot", max_new_tokens=5))
@@ -174,6 +176,34 @@ def test_vlm_runtime_with_a_tokenizer_json(tmp_path, bpe_path):
               + tk.encode("assistant\n"))
     assert r1.prompt_tokens == len(prefix) + len(tk.encode("hello robot")) + len(suffix)
 
-    d["tokenizer"] = {"path": str(build_wordlevel(tmp_path / "nochat.json", ["<|im_start|>", "<|im_end|>"]))}
+    d["tokenizer"]["path"] = str(build_wordlevel(tmp_path / "nochat.json", ["<|im_start|>", "<|im_end|>"]))
     with pytest.raises(ConfigError, match="tokenizer.image_token: .<|image_pad|>. is not a token"):
         VLMRuntime(from_dict(d))
+
+
+def test_a_base_checkpoint_is_served_as_plain_text_completion(tmp_path):
+    """A tokenizer.json without a chat template beside it: the conversation is one text (prompts and replies in
+    order), tokenized as a prompt with the BOS its post-processor adds; each turn continues the session's text."""
+    from tokenizers import Tokenizer, processors
+    from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime
+    path = build_bpe(tmp_path / "tokenizer.json", ("<s>", "<|endoftext|>", "<|image_pad|>"))
+    tok = Tokenizer.from_file(str(path))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.save(str(path))
+    d = vlm_raw()
+    d.pop("vision")
+    d["tokenizer"] = {"path": str(path)}
+    d["session"]["max_sessions"] = 1
+    rt = VLMRuntime(from_dict(d))
+    assert rt.template.plain and "plain text completion" in rt.template.origin
+    tk = rt.tokenizer
+    r1 = rt.chat(ChatRequest("s", "the robot picks up", max_new_tokens=4, temperature=0.0))
+    assert r1.prompt_tokens == 1 + len(tk.encode("the robot picks up"))  # <s>, then the text as it is
+    r2 = rt.chat(ChatRequest("s", " the block", max_new_tokens=4, temperature=0.0))
+    # turn 2 reads <s> + prompt 1 + reply 1 + prompt 2: the part already in the cache is reused
+    whole = tk.encode_prompt("the robot picks up" + r1.reply + " the block")
+    assert whole[0] == bos and r2.cached_tokens + r2.prompt_tokens == len(whole)
+    assert r2.cached_tokens >= 1 + len(tk.encode("the robot picks up"))
+    with pytest.raises(ConfigError, match=r"the chat template \(plain text completion .*\) does not place images"):
+        VLMRuntime(from_dict({**vlm_raw(), "tokenizer": {"path": str(path)}}))
