@@ -92,7 +92,10 @@ TEST_DIRS := unit integration parity simulators gpu launch
 TEST_DISK_GIB := 4
 # The slowest cases of each process, listed after its report (where the 10-minute goal of make test goes).
 DURATIONS := --durations=25 --durations-min=5
-test: install rknn-venv pi0ref-venv docs sim-venv
+# Its prerequisites (four venvs, the package, the docs) are made by a parallel make: on a fresh clone they
+# are mostly downloads and unpacking, independent but for the package venv they share.
+test:
+	$(MAKE) -j4 --no-print-directory install rknn-venv pi0ref-venv docs sim-venv
 	@mkdir -p $(BUILD); free=$$(df -Pk $(BUILD) | awk 'NR==2 {print int($$4 / 1048576)}'); [ "$$free" -ge $(TEST_DISK_GIB) ] || \
 	  echo "make test: WARNING: $$free GiB free on the disk of $(abspath $(BUILD)); the tests write about \
 	$(TEST_DISK_GIB) GiB there, and a full disk makes them fail"
