@@ -6,11 +6,11 @@ Where the template comes from, first found wins:
 2. beside the tokenizer (the graph set ships the checkpoint's files): ``chat_template.jinja``,
    ``chat_template.json`` (``{"chat_template": ...}``, multimodal processors), ``tokenizer_config.json``'s
    ``chat_template`` (a string, or a list of named templates: ``default``);
-3. a checkpoint whose tokenizer.json has no template beside it is a base model: :class:`PlainCompletion`
-   serves the conversation as one text (the messages in order, nothing between them), tokenized as the
-   tokenizer tokenizes a prompt (its BOS where its post-processor adds one);
-4. the built-in ChatML template with Qwen's vision tokens (:data:`CHATML`) for the byte-level tokenizer of
-   random-weight demo models.
+3. a text-only model whose tokenizer.json has no template beside it is a base model:
+   :class:`PlainCompletion` serves the conversation as one text (the messages in order, nothing between
+   them), tokenized as the tokenizer tokenizes a prompt (its BOS where its post-processor adds one);
+4. the built-in ChatML template with Qwen's vision tokens (:data:`CHATML`): for a model with a vision
+   section (images need a template) and for the byte-level tokenizer of random-weight demo models.
 
 Rendering matches transformers: a sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``
 and the loop-controls extension, its ``tojson`` (no HTML escaping), ``raise_exception`` and
@@ -158,8 +158,11 @@ class PlainCompletion:
         return "".join(parts)
 
 
-def load_chat_template(tokenizer_dir: str, explicit: str = "") -> ChatTemplate | PlainCompletion:
+def load_chat_template(tokenizer_dir: str, explicit: str = "",
+                       text_only: bool = False) -> ChatTemplate | PlainCompletion:
+    """The template per the module docstring; ``text_only``: the model has no vision section, so a checkpoint
+    tokenizer without a template is served as plain completion."""
     source, origin = find_template(tokenizer_dir, explicit)
-    if not source and tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+    if not source and text_only and tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
         return PlainCompletion(f"plain text completion (no chat template beside {tokenizer_dir}/tokenizer.json)")
     return ChatTemplate(source, origin, special_tokens(tokenizer_dir))

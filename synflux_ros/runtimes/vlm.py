@@ -86,11 +86,12 @@ def _utf8(name: str, text: str) -> bytes:
 
 def chat_template_of(cfg: ModelConfig, tokenizer: Tokenizer):
     """The chat template the runtime renders with: ``tokenizer.chat_template`` (relative to the config file), else
-    the one beside the tokenizer (:func:`~synflux_ros.model.chat_template.load_chat_template`)."""
+    the one beside the tokenizer, else plain completion (text-only) or ChatML (with vision), see
+    :func:`~synflux_ros.model.chat_template.load_chat_template`."""
     path = cfg.tokenizer.chat_template
     if path and not os.path.isabs(path) and cfg.source:
         path = os.path.join(os.path.dirname(cfg.source), path)
-    return load_chat_template(tokenizer.directory, path)
+    return load_chat_template(tokenizer.directory, path, text_only=cfg.vision is None)
 
 
 def check_chat_setup(cfg: ModelConfig, tokenizer: Tokenizer, template) -> None:

@@ -55,16 +55,10 @@ def test_a_vision_config_whose_tokenizer_lacks_the_image_token_is_refused(tmp_pa
         check_serves(cfg, None)
 
 
-def test_a_vision_config_on_a_base_checkpoint_is_refused(tmp_path):
-    """A tokenizer.json without a chat template is a base model's (plain text completion): it places no images."""
-    with pytest.raises(BuildError, match=r"the chat template \(plain text completion \(no chat template beside "
-                                         r".*tokenizer\.json\)\) does not place images"):
-        check_serves(config(tmp_path, "vlm_qwen3"), None)
-
-
 def test_what_the_node_takes_passes(tmp_path):
     (tmp_path / "chatml.jinja").write_text(CHATML)
     check_serves(config(tmp_path, "vlm_qwen3", chat_template=str(tmp_path / "chatml.jinja")), None)
+    check_serves(config(tmp_path, "vlm_qwen3"), None)  # no template beside the tokenizer: the built-in ChatML
     (tmp_path / "text.jinja").write_text(TEXT_TEMPLATE)
     check_serves(config(tmp_path, "vlm_smollm2", chat_template=str(tmp_path / "text.jinja")), None)  # text-only
     check_serves(load_config(str(CONFIG / "vla_demo_orin.yaml")), None)  # not a chat model: nothing to check
