@@ -224,8 +224,9 @@ class LLMConfig:
                                 doc="dtype of the graphs' input_ids (the embedding's Gather indices); int32 for "
                                     "the qnn backend")
     # Architecture details used by synflux-build (the mock ignores them).
-    architecture: str = _spec("qwen3", choices=("qwen3", "llama", "gemma"),
-                              doc="qwen3: q/k RMSNorm; llama: plain; gemma: (1+w) norms, GELU, scaled embeddings")
+    architecture: str = _spec("qwen3", choices=("qwen3", "qwen2", "llama", "gemma"),
+                              doc="qwen3: q/k RMSNorm; qwen2: q/k/v biases; llama: plain; gemma: (1+w) norms, GELU, "
+                                  "scaled embeddings")
     intermediate_size: int = _spec(0, min=0, doc="MLP width (0 = 4 x hidden_dim)")
     rope_theta: float = _spec(10000.0, min=1.0)
     mrope_section: tuple[int, ...] = _spec(
@@ -401,8 +402,8 @@ class TokenizerConfig:
     max_instruction_tokens: int = _spec(0, min=0, doc="VLA: the instruction's tokens are cut to this many (LeRobot "
                                                       "pi0: tokenizer_max_length, 48); 0 = no cut")
     chat_template: str = _spec("", doc="VLM: a chat template (.jinja file); empty = the checkpoint's (beside the "
-                                       "tokenizer), else plain text completion for a checkpoint's tokenizer "
-                                       "without one (a base model), else the built-in ChatML")
+                                       "tokenizer), else plain text completion for a text-only model's "
+                                       "tokenizer without one (a base model), else the built-in ChatML")
     image_token: str = _spec("<|image_pad|>", doc="VLM: the token the chat template marks an image with; each "
                                                   "becomes the image's vision tokens")
 

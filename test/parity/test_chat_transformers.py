@@ -1,6 +1,6 @@
 """Greedy chat through vlm_node (onnxruntime, fp32) equals transformers' generate on the same weights, with
 the checkpoint's own chat template: several prompts, a conversation of three turns with a system prompt,
-for text-only Llama, Qwen3 and Gemma checkpoints (tiny, random weights); and a base checkpoint (no chat
+for text-only Llama, Qwen3, Qwen2 (biased q/k/v) and Gemma checkpoints (tiny, random weights); and a base checkpoint (no chat
 template) served as plain text completion, each turn continuing the text."""
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ def hf_model(family: str, vocab: int):
     if family == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16,
                                                                       tie_word_embeddings=False))
+    if family == "qwen2":  # biased q/k/v projections
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=False))
     return transformers.GemmaForCausalLM(transformers.GemmaConfig(**common, head_dim=16))
 
 
@@ -60,9 +62,11 @@ def serve(family: str, tmp_path_factory, ros_env, base: bool = False):
     torch.manual_seed(1)
     hf = hf_model(family, len(tok)).eval()
     with torch.no_grad():  # sharper logits than the default init, so greedy picks are not near-ties
-        for p in hf.parameters():
+        for name, p in hf.named_parameters():
             if p.dim() == 2:
                 p.mul_(3.0)
+            elif name.endswith("_proj.bias"):  # zero at init: make Qwen2's biases count
+                p.normal_(0.0, 1.0)
     hf.save_pretrained(ckpt)
     base = tmp_path_factory.mktemp("cfg") / "chat.yaml"
     base.write_text(yaml.safe_dump({
@@ -82,7 +86,7 @@ def serve(family: str, tmp_path_factory, ros_env, base: bool = False):
     node.destroy_node()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2", "gemma"])
 def served(request, tmp_path_factory, ros_env):
     yield from serve(request.param, tmp_path_factory, ros_env)
 

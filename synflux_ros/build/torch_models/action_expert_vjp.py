@@ -115,6 +115,9 @@ class _Layer:
         self.down = mlp.down_t if mlp.down_t is not None else mlp.down_proj.weight.t()
         h1, self.n1 = _rms(x, layer.input_layernorm)
         qkv = _project(h1, self.qkv)
+        if att.qkv_b is not None or att.q_proj.bias is not None:  # Qwen2's biases: no part of the input gradient
+            qkv = qkv + (att.qkv_b if att.qkv_b is not None else
+                         torch.cat((att.q_proj.bias, att.k_proj.bias, att.v_proj.bias)))
         q = qkv[:, :nh * dh].reshape(n, nh, dh)
         k = qkv[:, nh * dh:(nh + kvh) * dh].reshape(n, kvh, dh)
         v = qkv[:, (nh + kvh) * dh:].reshape(n, kvh, dh).transpose(0, 1)

@@ -256,13 +256,13 @@ class Attention(nn.Module):
     :func:`attend_past_and_new` (:func:`attend` without a past), called by :class:`DecoderLayer`."""
 
     def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
-                 eps: float, unit_offset: bool):
+                 eps: float, unit_offset: bool, qkv_bias: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
-        self.q_proj = nn.Linear(width, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(width, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(width, num_kv_heads * head_dim, bias=False)
+        self.q_proj = nn.Linear(width, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(width, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(width, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, width, bias=False)
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, eps, unit_offset)
@@ -272,25 +272,31 @@ class Attention(nn.Module):
         self.qkv_t: nn.Parameter | None = None
         self.q_t = self.k_t = self.v_t = None
         self.o_t: nn.Parameter | None = None
+        self.qkv_b: nn.Parameter | None = None  # Qwen2's q/k/v biases, joined [(nh + 2 KV) Dh]
 
     def fuse(self, join: bool = True) -> None:
         """Export layout (see :func:`fuse_projections`): Q, K and V as one [W, (nh + 2 KV) Dh] matrix, or
-        (``join=False``) as three [in, out] matrices."""
+        (``join=False``) as three [in, out] matrices; their biases (if any) as one vector either way."""
         if join:
             self.qkv_t = _param(torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)).t())
         else:
             self.q_t, self.k_t, self.v_t = (_param(p.weight.t()) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.q_proj.bias is not None:
+            self.qkv_b = _param(torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)))
         self.o_t = _param(self.o_proj.weight.t())
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, W] -> q [nh, T, Dh], k [KV, T, Dh] (both after RoPE), v [KV, T, Dh]."""
         t = x.shape[0]
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv_t is not None:
-            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             qkv = torch.matmul(x, self.qkv_t)
+            qkv = qkv + self.qkv_b if self.qkv_b is not None else qkv
             q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
         elif self.q_t is not None:
             q, k, v = torch.matmul(x, self.q_t), torch.matmul(x, self.k_t), torch.matmul(x, self.v_t)
+            if self.qkv_b is not None:
+                q, k, v = q + self.qkv_b[:nq], k + self.qkv_b[nq:nq + nkv], v + self.qkv_b[nq + nkv:]
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -359,7 +365,8 @@ class DecoderLayer(nn.Module):
                  architecture: str, eps: float):
         super().__init__()
         gemma = architecture == "gemma"
-        self.self_attn = Attention(width, num_heads, num_kv_heads, head_dim, architecture == "qwen3", eps, gemma)
+        self.self_attn = Attention(width, num_heads, num_kv_heads, head_dim, architecture == "qwen3", eps, gemma,
+                                   qkv_bias=architecture == "qwen2")
         self.mlp = GatedMLP(width, intermediate, "gelu_tanh" if gemma else "silu")
         self.input_layernorm = RMSNorm(width, eps, gemma)
         self.post_attention_layernorm = RMSNorm(width, eps, gemma)
@@ -595,9 +602,9 @@ def materialize(module: nn.Module) -> nn.Module:
 
 # ---------------------------------------------------------------------------------------------- HF checkpoints
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "gemma", "qwen3_vl")
-_ARCH_OF = {"qwen3": "qwen3", "llama": "llama", "gemma": "gemma", "qwen3_vl": "qwen3"}
-_TIED_DEFAULT = {"qwen3": False, "llama": False, "gemma": True, "qwen3_vl": False}
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "gemma", "qwen3_vl")
+_ARCH_OF = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "gemma": "gemma", "qwen3_vl": "qwen3"}
+_TIED_DEFAULT = {"qwen3": False, "qwen2": False, "llama": False, "gemma": True, "qwen3_vl": False}
 
 
 def read_hf_config(hf_dir: str) -> tuple[str, dict, dict]:
@@ -642,9 +649,9 @@ def hf_llm_fields(hf_dir: str) -> tuple[str, dict, dict]:
     if act not in allowed_acts:
         raise ConfigError(f"{where}: hidden_act {act!r} is not supported for {model_type} "
                           f"(supported: {', '.join(allowed_acts)})")
-    for key in ("attention_bias", "mlp_bias"):
+    for key in ("attention_bias", "mlp_bias"):  # llama's flags (Qwen2's q/k/v biases come with its architecture)
         if text.get(key):
-            raise ConfigError(f"{where}: {key}: true is not supported (the graphs have no biases)")
+            raise ConfigError(f"{where}: {key}: true is not supported (the graphs have no biases there)")
     if text.get("use_sliding_window"):
         raise ConfigError(f"{where}: use_sliding_window: true is not supported")
     theta, rope = hf_rope(text)

@@ -79,6 +79,7 @@ def test_the_vjp_graphs_come_with_the_vjp_guidance_only():
     ("float16", "gemma", 10, 1),  # pi0: unit-offset norms, tanh GELU, the state token
     ("float32", "qwen3", 0, 2),  # q/k norms, SiLU, grouped heads, no state token
     ("float32", "llama", 10, 4),
+    ("float32", "qwen2", 10, 2),  # q/k/v biases
 ])
 def test_vjp_graph_is_autograd_through_the_expert_in_torch_and_onnx(kv_dtype, architecture, state_dim, kv_heads,
                                                                     tmp_path):
@@ -91,6 +92,9 @@ def test_vjp_graph_is_autograd_through_the_expert_in_torch_and_onnx(kv_dtype, ar
     with torch.no_grad():  # random weights make a nearly constant field; steeper layers make the Jacobian count
         for proj in (expert.expert.action_in_proj, expert.expert.action_out_proj):
             proj.weight.mul_(10.0)
+        for layer in expert.expert.layers:  # Qwen2's biases are zero at init: make them count
+            if layer.self_attn.qkv_b is not None:
+                layer.self_attn.qkv_b.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
     model = build_tool.export_graph(module, meta, str(tmp_path))
     plain = build_tool.export_graph(expert, metas["action_expert_48"], str(tmp_path))
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
