@@ -31,6 +31,8 @@ LLAMA_TYPES = {"token_embd.weight": Q.Q8_0, "output.weight": Q.F16,
                "blk.1.attn_v.weight": Q.Q4_1, "blk.1.ffn_gate.weight": Q.Q4_0, "blk.1.ffn_up.weight": Q.Q5_0,
                "blk.1.ffn_down.weight": Q.Q6_K}
 QWEN3_TYPES = {"token_embd.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q4_1, "blk.1.ffn_down.weight": Q.Q6_K}
+QWEN2_TYPES = {"token_embd.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q4_0, "blk.0.attn_k.weight": Q.Q4_1,
+               "blk.1.ffn_up.weight": Q.Q8_0}
 PROMPT = "What is the capital of France? Answer in one sentence."
 
 
@@ -105,6 +107,9 @@ def write_gguf(path, arch: str = "llama", seed: int = 0, types: dict | None = No
                        f"blk.{i}.ffn_down.weight": (HIDDEN, FF)})
         if arch == "qwen3":
             shapes.update({f"blk.{i}.attn_q_norm.weight": (hd,), f"blk.{i}.attn_k_norm.weight": (hd,)})
+        if arch == "qwen2":  # biased q/k/v projections
+            shapes.update({f"blk.{i}.attn_q.bias": (heads * hd,), f"blk.{i}.attn_k.bias": (kv * hd,),
+                           f"blk.{i}.attn_v.bias": (kv * hd,)})
     for name, shape in shapes.items():
         qtype = types.get(name, Q.F32)
         data = (rng.standard_normal(shape) * (0.1 if len(shape) == 2 else 0.2) + (len(shape) == 1)).astype(np.float32)

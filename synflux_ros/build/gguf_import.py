@@ -8,8 +8,8 @@
 :func:`gguf_checkpoint` checks the file first (:func:`inspect_gguf`) and writes a temporary checkpoint
 directory that the ``--from-hf`` path reads unchanged: the tensors dequantized to float32 with llama.cpp's
 own code, ``config.json``, the tokenizer and, for ``Q4_0``/``Q4_1``/``Q8_0`` tensors, their raw blocks
-(:data:`BLOCKS_FILE`), which ``--weights int4|int8`` carries into the graphs exactly. Architectures ``llama``
-and ``qwen3``, text only; anything else is a :class:`GGUFImportError` naming what is not supported. The
+(:data:`BLOCKS_FILE`), which ``--weights int4|int8`` carries into the graphs exactly. Architectures ``llama``,
+``qwen3`` and ``qwen2``, text only; anything else is a :class:`GGUFImportError` naming what is not supported. The
 files written are described in docs/internals/build.md.
 """
 from __future__ import annotations
@@ -38,11 +38,10 @@ CARRIED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 can hold exactly: ``x = d * (q - 8)`` (Q4_0), ``x = d * q + m`` (Q4_1), ``x = d * q`` (Q8_0)."""
 GGML_BLOCK = 32
 
-ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen2": "qwen2"}
 """GGUF ``general.architecture`` -> Hugging Face ``model_type`` of the checkpoint written."""
 
 UNSUPPORTED = {
-    "qwen2": "its q/k/v projections have biases, which the graphs do not have",
     "qwen2moe": "mixture-of-experts layers",
     "qwen3moe": "mixture-of-experts layers",
     "qwen35": "hybrid linear-attention layers",
@@ -70,6 +69,11 @@ _BLOCK_TENSORS = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _QK_NORMS = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_QKV_BIASES = {"attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+               "attn_v.bias": "self_attn.v_proj.bias"}
+_EXTRA_TENSORS = {"qwen3": _QK_NORMS, "qwen2": _QKV_BIASES}
+"""Per-layer tensors an architecture has beside :data:`_BLOCK_TENSORS`."""
+_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -233,7 +237,7 @@ def inspect_gguf(path: str) -> GGUFModel:
     types: dict[str, int] = {}
     bad_type: dict[str, str] = {}
     unknown: list[str] = []
-    block_names = dict(_BLOCK_TENSORS, **(_QK_NORMS if arch == "qwen3" else {}))
+    block_names = dict(_BLOCK_TENSORS, **_EXTRA_TENSORS.get(arch, {}))
     for t in reader.tensors:
         qtype = t.tensor_type
         shapes[t.name] = tuple(int(d) for d in reversed(t.shape.tolist()))  # torch order
@@ -274,6 +278,9 @@ def inspect_gguf(path: str) -> GGUFModel:
                  "ffn_gate.weight": (ff, hidden), "ffn_up.weight": (ff, hidden), "ffn_down.weight": (hidden, ff)}
     if arch == "qwen3":
         per_layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
+    if arch == "qwen2":
+        per_layer.update({"attn_q.bias": (heads * head_dim,), "attn_k.bias": (kv_heads * head_dim,),
+                          "attn_v.bias": (kv_heads * head_dim,)})
     for i in range(layers):
         want.update({f"blk.{i}.{k}": v for k, v in per_layer.items()})
     missing = [n for n in want if n not in shapes]
@@ -315,7 +322,7 @@ def inspect_gguf(path: str) -> GGUFModel:
                                              ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
                 if (text := token(key)) is not None}
     config = {
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen3ForCausalLM"],
+        "architectures": [_HF_CLASS[arch]],
         "model_type": ARCHITECTURES[arch],
         "hidden_size": hidden,
         "intermediate_size": ff,
@@ -328,8 +335,7 @@ def inspect_gguf(path: str) -> GGUFModel:
         "rms_norm_eps": eps,
         "rope_theta": theta,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        **({} if arch == "qwen2" else {"attention_bias": False, "mlp_bias": False}),  # Qwen2: q/k/v biases
         "tie_word_embeddings": "output.weight" not in shapes,
         "torch_dtype": "float32",
     }

@@ -233,3 +233,22 @@ def test_fused_kernels_keep_the_carried_weights(sets):
     got = _logits(sets["exact_int4"], ids, 5, {"fusions": True, **EXACT})
     scale = float(np.abs(fp).max())
     assert float(np.abs(got - fp).max()) <= 1e-4 * max(scale, 1.0)
+
+
+def test_qwen2_int4_and_int8_sets_compute_what_its_float32_set_does(tmp_path):
+    """Qwen2's q/k/v biases stay float32 beside the carried blocks of its projections: the int4 and int8 sets
+    of a file whose matrices are all Q4_0 / Q4_1 / Q8_0 give the float32 set's logits (accuracy level 0)."""
+    path = write_gguf(tmp_path / "qwen2.gguf", "qwen2", seed=7, types=ALL_CARRIED, tied=True)
+    sets = {}
+    for weights in ("float32", "int4", "int8"):
+        sets[weights] = str(tmp_path / weights)
+        args = ["--config", base_yaml(tmp_path), "--out", sets[weights], "--from-gguf", path]
+        assert build_tool.main(args + (["--weights", weights] if weights != "float32" else [])) == 0
+    assert load_config(os.path.join(sets["int4"], "config.yaml")).llm.architecture == "qwen2"
+    ids = np.random.default_rng(3).integers(0, 300, 10)
+    fp = _logits(sets["float32"], ids, 5)
+    scale = float(np.abs(fp).max())
+    for weights in ("int4", "int8"):
+        assert graphset.read_manifest(sets[weights])["weights"]["ggml_carried"]
+        diff = float(np.abs(_logits(sets[weights], ids, 5, EXACT) - fp).max())
+        assert diff <= 1e-4 * max(scale, 1.0), (weights, diff, scale)

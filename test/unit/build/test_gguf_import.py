@@ -32,8 +32,8 @@ from synflux_ros.runtimes.base import create_executor  # noqa: E402
 from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime  # noqa: E402
 
 from gguf_files import (  # noqa: E402
-    BOS, EOS, HIDDEN, LLAMA_TYPES, PROMPT, Q, QWEN3_TYPES, SHAPES, SPECIALS, TEMPLATE, base_yaml, hf_reference,
-    write_gguf)
+    BOS, EOS, HIDDEN, LLAMA_TYPES, PROMPT, Q, QWEN2_TYPES, QWEN3_TYPES, SHAPES, SPECIALS, TEMPLATE, base_yaml,
+    hf_reference, write_gguf)
 
 
 def backbone(graph_dir: str):
@@ -44,13 +44,13 @@ def backbone(graph_dir: str):
     return LLMBackbone(cfg, ex), pool.tensor(0)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2"])
 def imported(request, tmp_path_factory):
     """(arch, GGUF path, graph set dir): a tiny GGUF built with synflux-build --from-gguf."""
     arch = request.param
     d = tmp_path_factory.mktemp(f"gguf_{arch}")
-    path = write_gguf(d / f"tiny-{arch}.gguf", arch, types=LLAMA_TYPES if arch == "llama" else QWEN3_TYPES,
-                      tied=arch == "qwen3")
+    types = {"llama": LLAMA_TYPES, "qwen3": QWEN3_TYPES, "qwen2": QWEN2_TYPES}[arch]
+    path = write_gguf(d / f"tiny-{arch}.gguf", arch, types=types, tied=arch == "qwen3")
     out = d / "graphs"
     assert build_tool.main(["--config", base_yaml(d), "--out", str(out), "--from-gguf", path]) == 0
     return arch, path, str(out)
@@ -60,8 +60,9 @@ def test_weights_equal_transformers_dequantized_weights(imported, tmp_path):
     arch, path, _ = imported
     from safetensors.numpy import load_file
     model = gguf_import.convert(path, str(tmp_path / "ckpt"))
-    assert set(model.types) >= ({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"}
-                                if arch == "llama" else {"F32", "Q8_0", "Q4_1", "Q6_K"})
+    assert set(model.types) >= {"llama": {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
+                                          "Q6_K"},
+                                "qwen3": {"F32", "Q8_0", "Q4_1", "Q6_K"}, "qwen2": {"F32", "Q8_0", "Q4_0", "Q4_1"}}[arch]
     ours = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     ref = {k: v.numpy() for k, v in hf_reference(path)[0].state_dict().items()}
     if arch == "qwen3":
@@ -71,6 +72,8 @@ def test_weights_equal_transformers_dequantized_weights(imported, tmp_path):
     assert set(ours) == set(ref)
     for k in ref:  # bit for bit: the same dequantization, the same Q/K row order
         assert ours[k].dtype == np.float32 and np.array_equal(ours[k], ref[k]), k
+    if arch == "qwen2":
+        assert np.abs(ours["model.layers.1.self_attn.k_proj.bias"]).min() > 0  # the biases came through
 
 
 def test_logits_equal_transformers(imported):
@@ -156,10 +159,10 @@ def test_errors_name_the_file_and_what_is_unsupported(tmp_path, capsys):
     assert code == 2 and "missing.gguf: GGUF file not found" in err
     code, err = run("")  # e.g. a shell lookup that found nothing: never silently random weights
     assert code == 2 and "--from-gguf is empty" in err
-    qwen2 = write_gguf(tmp_path / "qwen2.gguf", "qwen2", types={})
-    code, err = run(qwen2)
-    assert code == 2 and qwen2 in err and "architecture 'qwen2' is not supported" in err and "biases" in err
-    assert "supported: llama, qwen3" in err
+    gemma2 = write_gguf(tmp_path / "gemma2.gguf", "gemma2", types={})
+    code, err = run(gemma2)
+    assert code == 2 and gemma2 in err and "architecture 'gemma2' is not supported" in err and "soft-capping" in err
+    assert "supported: llama, qwen3, qwen2" in err
     biased = write_gguf(tmp_path / "biased.gguf", types={},
                         extra_tensors={"blk.0.attn_q.bias": np.zeros(64, np.float32)})
     code, err = run(biased)
@@ -170,7 +173,7 @@ def test_errors_name_the_file_and_what_is_unsupported(tmp_path, capsys):
     assert code == 2 and "blk.0.ffn_gate_exps.weight" in err
     assert not os.path.exists(tmp_path / "o")  # nothing written before the file was checked
     with pytest.raises(SystemExit) as exc:  # argparse: one weight source
-        build_tool.main(["--config", cfg, "--out", str(tmp_path / "o"), "--from-gguf", qwen2, "--from-hf", "x"])
+        build_tool.main(["--config", cfg, "--out", str(tmp_path / "o"), "--from-gguf", gemma2, "--from-hf", "x"])
     assert exc.value.code == 2
 
 
