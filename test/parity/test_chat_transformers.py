@@ -1,6 +1,6 @@
 """Greedy chat through vlm_node (onnxruntime, fp32) equals transformers' generate on the same weights, with
 the checkpoint's own chat template: several prompts, a conversation of three turns with a system prompt,
-for text-only Llama, Qwen3, Qwen2 (biased q/k/v) and Gemma checkpoints (tiny, random weights); and a base checkpoint (no chat
+for text-only Llama, Qwen3, Qwen2 (biased q/k/v), Phi-3 (fused projections) and Gemma checkpoints (tiny, random weights); and a base checkpoint (no chat
 template) served as plain text completion, each turn continuing the text."""
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def hf_model(family: str, vocab: int):
                                                                       tie_word_embeddings=False))
     if family == "qwen2":  # biased q/k/v projections
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=False))
+    if family == "phi3":  # fused qkv_proj and gate_up_proj tensors
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0))
     return transformers.GemmaForCausalLM(transformers.GemmaConfig(**common, head_dim=16))
 
 
@@ -86,7 +88,7 @@ def serve(family: str, tmp_path_factory, ros_env, base: bool = False):
     node.destroy_node()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2", "gemma"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2", "phi3", "gemma"])
 def served(request, tmp_path_factory, ros_env):
     yield from serve(request.param, tmp_path_factory, ros_env)
 

@@ -13,12 +13,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
 from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402
-from synflux_ros.core.config import from_dict, load_config  # noqa: E402
+from synflux_ros.core.config import ConfigError, from_dict, load_config  # noqa: E402
 from synflux_ros.model.backbone import LLMBackbone  # noqa: E402
 from synflux_ros.model.tokenizer import HFTokenizer  # noqa: E402
 from synflux_ros.runtimes.base import create_executor  # noqa: E402
 from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime  # noqa: E402
 from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.build.torch_models import config_from_hf  # noqa: E402
 from checkpoints import write_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.reference
@@ -194,6 +195,32 @@ def test_qwen2_biased_qkv_logits_match_transformers(tmp_path):
     worst = max(float(np.abs(g - r).max()) for g, r in zip(got, ref))
     assert worst < 1e-4, f"logits differ by {worst}"
     assert np.abs(ref[0] - unbiased).max() > 100 * 1e-4  # the biases count
+
+
+def test_phi3_fused_projections_logits_match_transformers(tmp_path):
+    """Phi-3's fused qkv_proj / gate_up_proj tensors are split into the projections: prefill and decode logits
+    within 1e-4 of transformers'; a sliding window shorter than the context is refused, naming it."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    torch.manual_seed(0)
+    hf = Phi3ForCausalLM(Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256,
+                                    pad_token_id=0, sliding_window=128)).eval()
+    hf.save_pretrained(tmp_path / "ckpt")
+    write_tokenizer(str(tmp_path / "ckpt"))
+    out = tmp_path / "graphs"
+    assert build_tool.main(["--config", base_yaml(tmp_path), "--out", str(out), "--from-hf",
+                            str(tmp_path / "ckpt")]) == 0
+    cfg, llm, slot = backbone(str(out))
+    assert cfg.llm.architecture == "llama"
+    ids = np.random.default_rng(4).integers(0, VOCAB, 20)
+    with torch.no_grad():
+        ref = [hf(torch.from_numpy(ids[:i + 1])[None]).logits[0, -1].numpy() for i in range(11, 20)]
+    got = [llm.prefill(slot, 0, llm.embed(ids[:12]))] + [llm.decode(slot, i, int(ids[i])) for i in range(12, 20)]
+    worst = max(float(np.abs(g - r).max()) for g, r in zip(got, ref))
+    assert worst < 1e-4, f"logits differ by {worst}"
+    longer = base_yaml(tmp_path, llm={"decode_buckets": [64, 256], "max_seq_len": 256})
+    with pytest.raises(ConfigError, match=r"sliding_window 128: .*llm.max_seq_len \(256\) must be at most 128"):
+        config_from_hf(str(tmp_path / "ckpt"), load_config(longer))
 
 
 def test_qwen3_vl_image_embeddings_match_transformers(tmp_path):

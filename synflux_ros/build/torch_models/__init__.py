@@ -31,7 +31,7 @@ from .action_expert import ActionExpert, ActionExpertGraph
 from .action_expert_vjp import ActionExpertVJPGraph
 from .decoder import (
     CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, fuse_projections, hf_llm_fields, init_random, load_hf_weights,
-    materialize)
+    materialize, read_hf_config)
 from .lerobot_pi0 import config_from_lerobot_pi0, is_lerobot_pi0, load_lerobot_pi0
 from .qwen3_vl_vision import build_qwen3_vl_vision, vision_config_from_hf
 from .vision import VitVisionEncoder
@@ -73,8 +73,13 @@ def config_from_hf(hf_dir: str, base: ModelConfig) -> ModelConfig:
     Raises ConfigError for an unsupported checkpoint."""
     if is_lerobot_pi0(hf_dir):
         return config_from_lerobot_pi0(hf_dir, base)
-    _, fields, _ = hf_llm_fields(hf_dir)
+    model_type, fields, _ = hf_llm_fields(hf_dir)
     cfg = base.with_overrides(llm=fields)
+    window = read_hf_config(hf_dir)[1].get("sliding_window") if model_type == "phi3" else None
+    if window and cfg.llm.max_seq_len > int(window):
+        # every position within the window attends to all earlier ones: the graphs' full attention is exact
+        raise ConfigError(f"{hf_dir}: sliding_window {window}: the graphs attend to every cached position, so "
+                          f"llm.max_seq_len ({cfg.llm.max_seq_len}) must be at most {window}")
     if cfg.vision is not None and cfg.vision.architecture == "qwen3_vl":
         cfg = vision_config_from_hf(hf_dir, cfg)
     return cfg

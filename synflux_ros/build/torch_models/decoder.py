@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ...core.config import ConfigError, LLMConfig
-from .checkpoint import copy_checked, read_config, tensor_files
+from .checkpoint import copy_checked, read_config, read_tensors, tensor_files
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -602,9 +602,14 @@ def materialize(module: nn.Module) -> nn.Module:
 
 # ---------------------------------------------------------------------------------------------- HF checkpoints
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "gemma", "qwen3_vl")
-_ARCH_OF = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "gemma": "gemma", "qwen3_vl": "qwen3"}
-_TIED_DEFAULT = {"qwen3": False, "qwen2": False, "llama": False, "gemma": True, "qwen3_vl": False}
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "phi3", "gemma", "qwen3_vl")
+_ARCH_OF = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "phi3": "llama", "gemma": "gemma",
+            "qwen3_vl": "qwen3"}
+_TIED_DEFAULT = {"qwen3": False, "qwen2": False, "llama": False, "phi3": False, "gemma": True, "qwen3_vl": False}
+_FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                        "self_attn.v_proj.weight"),
+          "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+"""Phi-3's fused projections: checkpoint tensor suffix -> the parameters its rows are, in order."""
 
 
 def read_hf_config(hf_dir: str) -> tuple[str, dict, dict]:
@@ -696,20 +701,38 @@ def _map_name(name: str, model_type: str) -> str | None:
 
 
 def load_hf_weights(lm: CausalLM, hf_dir: str, model_type: str) -> None:
-    """Copy the checkpoint's text-decoder tensors into ``lm`` (float32), with strict name matching."""
+    """Copy the checkpoint's text-decoder tensors into ``lm`` (float32), with strict name matching; Phi-3's
+    fused q/k/v and gate/up tensors are split by rows into their projections (:data:`_FUSED`)."""
     params = dict(lm.named_parameters(remove_duplicate=False))
     tied = lm.llm.tie_word_embeddings
     expected = {n for n in params if not (tied and n == "lm_head.weight")}
     wanted: dict[str, str] = {}   # checkpoint key -> parameter name
+    fused: dict[str, tuple[str, ...]] = {}  # checkpoint key -> the parameters its rows go to
     unexpected: list[str] = []
     files = tensor_files(hf_dir)
     for key in files:
         name = _map_name(key, model_type)
         if name is None or (tied and name == "lm_head.weight"):
             continue
+        suffix = next((s for s in _FUSED if model_type == "phi3" and name.endswith("." + s)), None)
+        if suffix:
+            parts = tuple(name[:-len(suffix)] + p for p in _FUSED[suffix])
+            if set(parts) <= expected:
+                fused[key] = parts
+                continue
         if name in expected:
             wanted[key] = name
         else:
             unexpected.append(key)
-    copy_checked(params, files, wanted, expected, unexpected, hf_dir,
+    split = {p for parts in fused.values() for p in parts}
+    copy_checked(params, files, wanted, expected - split, unexpected, hf_dir,
                  f"a {lm.llm.architecture} decoder of this config", "build the config with config_from_hf")
+    with torch.no_grad():
+        for key, tensor in read_tensors({key: files[key] for key in fused}):
+            targets = [params[p] for p in fused[key]]
+            rows = [t.shape[0] for t in targets]
+            if tuple(tensor.shape) != (sum(rows), *targets[0].shape[1:]):
+                raise ConfigError(f"{hf_dir}: {key} has shape {list(tensor.shape)}, the graphs expect "
+                                  f"{[sum(rows), *targets[0].shape[1:]]} (build the config with config_from_hf)")
+            for target, part in zip(targets, torch.split(tensor, rows)):
+                target.copy_(part)
