@@ -166,6 +166,24 @@ def test_rebuild_skips_unchanged_graphs(qwen3, tmp_path, capsys):
     assert os.path.isfile(os.path.join(out, f"prefill_{BUCKET}.onnx"))
 
 
+def worst_logit_difference(hf, tmp_path, architecture: str, seed: int) -> tuple[float, np.ndarray, np.ndarray]:
+    """Save ``hf``, build its graph set with --from-hf (``llm.architecture`` must come out as ``architecture``)
+    and compare prefill (12 tokens) and 8 decode steps with transformers: (worst difference, the ids, the
+    reference logits of each step)."""
+    hf.save_pretrained(tmp_path / "ckpt")
+    write_tokenizer(str(tmp_path / "ckpt"))
+    out = tmp_path / "graphs"
+    assert build_tool.main(["--config", base_yaml(tmp_path), "--out", str(out), "--from-hf",
+                            str(tmp_path / "ckpt")]) == 0
+    cfg, llm, slot = backbone(str(out))
+    assert cfg.llm.architecture == architecture
+    ids = np.random.default_rng(seed).integers(0, VOCAB, 20)
+    with torch.no_grad():
+        ref = [hf(torch.from_numpy(ids[:i + 1])[None]).logits[0, -1].numpy() for i in range(11, 20)]
+    got = [llm.prefill(slot, 0, llm.embed(ids[:12]))] + [llm.decode(slot, i, int(ids[i])) for i in range(12, 20)]
+    return max(float(np.abs(g - r).max()) for g, r in zip(got, ref)), ids, np.stack(ref)
+
+
 def test_qwen2_biased_qkv_logits_match_transformers(tmp_path):
     """Qwen2's q/k/v biases: prefill and decode logits of the built graphs within 1e-4 of transformers'."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -173,27 +191,16 @@ def test_qwen2_biased_qkv_logits_match_transformers(tmp_path):
     hf = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
                                       max_position_embeddings=256, tie_word_embeddings=False)).eval()
+    biases = [p for name, p in hf.named_parameters() if name.endswith("_proj.bias")]
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("_proj.bias"):  # zero at init
-                p.normal_(0.0, 1.0)
-    hf.save_pretrained(tmp_path / "ckpt")
-    write_tokenizer(str(tmp_path / "ckpt"))
-    out = tmp_path / "graphs"
-    assert build_tool.main(["--config", base_yaml(tmp_path), "--out", str(out), "--from-hf",
-                            str(tmp_path / "ckpt")]) == 0
-    cfg, llm, slot = backbone(str(out))
-    assert cfg.llm.architecture == "qwen2"
-    ids = np.random.default_rng(3).integers(0, VOCAB, 20)
-    with torch.no_grad():
-        ref = [hf(torch.from_numpy(ids[:i + 1])[None]).logits[0, -1].numpy() for i in range(11, 20)]
-        for name, p in hf.named_parameters():
-            if name.endswith("_proj.bias"):
-                p.zero_()
-        unbiased = hf(torch.from_numpy(ids[:12])[None]).logits[0, -1].numpy()
-    got = [llm.prefill(slot, 0, llm.embed(ids[:12]))] + [llm.decode(slot, i, int(ids[i])) for i in range(12, 20)]
-    worst = max(float(np.abs(g - r).max()) for g, r in zip(got, ref))
+        for p in biases:  # zero at init
+            p.normal_(0.0, 1.0)
+    worst, ids, ref = worst_logit_difference(hf, tmp_path, "qwen2", seed=3)
     assert worst < 1e-4, f"logits differ by {worst}"
+    with torch.no_grad():
+        for p in biases:
+            p.zero_()
+        unbiased = hf(torch.from_numpy(ids[:12])[None]).logits[0, -1].numpy()
     assert np.abs(ref[0] - unbiased).max() > 100 * 1e-4  # the biases count
 
 
@@ -205,18 +212,7 @@ def test_phi3_fused_projections_logits_match_transformers(tmp_path):
     hf = Phi3ForCausalLM(Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                     intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256,
                                     pad_token_id=0, sliding_window=128)).eval()
-    hf.save_pretrained(tmp_path / "ckpt")
-    write_tokenizer(str(tmp_path / "ckpt"))
-    out = tmp_path / "graphs"
-    assert build_tool.main(["--config", base_yaml(tmp_path), "--out", str(out), "--from-hf",
-                            str(tmp_path / "ckpt")]) == 0
-    cfg, llm, slot = backbone(str(out))
-    assert cfg.llm.architecture == "llama"
-    ids = np.random.default_rng(4).integers(0, VOCAB, 20)
-    with torch.no_grad():
-        ref = [hf(torch.from_numpy(ids[:i + 1])[None]).logits[0, -1].numpy() for i in range(11, 20)]
-    got = [llm.prefill(slot, 0, llm.embed(ids[:12]))] + [llm.decode(slot, i, int(ids[i])) for i in range(12, 20)]
-    worst = max(float(np.abs(g - r).max()) for g, r in zip(got, ref))
+    worst, _, _ = worst_logit_difference(hf, tmp_path, "llama", seed=4)
     assert worst < 1e-4, f"logits differ by {worst}"
     longer = base_yaml(tmp_path, llm={"decode_buckets": [64, 256], "max_seq_len": 256})
     with pytest.raises(ConfigError, match=r"sliding_window 128: .*llm.max_seq_len \(256\) must be at most 128"):
