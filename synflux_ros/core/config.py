@@ -677,6 +677,13 @@ class ModelConfig:
                      "vision": ("resize", "pad_value", "interpolation", "mean", "std", "max_input_pixels", "cameras",
                                 "camera_max_skew")}
 
+    def relative_to_source(self, path: str) -> str:
+        """``path`` (a file a field names) resolved against the config file's directory when it is relative and
+        the config came from a file; else as it is."""
+        if path and not os.path.isabs(path) and self.source:
+            return os.path.join(os.path.dirname(self.source), path)
+        return path
+
     def graph_hash(self) -> str:
         """Hash of what shapes and fills the graphs (vision, llm, action heads); a graph set built for
         one config can be reused by any config with the same graph hash."""

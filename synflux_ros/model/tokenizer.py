@@ -140,10 +140,7 @@ class HFTokenizer(Tokenizer):
 def load_tokenizer(cfg: ModelConfig, shipped: str = "") -> Tokenizer:
     """The config's tokenizer.json, else ``shipped`` (the one a graph set ships), else byte-level."""
     eos = cfg.text.eos_token_ids
-    path = cfg.tokenizer.path
-    if path and not os.path.isabs(path) and cfg.source:
-        path = os.path.join(os.path.dirname(cfg.source), path)
-    path = path or shipped
+    path = cfg.relative_to_source(cfg.tokenizer.path) or shipped
     if path:
         return HFTokenizer(path, cfg.llm.vocab_size, eos)
     return ByteTokenizer(cfg.llm.vocab_size, eos)

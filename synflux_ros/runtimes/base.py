@@ -21,9 +21,7 @@ from ..model.vision import VisionEncoder
 
 def resolve_graph_dir(cfg: ModelConfig) -> str:
     """``executor.graph_dir`` as an absolute path; a relative one is relative to the config file."""
-    gdir = cfg.executor.graph_dir
-    if gdir and not os.path.isabs(gdir) and cfg.source:
-        gdir = os.path.join(os.path.dirname(cfg.source), gdir)
+    gdir = cfg.relative_to_source(cfg.executor.graph_dir)
     return os.path.abspath(gdir) if gdir else ""
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 import threading
 import time
 import zlib
@@ -88,10 +87,8 @@ def chat_template_of(cfg: ModelConfig, tokenizer: Tokenizer):
     """The chat template the runtime renders with: ``tokenizer.chat_template`` (relative to the config file), else
     the one beside the tokenizer, else plain completion (text-only) or ChatML (with vision), see
     :func:`~synflux_ros.model.chat_template.load_chat_template`."""
-    path = cfg.tokenizer.chat_template
-    if path and not os.path.isabs(path) and cfg.source:
-        path = os.path.join(os.path.dirname(cfg.source), path)
-    return load_chat_template(tokenizer.directory, path, text_only=cfg.vision is None)
+    return load_chat_template(tokenizer.directory, cfg.relative_to_source(cfg.tokenizer.chat_template),
+                              text_only=cfg.vision is None)
 
 
 def check_chat_setup(cfg: ModelConfig, tokenizer: Tokenizer, template) -> None:
