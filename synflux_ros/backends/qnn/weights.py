@@ -31,24 +31,28 @@ def private_weights(model) -> list[str]:
 
     graph = model.graph
     weights = {t.name: len(t.dims) for t in graph.initializer}
-    inferred = shape_inference.infer_shapes(model).graph
-    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in list(inferred.input) + list(inferred.value_info)}
     first: dict[str, tuple] = {}
-    out_nodes, rewritten = [], []
-    for node in graph.node:
+    later = []  # (position, weight's input index): products reading a weight in another role than its first reader
+    for position, node in enumerate(graph.node):
         if node.op_type not in ("MatMul", "Gemm"):
-            out_nodes.append(node)
             continue
         index = next((i for i, name in enumerate(node.input[:2]) if weights.get(name) == 2), None)
-        if index is None:
+        if index is not None and first.setdefault(node.input[index], _role(node, index)) != _role(node, index) \
+                and node.op_type == "MatMul":
+            later.append((position, index))
+    if not later:  # most graphs: nothing to infer shapes for
+        return []
+    inferred = shape_inference.infer_shapes(model).graph
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in list(inferred.input) + list(inferred.value_info)}
+    rewrite = {position: index for position, index in later
+               if ranks.get(graph.node[position].input[1 - index]) == 2}
+    out_nodes, rewritten = [], []
+    for position, node in enumerate(graph.node):
+        if position not in rewrite:
             out_nodes.append(node)
             continue
-        w = node.input[index]
-        role = _role(node, index)
-        other = node.input[1 - index]
-        if first.setdefault(w, role) == role or node.op_type == "Gemm" or ranks.get(other) != 2:
-            out_nodes.append(node)
-            continue
+        index = rewrite[position]
+        w, other = node.input[index], node.input[1 - index]
         tag = node.name or node.output[0]
         wt, ot, prod = f"{tag}/private_weight", f"{tag}/operand_t", f"{tag}/product_t"
         # W @ B = (Bᵀ @ Wᵀ)ᵀ and A @ W = (Wᵀ @ Aᵀ)ᵀ: the private copy Wᵀ is the other operand of the product
@@ -57,7 +61,7 @@ def private_weights(model) -> list[str]:
                       helper.make_node("Transpose", [other], [ot], name=ot, perm=[1, 0]),
                       helper.make_node("MatMul", pair, [prod], name=f"{tag}/private"),
                       helper.make_node("Transpose", [prod], list(node.output), name=f"{tag}/result", perm=[1, 0])]
-        rewritten.append(node.name or node.output[0])
+        rewritten.append(tag)
     if rewritten:
         del graph.node[:]
         graph.node.extend(out_nodes)

@@ -106,7 +106,7 @@ class _Layer:
 
     def __init__(self, layer, x, cos, sin, past_k, past_v, bias):
         att, mlp = layer.self_attn, layer.mlp
-        self.layer, self.cos, self.sin = layer, cos, sin
+        self.cos, self.sin = cos, sin
         n, nh, kvh, dh = x.shape[0], att.num_heads, att.num_kv_heads, att.head_dim
         self.shape = (n, nh, kvh, dh)
         self.qkv = _matrices(att, "qkv_t", ("q_t", "k_t", "v_t"), ("q_proj", "k_proj", "v_proj"))
