@@ -85,18 +85,33 @@ def test_every_frame_is_accounted_for(start_node, client, make_config):
     h = Harness(client, "/slow")
     h.wait_connected()
     # 40 frames at ~100 Hz into a pipeline whose head needs ~80 ms: most are replaced while waiting.
-    # (Best-effort delivery may lose a frame on the wire; those never reach the node and are not counted.)
+    # Best-effort delivery loses frames on the wire when the machine is loaded (a third of them in a busy
+    # test run); those never reach the node and are not counted. Every frame that arrives is accounted for.
     for i in range(40):
         h.image_pub.publish(rgb_image(448, 448, i, 10**9 * (i + 1)))
         spin_until(client, lambda: False, 0.01)
-    d = h.diag_where(lambda d: int(d["frames_received"]) >= 35 and int(d["frames_received"]) == (
-        int(d["frames_published"]) + int(d["frames_dropped"]) + int(d["frames_rejected"]) + int(d["frames_failed"])),
-        timeout=20)
+
+    def settled(d):
+        received = int(d["frames_received"])
+        return (received >= 8 and int(d["frames_in_flight"]) == 0 and float(d["seconds_since_frame"]) >= 1.0
+                and received == int(d["frames_published"]) + int(d["frames_dropped"])
+                + int(d["frames_rejected"]) + int(d["frames_failed"]))
+
+    d = h.diag_where(settled, timeout=30)
     assert int(d["frames_dropped"]) > 0
     assert int(d["frames_published"]) >= 2
+    assert int(d["frames_rejected"]) == int(d["frames_failed"]) == 0
     assert spin_until(client, lambda: len(h.chunks) == int(d["frames_published"]), 5)
-    # the newest frame wins: the last frame published is the last one processed
-    assert stamp_ns(h.chunks[-1].header) == 40 * 10**9
+    # no frame is processed after a newer one
+    stamps = [stamp_ns(c.header) for c in h.chunks]
+    assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps)
+    # the newest frame wins: a frame after the burst (sent again until it gets through) is processed
+    final = 50 * 10**9
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not any(stamp_ns(c.header) == final for c in h.chunks):
+        h.image_pub.publish(rgb_image(448, 448, 50, final))
+        spin_until(client, lambda: any(stamp_ns(c.header) == final for c in h.chunks), 0.5)
+    assert stamp_ns(h.chunks[-1].header) == final
 
 
 def test_compressed_transport(start_node, client):
