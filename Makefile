@@ -82,8 +82,8 @@ $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
 # The RKNN venv is a prerequisite so that the rknn backend tests run (they skip without it); the pi0 reference
 # venv so that the LeRobot parity test runs (it skips without it).
 # The NPU simulator tests (marker `simulator`: qnn, rknn; minutes of single-instruction emulation, the rknn one
-# single-threaded) run in a second pytest process beside the others, on a DDS domain of their own; their
-# report follows. That process runs at a lower CPU priority (nice 5): its cases only need throughput, while
+# single-threaded) and the serving tests (marker `serve`: a local Ray cluster each module) run in a second
+# pytest process beside the others, on a DDS domain of their own; their report follows. That process runs at a lower CPU priority (nice 5): its cases only need throughput, while
 # the others start nodes and wait for DDS discovery and replies under timeouts.
 # Both processes keep their files under build/ (pytest-main, pytest-simulators: about 3.5 GiB, replaced by the
 # next run; test/conftest.py puts the started processes' temporary files there too); with less free there, the
@@ -92,24 +92,43 @@ TEST_DIRS := unit integration parity simulators gpu launch
 TEST_DISK_GIB := 4
 # The slowest cases of each process, listed after its report (where the 10-minute goal of make test goes).
 DURATIONS := --durations=25 --durations-min=5
-# Its prerequisites (four venvs, the package, the docs) are made by a parallel make: on a fresh clone they
+# Its prerequisites (the venvs, the package, the docs) are made by a parallel make: on a fresh clone they
 # are mostly downloads and unpacking, independent but for the package venv they share.
 test:
-	$(MAKE) -j4 --no-print-directory install rknn-venv pi0ref-venv docs sim-venv
+	$(MAKE) -j4 --no-print-directory install rknn-venv pi0ref-venv docs sim-venv serve-venv openpi-venv
 	@mkdir -p $(BUILD); free=$$(df -Pk $(BUILD) | awk 'NR==2 {print int($$4 / 1048576)}'); [ "$$free" -ge $(TEST_DISK_GIB) ] || \
 	  echo "make test: WARNING: $$free GiB free on the disk of $(abspath $(BUILD)); the tests write about \
 	$(TEST_DISK_GIB) GiB there, and a full disk makes them fail"
 	cd test && base=$${ROS_DOMAIN_ID:-$$(( RANDOM % 100 + 1 ))}; \
 	  ROS_DOMAIN_ID=$$(( base % 101 + 1 )) nice -n 5 $(PY) -m pytest -q -rs -p no:cacheprovider $(DURATIONS) \
-	    --basetemp=$(abspath $(BUILD))/pytest-simulators -m simulator $(TEST_DIRS) \
+	    --basetemp=$(abspath $(BUILD))/pytest-simulators -m "simulator or serve" $(TEST_DIRS) \
 	    > $(abspath $(BUILD))/test-simulators.log 2>&1 & sim=$$!; \
 	  trap "kill $$sim 2>/dev/null" INT TERM; \
 	  ROS_DOMAIN_ID=$$base $(PY) -m pytest -q -rs $(DURATIONS) --basetemp=$(abspath $(BUILD))/pytest-main \
-	    -m "not simulator" $(TEST_DIRS); rc=$$?; \
+	    -m "not simulator and not serve" $(TEST_DIRS); rc=$$?; \
 	  wait $$sim; sim_rc=$$?; \
-	  echo "== NPU simulator tests (marker simulator), run beside the others =="; \
+	  echo "== NPU simulator and serving tests (markers simulator, serve), run beside the others =="; \
 	  cat $(abspath $(BUILD))/test-simulators.log; \
 	  [ $$rc -eq 0 ] && [ $$sim_rc -eq 0 ]
+
+# Serving (synflux_ros/serve, synflux-serve): Ray Serve and msgpack in .venv, with the build requirements as
+# constraints (nothing may move numpy or torch); openpi's client in a venv of its own (it pins numpy < 2), which
+# the serving tests drive the server with.
+.PHONY: serve-venv openpi-venv
+serve-venv: $(VENV)/.stamp-serve
+
+$(VENV)/.stamp-serve: requirements-serve.txt | $(VENV)/.stamp-deps
+	$(PY) -m pip install --quiet -c requirements-build.txt -r requirements-serve.txt
+	touch $@
+
+OPENPI_VENV := .venv-openpi
+openpi-venv: $(OPENPI_VENV)/.stamp-openpi
+
+$(OPENPI_VENV)/.stamp-openpi: requirements-openpi.txt
+	python3 -m venv $(OPENPI_VENV)
+	$(OPENPI_VENV)/bin/python -m pip install --quiet -r requirements-openpi.txt
+	$(OPENPI_VENV)/bin/python -c "from openpi_client import websocket_client_policy"
+	touch $@
 
 # The simulated robot (synflux_ros/sim, sim_robot_node): mujoco in .venv, and a headless OpenGL for its camera.
 # synflux_ros/sim/gl.py renders one frame with EGL, then with OSMesa, and prints the backend that worked; where
@@ -208,6 +227,12 @@ bench-llm: install $(VENV)/.stamp-smollm2 llamacpp
 .PHONY: bench-dds
 bench-dds: install
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.dds_transport $(ARGS)
+
+# synflux-serve on loopback (synflux_ros/bench/serve.py, about a minute): the per-chunk overhead against the
+# runtime in process, and the throughput of 4 robots with 1 and 2 replicas; `ARGS="--jsonl rows.jsonl"`.
+.PHONY: bench-serve
+bench-serve: install serve-venv
+	cd $(BUILD) && $(PY) -m synflux_ros.bench.serve --work $(abspath $(BUILD))/bench $(ARGS)
 
 # Chunk execution on the small π0 (synflux_ros/bench/control.py, a few minutes): switch jumps and command steps
 # of each merge mode on a simulated clock at delays of 2, 4 and 8 steps, the RTC chunk time against the plain

@@ -26,5 +26,6 @@ setup(
         "synflux-build=synflux_ros.build.export:main",
         "synflux-bench=synflux_ros.bench.llm:main",
         "synflux-validate=synflux_ros.build.validate:main",
+        "synflux-serve=synflux_ros.serve.cli:main",
     ]},
 )

@@ -21,6 +21,8 @@ def pytest_configure(config):
                                        "these in a process of their own")
     config.addinivalue_line("markers", "reference: compared with a reference implementation (transformers, "
                                        "LeRobot)")
+    config.addinivalue_line("markers", "serve: starts synflux-serve (a local Ray); make test runs these beside the "
+                                       "simulator tests")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (and, for engines, TensorRT); skipped elsewhere "
                                        "with the reason")
 

@@ -588,6 +588,51 @@ class ExecutionConfig:
                                   f"[{lo[i]}, {hi[i]}]")
 
 
+def _key_path(value, path: str) -> tuple[str, ...]:
+    """An observation key: a string names a top-level key (it may hold '/', as DROID's keys do), a list of
+    strings a path into nested maps (ALOHA's ``[images, cam_high]``)."""
+    parts = [value] if isinstance(value, str) else value
+    if not isinstance(parts, (list, tuple)) or not parts or not all(isinstance(p, str) and p for p in parts):
+        raise ConfigError(f"{path}: expected a key (a string) or a path of keys (a list of strings), got {value!r}")
+    return tuple(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """How ``synflux-serve`` reads a policy request (openpi's observation dict) and bounds it. Each key is a
+    string (a top-level key) or a list of strings (a path into nested maps)."""
+    images: dict[str, Any] = _spec(default_factory=dict, doc="camera (a vision.cameras name, or 'image' for a "
+                                   "one-camera model) -> its observation key; empty = observation/<camera>")
+    state: tuple[Any, ...] = _spec(("observation/state",), doc="keys whose values, concatenated in order, are the "
+                                   "robot state (action.state_joints order)")
+    prompt: Any = _spec("prompt", doc="key of the instruction; a request without it keeps the last one")
+    max_message_bytes: int = _spec(32 * 1024 * 1024, min=1024, doc="largest request message")
+
+    def __post_init__(self):
+        for cam, key in self.images.items():
+            _key_path(key, f"serve.images.{cam}")
+        for i, key in enumerate(self.state):
+            _key_path(key, f"serve.state[{i}]")
+        _key_path(self.prompt, "serve.prompt")
+
+    def image_keys(self, cameras: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+        """(camera, key path) per camera of the model, in its order."""
+        names = cameras or ("image",)
+        unknown = sorted(set(self.images) - set(names))
+        if unknown:
+            raise ConfigError(f"serve.images: {', '.join(unknown)} is not a camera of the model "
+                              f"(cameras: {', '.join(names)})")
+        return [(c, _key_path(self.images.get(c, f"observation/{c}"), f"serve.images.{c}")) for c in names]
+
+    @property
+    def state_keys(self) -> list[tuple[str, ...]]:
+        return [_key_path(k, "serve.state") for k in self.state]
+
+    @property
+    def prompt_key(self) -> tuple[str, ...]:
+        return _key_path(self.prompt, "serve.prompt")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """One model YAML, validated: every field checked at load with its path and the allowed values."""
@@ -603,6 +648,7 @@ class ModelConfig:
     executor: ExecutorConfig = _spec(default_factory=ExecutorConfig)
     pipeline: PipelineConfig = _spec(default_factory=PipelineConfig)
     execution: ExecutionConfig = _spec(default_factory=ExecutionConfig)
+    serve: ServeConfig = _spec(default_factory=ServeConfig)
     default_instruction: str = _spec("pick up the object")
     source: str = _spec("", doc="file the config was loaded from (set by the loader)")
 
@@ -635,6 +681,8 @@ class ModelConfig:
                 raise ConfigError(f"execution.joints: {len(self.execution.joints)} joints for "
                                   f"{self.action.published_dim} action values per step (action.output_dim, "
                                   f"else action_dim)")
+        if self.mode == "vla":
+            self.serve.image_keys(self.vision.cameras)
         if self.execution.mode == "rtc" and (self.action is None or self.action.head_type != "flow_matching"):
             raise ConfigError("execution.mode: rtc guides a flow-matching head; this model's head is "
                               f"{self.action.head_type if self.action else 'none'}")

@@ -23,8 +23,10 @@ ROOMS = {
     "sim": {"core"},
     "nodes": {"core", "model", "runtimes", "sim", "msg", "srv"},
     "build": {"core", "graphset", "backends", "model", "runtimes"},
-    "tools": {"core", "graphset", "backends", "model", "runtimes", "sim", "build", "nodes", "msg", "srv"},
-    "bench": {"core", "graphset", "backends", "model", "runtimes", "build", "nodes", "tools", "msg", "srv"},
+    "serve": {"core", "graphset", "backends", "model", "runtimes"},
+    "tools": {"core", "graphset", "backends", "model", "runtimes", "sim", "build", "serve", "nodes", "msg", "srv"},
+    "bench": {"core", "graphset", "backends", "model", "runtimes", "build", "serve", "nodes", "tools", "msg",
+              "srv"},
 }
 # A backend folder's build step (backends/<name>/build*.py, compile.py) runs in synflux-build: it may use the
 # build room and torch. Every other file of a backend is run-time.
@@ -33,7 +35,7 @@ ROS_PACKAGES = {"rclpy", "rcl_interfaces", "sensor_msgs", "std_msgs", "std_srvs"
                 "diagnostic_msgs", "lifecycle_msgs", "builtin_interfaces", "ament_index_python"}
 ROS_ROOMS = {"nodes", "tools"}  # tools/ drives nodes over DDS (demo, test harness); a robot runs nodes/ only
 BUILD_TIME = {"torch", "transformers", "safetensors", "onnxruntime_genai", "accelerate", "gguf"}
-RUN_TIME_ROOMS = {"core", "graphset", "backends", "model", "runtimes", "sim", "nodes"}
+RUN_TIME_ROOMS = {"core", "graphset", "backends", "model", "runtimes", "sim", "nodes", "serve"}
 
 
 def is_backend_build_step(module: str) -> bool:

@@ -1,0 +1,185 @@
+"""The Ray Serve application of ``synflux-serve``: one deployment per model config, whose replicas each hold
+a runtime on the configured backend; Ray's proxy takes the connections.
+
+VLA configs speak openpi's websocket policy protocol at ``/`` (the metadata frame on connect, then one msgpack
+observation in and one msgpack result out per message; a failed request is a text frame saying why followed
+by a close with code 1011, as openpi's server reports errors), ``GET /healthz`` answers ``OK``, ``GET /status``
+the replica's counters. With an API key configured, a connection must send ``Authorization: Api-Key <key>``
+(openpi-client's header); the key is compared in constant time.
+
+:func:`build_app` is Ray's application builder (``import_path: synflux_ros.serve.app:build_app``), so a Serve
+config file written by ``synflux-serve --write-config`` runs under ``serve run`` and ``serve deploy`` too.
+"""
+# No "from __future__ import annotations": FastAPI reads the handlers' annotations as objects (WebSocket).
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import os
+import socket
+import time
+from collections import Counter
+
+from fastapi import FastAPI, WebSocket
+from fastapi.responses import JSONResponse, PlainTextResponse
+from ray import serve
+from starlette.websockets import WebSocketDisconnect
+
+from ..backends import executor_table
+from ..core.config import ConfigError, ModelConfig, _spec, choices_hint, load_config, options_from_dict
+from . import wire
+from .policy import RequestError, VLAPolicy
+
+logger = logging.getLogger("synflux_ros.serve")
+
+INTERNAL_ERROR = 1011  # openpi's close code after its error frame
+POLICY_VIOLATION = 1008  # a connection without the API key
+REASON_BYTES = 120  # a close frame's reason is at most 123 bytes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AppArgs:
+    """The application's arguments (the ``args`` of its entry in a Serve config file)."""
+    config: str = _spec(doc="model config YAML (a path on every node of the cluster)")
+    graph_dir: str = _spec("", doc="graph set directory; empty = the config's executor.graph_dir")
+    backend: str = _spec("", doc="backend; empty = the config's executor.backend")
+    api_key_file: str = _spec("", doc="file holding the API key; empty = no key asked for")
+
+
+def load_app_config(args: AppArgs) -> ModelConfig:
+    """The model config with the application's overrides, as every replica loads it."""
+    cfg = load_config(args.config)
+    overrides = {}
+    if args.graph_dir:
+        overrides["graph_dir"] = os.path.abspath(args.graph_dir)
+    if args.backend:
+        overrides["backend"] = args.backend
+    return cfg.with_overrides(executor=overrides) if overrides else cfg
+
+
+def read_api_key(path: str) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            key = fh.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"api_key_file: cannot read {path!r} ({exc.strerror})") from None
+    if len(key) < 16:
+        raise ConfigError(f"api_key_file: {path!r} holds a key of {len(key)} characters; use at least 16")
+    return key
+
+
+def authorised(headers, key: str) -> bool:
+    """``Authorization: Api-Key <key>``, compared in constant time; anything goes without a key."""
+    if not key:
+        return True
+    given = headers.get("authorization", "")
+    return hmac.compare_digest(given.encode("utf-8", "replace"), f"Api-Key {key}".encode())
+
+
+def _reason(text: str) -> str:
+    raw = text.encode("utf-8")[:REASON_BYTES]
+    return raw.decode("utf-8", "ignore")
+
+
+vla_api = FastAPI(title="synflux-serve VLA (openpi websocket protocol)")
+
+
+@serve.deployment(name="vla_policy", max_ongoing_requests=16, ray_actor_options={"num_cpus": 1})
+@serve.ingress(vla_api)
+class VLADeployment:
+    """A replica: one :class:`VLAPolicy`; each websocket connection is one robot, its frames numbered from 0."""
+
+    def __init__(self, args: dict):
+        self.args = options_from_dict(AppArgs, args, "args.")
+        self.cfg = load_app_config(self.args)
+        if self.cfg.mode != "vla":
+            raise ConfigError(f"{self.args.config}: a {self.cfg.mode} config is not a policy")
+        self.key = read_api_key(self.args.api_key_file)
+        self.policy = VLAPolicy(self.cfg)
+        self.counts: Counter = Counter()
+        self.replica = f"{socket.gethostname()}:{os.getpid()}"
+        self.max_bytes = self.cfg.serve.max_message_bytes
+
+    @vla_api.get("/healthz")
+    def healthz(self):
+        return PlainTextResponse("OK\n")
+
+    @vla_api.get("/status")
+    def status(self):
+        return JSONResponse({"model": self.cfg.name, "backend": self.cfg.executor.backend,
+                             "replica": self.replica, **dict(self.counts)})
+
+    @vla_api.websocket("/")
+    async def policy(self, ws: WebSocket):
+        if not authorised(ws.headers, self.key):
+            self.counts["connections_refused"] += 1
+            logger.warning("refused a connection from %s: no valid API key", ws.client)
+            await ws.close(code=POLICY_VIOLATION, reason="a valid 'Authorization: Api-Key ...' header is required")
+            return
+        await ws.accept()
+        self.counts["connections"] += 1
+        await ws.send_bytes(wire.pack({**self.policy.metadata, "replica": self.replica}))
+        seq, prev_total = 0, None
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            start = time.monotonic()
+            try:
+                if msg.get("bytes") is None:
+                    raise RequestError("expected a binary msgpack message, got a text frame")
+                obs = wire.unpack(msg["bytes"], self.max_bytes)
+                t0 = time.monotonic()
+                result = await asyncio.to_thread(self.policy.infer, obs, seq)
+                infer_ms = (time.monotonic() - t0) * 1e3
+            except (wire.WireError, RequestError) as exc:
+                self.counts["requests_refused"] += 1
+                await self._fail(ws, f"request refused: {exc}")
+                return
+            except Exception as exc:  # the connection ends as openpi's does; the replica keeps serving
+                self.counts["requests_failed"] += 1
+                logger.exception("inference failed")
+                await self._fail(ws, f"inference failed: {type(exc).__name__}: {exc}")
+                return
+            result["server_timing"] = {"infer_ms": infer_ms}
+            if prev_total is not None:
+                result["server_timing"]["prev_total_ms"] = prev_total
+            try:
+                await ws.send_bytes(wire.pack(result))
+            except (WebSocketDisconnect, RuntimeError):
+                return
+            self.counts["requests"] += 1
+            seq += 1
+            prev_total = (time.monotonic() - start) * 1e3
+
+    async def _fail(self, ws: WebSocket, text: str):
+        try:
+            await ws.send_text(text)
+            await ws.close(code=INTERNAL_ERROR, reason=_reason(text))
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+
+    def __del__(self):
+        policy = getattr(self, "policy", None)
+        if policy is not None:
+            policy.close()
+
+
+def build_app(args: dict, deployment: dict | None = None):
+    """Ray's application builder: ``args`` as :class:`AppArgs`; ``deployment`` the options of the
+    deployment (``num_replicas`` or ``autoscaling_config``, ``ray_actor_options``, ...), as a Serve config
+    file's ``deployments`` entry gives them. The config is checked here, before any replica starts."""
+    parsed = options_from_dict(AppArgs, args, "args.")
+    cfg = load_app_config(parsed)
+    read_api_key(parsed.api_key_file)
+    if cfg.executor.backend not in executor_table():  # its packages need only be on the replicas' nodes
+        raise ConfigError(f"executor.backend: unknown backend {cfg.executor.backend!r}"
+                          f"{choices_hint(cfg.executor.backend, sorted(executor_table()))}")
+    if cfg.mode != "vla":
+        raise ConfigError(f"{parsed.config}: synflux-serve serves vla configs (openpi's policy protocol); the "
+                          f"chat endpoint for {cfg.mode} configs is not there yet")
+    options = {k: v for k, v in (deployment or {}).items() if k != "name"}
+    return VLADeployment.options(**options).bind(dataclasses.asdict(parsed))

@@ -1,0 +1,139 @@
+"""``synflux-serve``: serve a synflux config and graph set with Ray Serve (a local Ray, or a cluster it joins).
+
+It writes the Serve config file it runs (``--write-config``), so that the same application can be run with
+``serve run`` or deployed with ``serve deploy``; ``--dry-run`` checks the config and writes the file only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+import yaml
+
+from ..core.config import ConfigError
+
+APP_NAME = "synflux"
+IMPORT_PATH = "synflux_ros.serve.app:build_app"
+DEPLOYMENT = "vla_policy"
+
+
+def _autoscale(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX replicas, got {text!r}") from None
+    if not 0 <= lo <= hi or hi < 1:
+        raise argparse.ArgumentTypeError(f"expected 0 <= MIN <= MAX and MAX >= 1, got {text!r}")
+    return lo, hi
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="synflux-serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="model config YAML")
+    p.add_argument("--graph-dir", default="", help="graph set directory (default: the config's executor.graph_dir)")
+    p.add_argument("--backend", default="", help="backend (default: the config's executor.backend)")
+    scale = p.add_mutually_exclusive_group()
+    scale.add_argument("--replicas", type=int, default=1, help="replicas of the model (default 1)")
+    scale.add_argument("--autoscale", type=_autoscale, metavar="MIN:MAX",
+                       help="autoscale between MIN and MAX replicas on the ongoing requests")
+    p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves per replica")
+    p.add_argument("--gpus-per-replica", type=float, default=0.0, help="GPUs Ray reserves per replica")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default="", help="join this Ray cluster (auto, or ray://host:10001); default: "
+                   "start a local Ray")
+    p.add_argument("--num-cpus", type=int, default=0, help="local Ray: CPUs it may use (default all)")
+    p.add_argument("--object-store-mib", type=int, default=256, help="local Ray: object store size")
+    p.add_argument("--api-key-file", default="", help="file holding the API key clients must send")
+    p.add_argument("--tls-cert", default="", help="certificate file (PEM): serve wss:// and https://")
+    p.add_argument("--tls-key", default="", help="private key file of --tls-cert")
+    p.add_argument("--write-config", default="", help="write the Serve config file here")
+    p.add_argument("--dry-run", action="store_true", help="check the config, write --write-config, and exit")
+    return p
+
+
+def serve_config(a: argparse.Namespace) -> dict:
+    """The Serve config file (Ray's ServeDeploySchema) of these arguments."""
+    if bool(a.tls_cert) != bool(a.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    for flag, path in (("--config", a.config), ("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key),
+                       ("--api-key-file", a.api_key_file)):
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{flag}: {path!r} is not a file")
+    if a.graph_dir and not os.path.isdir(a.graph_dir):
+        raise ConfigError(f"--graph-dir: {a.graph_dir!r} is not a directory")
+    if a.replicas < 1:
+        raise ConfigError(f"--replicas: {a.replicas} (at least 1)")
+    args = {"config": os.path.abspath(a.config)}
+    if a.graph_dir:
+        args["graph_dir"] = os.path.abspath(a.graph_dir)
+    if a.backend:
+        args["backend"] = a.backend
+    if a.api_key_file:
+        args["api_key_file"] = os.path.abspath(a.api_key_file)
+    actor = {"num_cpus": a.cpus_per_replica}
+    if a.gpus_per_replica:
+        actor["num_gpus"] = a.gpus_per_replica
+    deployment: dict = {"name": DEPLOYMENT, "ray_actor_options": actor}
+    if a.autoscale:
+        deployment["autoscaling_config"] = {"min_replicas": a.autoscale[0], "max_replicas": a.autoscale[1],
+                                            "target_ongoing_requests": 1}
+    else:
+        deployment["num_replicas"] = a.replicas
+    http = {"host": a.host, "port": a.port}
+    if a.tls_cert:
+        http.update(ssl_certfile=os.path.abspath(a.tls_cert), ssl_keyfile=os.path.abspath(a.tls_key))
+    return {"proxy_location": "EveryNode", "http_options": http,
+            "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": IMPORT_PATH, "args": args,
+                              "deployments": [deployment]}]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    from .app import build_app  # Ray and FastAPI load only once the arguments hold
+    try:
+        config = serve_config(a)
+        app_cfg = config["applications"][0]
+        app = build_app(app_cfg["args"], app_cfg["deployments"][0])
+    except ConfigError as exc:
+        print(f"synflux-serve: {exc}", file=sys.stderr)
+        return 2
+    if a.write_config:
+        with open(a.write_config, "w", encoding="utf-8") as fh:
+            yaml.safe_dump(config, fh, sort_keys=False)
+        print(f"synflux-serve: wrote {a.write_config} (serve run / serve deploy)", flush=True)
+    if a.dry_run:
+        return 0
+
+    import ray
+    from ray import serve
+
+    if a.address:
+        ray.init(address=a.address, namespace="serve")
+    else:
+        ray.init(num_cpus=a.num_cpus or None, object_store_memory=a.object_store_mib * 2**20,
+                 include_dashboard=False, namespace="serve")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options=config["http_options"], proxy_location=config["proxy_location"])
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        scheme = "wss" if a.tls_cert else "ws"
+        print(f"synflux-serve: serving {os.path.basename(a.config)} at {scheme}://{a.host}:{a.port}/ "
+              f"(openpi policy protocol; /healthz)", flush=True)
+        stop.wait()
+    finally:
+        if a.address:  # a cluster's Serve may run other applications: remove only this one
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

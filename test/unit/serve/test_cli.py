@@ -1,0 +1,61 @@
+"""synflux-serve's arguments, checked before Ray starts, and the Serve config file it writes."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed (make serve-venv)")
+from synflux_ros.serve import app, cli  # noqa: E402
+from synflux_ros.tools import harness as testing  # noqa: E402
+
+VLA = testing.config_path("vla_demo_orin.yaml")
+
+
+def test_dry_run_writes_a_serve_config_file_ray_accepts(tmp_path, capsys):
+    from ray.serve.schema import ServeDeploySchema
+    key = tmp_path / "key"
+    key.write_text("0123456789abcdef0123\n")
+    out = tmp_path / "serve.yaml"
+    assert cli.main(["--config", VLA, "--autoscale", "1:4", "--cpus-per-replica", "0.5", "--host", "0.0.0.0",
+                     "--port", "9000", "--api-key-file", str(key), "--write-config", str(out), "--dry-run"]) == 0
+    written = yaml.safe_load(out.read_text())
+    schema = ServeDeploySchema.model_validate(written)
+    assert (schema.http_options.host, schema.http_options.port) == ("0.0.0.0", 9000)
+    application = schema.applications[0]
+    assert application.import_path == "synflux_ros.serve.app:build_app"
+    assert application.args == {"config": VLA, "api_key_file": str(key)}
+    dep = application.deployments[0]
+    assert dep.name == "vla_policy" and dep.ray_actor_options.num_cpus == 0.5
+    assert written["applications"][0]["deployments"][0]["autoscaling_config"] == {
+        "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 1}
+    # the file's application is what the builder makes of its entry
+    built = app.build_app(application.args, written["applications"][0]["deployments"][0])
+    assert built is not None
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--config", "missing.yaml"], "--config: 'missing.yaml' is not a file"),
+    (["--config", VLA, "--tls-cert", VLA], "--tls-cert and --tls-key go together"),
+    (["--config", VLA, "--graph-dir", "/nonexistent"], "is not a directory"),
+    (["--config", VLA, "--replicas", "0"], "--replicas: 0 (at least 1)"),
+    (["--config", testing.config_path("vlm_demo.yaml")], "synflux-serve serves vla configs"),
+    (["--config", VLA, "--backend", "tpu"], "unknown backend 'tpu'"),
+])
+def test_bad_arguments_exit_2_naming_the_fault(argv, needle, capsys):
+    assert cli.main(argv + ["--dry-run"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_short_api_key_is_refused(tmp_path, capsys):
+    key = tmp_path / "key"
+    key.write_text("short\n")
+    assert cli.main(["--config", VLA, "--api-key-file", str(key), "--dry-run"]) == 2
+    assert "holds a key of 5 characters; use at least 16" in capsys.readouterr().err
+
+
+def test_the_api_key_is_compared_whole():
+    key = "0123456789abcdef0123"
+    assert app.authorised({"authorization": f"Api-Key {key}"}, key)
+    for given in ("", key, f"Api-Key {key[:-1]}", f"Api-Key {key}0", f"Bearer {key}", f"api-key {key}"):
+        assert not app.authorised({"authorization": given}, key), given
+    assert app.authorised({}, "")  # no key configured: no header asked for
