@@ -32,6 +32,15 @@ class Message:
                 + [{"type": "text", "text": self.text}]}
 
 
+@dataclass(frozen=True)
+class PastMessage:
+    """A message of the conversation before a turn as a client holds it (OpenAI-style requests carry the
+    whole conversation): ``role`` user or assistant, its text, and a user message's images (HxWx3 uint8)."""
+    role: str
+    text: str
+    images: tuple = ()
+
+
 @dataclass
 class Session:
     """One conversation: its KV slot, what the slot holds, and the conversation to render."""
@@ -43,6 +52,7 @@ class Session:
     messages: list[Message] = field(default_factory=list)
     system: str = ""  # the system prompt the session started with; "" = the template's default
     images: dict = field(default_factory=dict)  # image key -> its ImageFeatures (embeddings [tokens, H], ...)
+    digests: dict = field(default_factory=dict)  # image key -> digest of the pixels it was encoded from
     turns: int = 0
     last_used: float = field(default_factory=time.monotonic)
 
@@ -101,5 +111,6 @@ class SessionManager:
         s.tokens.clear()
         s.messages.clear()
         s.images.clear()
+        s.digests.clear()
         s.system = ""
         s.turns = 0

@@ -11,6 +11,7 @@ reference the cache path is tested against.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import threading
@@ -27,7 +28,7 @@ from ..model.image import ImageError, check_image_size
 from ..model.chat_template import ChatTemplateError, load_chat_template
 from ..model.heads.text_sampling import SamplingParams, generate
 from ..model.tokenizer import Tokenizer
-from .sessions import Message, RequestError, Session, SessionManager
+from .sessions import Message, PastMessage, RequestError, Session, SessionManager
 from .base import ModelRuntime
 
 MAX_SESSION_ID_CHARS = 128
@@ -46,6 +47,10 @@ class ChatRequest:
     top_p: float | None = None  # None = the config's text.top_p
     system: str | None = None  # the system prompt of a new or reset session; None / "" = the template's default
     reuse_kv_cache: bool | None = None  # None = the config's session.reuse_kv_cache; False: prefill the history
+    # The conversation before this turn as the client holds it (PastMessage per message, user first, user and
+    # assistant alternating), for clients that send it whole (OpenAI's API). A session holding exactly it goes
+    # on; else the session is rebuilt from it (a replica that never saw the session, an edited history).
+    history: tuple | None = None
 
 
 @dataclass
@@ -74,6 +79,22 @@ class _Turn:
     tokens: list  # the whole conversation: token ids, (image key, row) for image rows
     reused: int  # leading positions of ``tokens`` the session's cache already holds
     t0: float
+    digests: dict  # this turn's image key -> pixel digest
+    rebuilt: "_Past | None" = None  # the conversation the session restarts from (a request's history)
+
+
+@dataclass
+class _Past:
+    """A conversation rebuilt from a request's history, as a session holds one."""
+    system: str
+    messages: list
+    images: dict
+    digests: dict
+    turns: int
+
+
+def pixel_digest(img: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(img).data).hexdigest() + "x".join(map(str, img.shape))
 
 
 def _utf8(name: str, text: str) -> bytes:
@@ -261,15 +282,21 @@ class VLMRuntime(ModelRuntime):
                 out[:, pos] = images[t[0]].deepstack[:, t[1]]
         return out
 
-    def chat(self, req: ChatRequest) -> ChatResult:
-        """Serve one turn; a request that cannot be served raises :class:`RequestError` saying why."""
+    def chat(self, req: ChatRequest, on_token=None) -> ChatResult:
+        """Serve one turn; a request that cannot be served raises :class:`RequestError` saying why.
+        ``on_token`` gets each generated token id as it is sampled (streaming)."""
         try:
             with self._lock:
                 turn = self._check(req)
                 session, evicted = self.sessions.get_or_create(req.session_id)
-                if req.reset:
+                if req.reset or turn.rebuilt is not None:
                     self.sessions.reset(session)
-                return self._run_turn(turn, session, evicted)
+                if turn.rebuilt is not None:
+                    past = turn.rebuilt
+                    session.system, session.messages, session.turns = past.system, past.messages, past.turns
+                    session.images.update(past.images)
+                    session.digests.update(past.digests)
+                return self._run_turn(turn, session, evicted, on_token)
         except RequestError:
             self.requests_refused += 1
             raise
@@ -281,21 +308,29 @@ class VLMRuntime(ModelRuntime):
         params = self.sampling_params(req)
         existing = None if req.reset else self.sessions.peek(req.session_id)
         system = req.system or ""
-        if existing is not None and existing.turns and system and system != existing.system:
+        rebuilt = None
+        if req.history is not None:
+            past = self._check_history(req)
+            if existing is None or not self._holds(existing, system, past):
+                rebuilt, existing = self._rebuild(system, past), None
+        if req.history is None and existing is not None and existing.turns and system and \
+                system != existing.system:
             raise RequestError("system prompt: it applies when a session starts or resets; this session already "
                                "has one (send reset to start it again with another)")
         if existing is not None and existing.turns:
             system = existing.system
-        images = {}
-        start = existing.turns if existing else 0
+        images, digests = {}, {}
+        start = rebuilt.turns if rebuilt else existing.turns if existing else 0
         for i, img in enumerate(req.images):
             try:
                 images[(start, i)] = self.vision.features(img)
             except ImageError as exc:
                 raise RequestError(f"images[{i}]: {exc}") from None
+            digests[(start, i)] = pixel_digest(img)
         message = Message("user", req.prompt, list(images))
-        earlier = existing.messages if existing else []
-        all_images = {**(existing.images if existing else {}), **images}
+        held = rebuilt or existing
+        earlier = held.messages if held else []
+        all_images = {**(held.images if held else {}), **images}
         tokens = self._render(system, earlier + [message], all_images)
         reused = 0
         reuse = self.cfg.session.reuse_kv_cache if req.reuse_kv_cache is None else req.reuse_kv_cache
@@ -313,9 +348,57 @@ class VLMRuntime(ModelRuntime):
             raise RequestError(f"max_new_tokens {params.max_new_tokens} does not fit: after this prompt "
                                f"({len(tokens)} tokens with the conversation) only {room} tokens can be generated in "
                                f"the context of {ctx}; lower max_new_tokens or reset the session")
-        return _Turn(req, params, message, images, system, tokens, reused, t0)
+        return _Turn(req, params, message, images, system, tokens, reused, t0, digests, rebuilt)
 
-    def _run_turn(self, turn: _Turn, session: Session, evicted: str | None) -> ChatResult:
+    def _check_history(self, req: ChatRequest) -> list[PastMessage]:
+        """A request's history, checked as its turns were when they were sent."""
+        past = list(req.history)
+        for i, m in enumerate(past):
+            want = "user" if i % 2 == 0 else "assistant"
+            if not isinstance(m, PastMessage) or m.role != want:
+                got = m.role if isinstance(m, PastMessage) else type(m).__name__
+                raise RequestError(f"history[{i}]: expected a {want} message (the conversation alternates user and "
+                                   f"assistant from a user message, and the new message is a user's), got {got}")
+            if m.role == "user":
+                self._validate(ChatRequest(req.session_id, m.text, list(m.images)))
+            else:
+                if m.images:
+                    raise RequestError(f"history[{i}]: an assistant message carries no images")
+                if not isinstance(m.text, str) or len(_utf8("reply", m.text)) > self.cfg.session.max_prompt_bytes:
+                    raise RequestError(f"history[{i}]: an assistant message must be text of at most "
+                                       f"{self.cfg.session.max_prompt_bytes} bytes (session.max_prompt_bytes)")
+        if past and past[-1].role != "assistant":
+            raise RequestError("history: it must end with the assistant's message (the new message is a user's)")
+        return past
+
+    @staticmethod
+    def _holds(session: Session, system: str, past: list[PastMessage]) -> bool:
+        """Whether ``session`` holds exactly this conversation (texts, roles, image pixels, system prompt)."""
+        if session.system != system or len(session.messages) != len(past):
+            return False
+        return all(m.role == p.role and m.text == p.text and
+                   [session.digests.get(k) for k in m.images] == [pixel_digest(img) for img in p.images]
+                   for m, p in zip(session.messages, past))
+
+    def _rebuild(self, system: str, past: list[PastMessage]) -> _Past:
+        """The conversation of a history as a session would hold it, its images encoded."""
+        rebuilt = _Past(system, [], {}, {}, 0)
+        for m in past:
+            keys = []
+            for i, img in enumerate(m.images):
+                key = (rebuilt.turns, i)
+                try:
+                    rebuilt.images[key] = self.vision.features(img)
+                except ImageError as exc:
+                    raise RequestError(f"history image {i} of turn {rebuilt.turns}: {exc}") from None
+                rebuilt.digests[key] = pixel_digest(img)
+                keys.append(key)
+            rebuilt.messages.append(Message(m.role, m.text, keys))
+            if m.role == "assistant":
+                rebuilt.turns += 1
+        return rebuilt
+
+    def _run_turn(self, turn: _Turn, session: Session, evicted: str | None, on_token=None) -> ChatResult:
         """Prefill what the cache does not hold (all of it without reuse), generate, record the turn."""
         slot = self.kv_pool.tensor(session.slot)
         # From here on the slot is written from ``reused``: if the turn fails, the session keeps only
@@ -335,7 +418,7 @@ class VLMRuntime(ModelRuntime):
         pos = len(turn.tokens)
         rng = np.random.default_rng([self.cfg.text.seed, zlib.crc32(turn.req.session_id.encode()), session.turns])
         gen = generate(logits, lambda p, tok: self.backbone.decode(slot, p, tok, None if shift is None else p + shift),
-                       pos, turn.params, rng, turn.t0)
+                       pos, turn.params, rng, turn.t0, on_token)
         text_ids = [t for t in gen.tokens if t not in self._eos]
         reply = self.tokenizer.decode(text_ids)
         self._record_turn(session, turn, gen.tokens, reply)
@@ -348,6 +431,7 @@ class VLMRuntime(ModelRuntime):
         the reply as text and reuses whatever of it tokenizes the same."""
         session.system = turn.system
         session.images.update(turn.images)
+        session.digests.update(turn.digests)
         session.messages += [turn.message, Message("assistant", reply)]
         session.tokens = list(turn.tokens) + [int(t) for t in tokens[:-1]]
         session.cached = len(session.tokens)

@@ -43,8 +43,10 @@ class Generation:
 
 
 def generate(first_logits: np.ndarray, step: Callable[[int, int], np.ndarray], start_pos: int,
-             params: SamplingParams, rng: np.random.Generator, t0: float | None = None) -> Generation:
-    """Sample up to ``max_new_tokens``; ``step(pos, token)`` feeds a token and returns the next logits.
+             params: SamplingParams, rng: np.random.Generator, t0: float | None = None,
+             on_token: Callable[[int], None] | None = None) -> Generation:
+    """Sample up to ``max_new_tokens``; ``step(pos, token)`` feeds a token and returns the next logits;
+    ``on_token`` (for streaming) gets each token as it is sampled.
 
     The last sampled token is not fed (nothing reads its logits); the caller keeps it for the next turn.
     """
@@ -59,6 +61,8 @@ def generate(first_logits: np.ndarray, step: Callable[[int, int], np.ndarray], s
         if not tokens:
             ttft = time.perf_counter() - t0
         tokens.append(tok)
+        if on_token is not None:
+            on_token(tok)
         if tok in eos:
             return Generation(tokens, True, ttft)
         if len(tokens) >= params.max_new_tokens:

@@ -450,3 +450,73 @@ def test_qwen3_real_size_single_session():
         assert rt.kv_pool.num_slots == 1
     finally:
         rt.close()
+
+
+# ---------------------------------------------------------------- whole conversations (OpenAI-style requests)
+
+def with_history(sid, turns, replies, last, **extra):
+    """The request a stateless client sends for turn ``len(replies)``: every earlier turn and its reply."""
+    from synflux_ros.runtimes.sessions import PastMessage
+    past = []
+    for turn, reply in zip(turns, replies):
+        past += [PastMessage("user", turn["prompt"], tuple(turn.get("images", ()))), PastMessage("assistant", reply)]
+    return ChatRequest(sid, **last, history=tuple(past), **extra)
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+def test_a_conversation_sent_whole_continues_the_session_or_rebuilds_it(sampling):
+    """Each turn carrying the whole conversation: the session that holds it reuses its cache, exactly as
+    turn-by-turn requests do; a runtime that never saw the session (a replica that died) rebuilds it and
+    answers the same."""
+    extra = dict(temperature=1.0, top_p=0.95) if sampling else {}
+    stateful, stateless, fresh = vlm(), vlm(), vlm()
+    replies = []
+    for i, turn in enumerate(CONVERSATION):
+        a = stateful.chat(ChatRequest("s1", **turn, **extra))
+        b = stateless.chat(with_history("s1", CONVERSATION, replies, turn, **extra))
+        c = fresh.chat(with_history("s1", CONVERSATION, replies, turn, **extra))
+        assert a.token_ids == b.token_ids == c.token_ids, f"turn {i}"
+        assert (a.cached_tokens, a.prompt_tokens) == (b.cached_tokens, b.prompt_tokens)
+        assert c.cached_tokens == 0 and c.prompt_tokens == a.prompt_tokens + a.cached_tokens
+        assert i == 0 or b.cached_tokens > 0
+        replies.append(a.reply)
+        fresh = vlm()  # every turn on a runtime that has not seen the session
+
+
+def test_an_edited_history_rebuilds_the_session():
+    rt = vlm()
+    first = rt.chat(ChatRequest("e", "hello there"))
+    same = rt.chat(with_history("e", [dict(prompt="hello there")], [first.reply], dict(prompt="go on")))
+    assert same.cached_tokens > 0
+    edited = rt.chat(with_history("e", [dict(prompt="hello there")], [first.reply + " (edited)"],
+                                  dict(prompt="go on")))
+    assert edited.cached_tokens == 0
+    assert [m.text for m in rt.sessions.peek("e").messages] == ["hello there", first.reply + " (edited)", "go on",
+                                                                edited.reply]
+    # another image under the same turn is another conversation too
+    img_turn = dict(prompt="what is this?", images=[image(1, 90, 150)])
+    r = rt.chat(with_history("i", [img_turn], ["a thing"], dict(prompt="sure?")))
+    again = rt.chat(with_history("i", [img_turn], ["a thing"], dict(prompt="sure?")))
+    assert r.cached_tokens == 0 and again.cached_tokens == 0  # the session now holds the turn after "sure?"
+    other = dict(prompt="what is this?", images=[image(2, 90, 150)])
+    assert not VLMRuntime._holds(rt.sessions.peek("i"), "", [])
+    swapped = rt.chat(with_history("i", [other], ["a thing"], dict(prompt="sure?")))
+    assert swapped.cached_tokens == 0
+
+
+def test_a_bad_history_is_refused_saying_why():
+    from synflux_ros.runtimes.sessions import PastMessage
+    rt = vlm()
+    for history, needle in [
+        ((PastMessage("assistant", "hi"),), "history[0]: expected a user message"),
+        ((PastMessage("user", "a"), PastMessage("user", "b")), "history[1]: expected a assistant message"),
+        ((PastMessage("user", "a"),), "it must end with the assistant's message"),
+        ((PastMessage("user", ""), PastMessage("assistant", "b")), "prompt is empty"),
+        ((PastMessage("user", "a"), PastMessage("assistant", "b", (image(),))), "carries no images"),
+        ((PastMessage("user", "a", (np.zeros((4, 4), np.uint8),)), PastMessage("assistant", "b")),
+         "expected an HxWx3 uint8 RGB array"),
+        (("user: a",), "history[0]: expected a user message"),
+    ]:
+        with pytest.raises(RequestError, match=needle.replace("[", r"\[")):
+            rt.chat(ChatRequest("x", "next", history=history))
+    assert rt.chat(ChatRequest("x", "next", history=())).reply is not None
