@@ -4,8 +4,11 @@ a runtime on the configured backend; Ray's proxy takes the connections.
 VLA configs speak openpi's websocket policy protocol at ``/`` (the metadata frame on connect, then one msgpack
 observation in and one msgpack result out per message; a failed request is a text frame saying why followed
 by a close with code 1011, as openpi's server reports errors), ``GET /healthz`` answers ``OK``, ``GET /status``
-the replica's counters. With an API key configured, a connection must send ``Authorization: Api-Key <key>``
-(openpi-client's header); the key is compared in constant time.
+the replica's counters. VLM configs speak OpenAI's chat API: ``POST /v1/chat/completions`` (streamed as
+server-sent events on request) and ``GET /v1/models``; a request's ``x-session-id`` header routes it to the
+replica holding that session (Ray Serve's consistent-hash router), so each turn reuses its KV cache. With an
+API key configured, a request must send ``Authorization: Api-Key <key>`` (openpi-client's header) or
+``Authorization: Bearer <key>`` (OpenAI's); the key is compared in constant time.
 
 :func:`build_app` is Ray's application builder (``import_path: synflux_ros.serve.app:build_app``), so a Serve
 config file written by ``synflux-serve --write-config`` runs under ``serve run`` and ``serve deploy`` too.
@@ -15,20 +18,23 @@ config file written by ``synflux-serve --write-config`` runs under ``serve run``
 import asyncio
 import dataclasses
 import hmac
+import json
 import logging
 import os
 import socket
 import time
 from collections import Counter
 
-from fastapi import FastAPI, WebSocket
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from starlette.websockets import WebSocketDisconnect
 
 from ..backends import executor_table
 from ..core.config import ConfigError, ModelConfig, _spec, choices_hint, load_config, options_from_dict
-from . import wire
+from ..runtimes.sessions import RequestError as ChatRefused
+from ..runtimes.vlm import VLMRuntime
+from . import chat, wire
 from .policy import RequestError, VLAPolicy
 
 logger = logging.getLogger("synflux_ros.serve")
@@ -72,11 +78,13 @@ def read_api_key(path: str) -> str:
 
 
 def authorised(headers, key: str) -> bool:
-    """``Authorization: Api-Key <key>``, compared in constant time; anything goes without a key."""
+    """``Authorization: Api-Key <key>`` or ``Bearer <key>``, compared in constant time; anything goes without
+    a key."""
     if not key:
         return True
-    given = headers.get("authorization", "")
-    return hmac.compare_digest(given.encode("utf-8", "replace"), f"Api-Key {key}".encode())
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    ok = hmac.compare_digest(given.encode("utf-8", "replace"), key.encode())
+    return ok and scheme in ("Api-Key", "Bearer")
 
 
 def _reason(text: str) -> str:
@@ -168,6 +176,149 @@ class VLADeployment:
             policy.close()
 
 
+chat_api = FastAPI(title="synflux-serve VLM (OpenAI chat completions)")
+SESSION_HEADER = "x-session-id"  # Ray Serve's session-affinity header (RAY_SERVE_SESSION_ID_HEADER_KEY)
+AFFINITY = {"request_router_class": "ray.serve.experimental.consistent_hash_router:ConsistentHashRouter"}
+
+
+@serve.deployment(name="vlm_chat", max_ongoing_requests=16, ray_actor_options={"num_cpus": 1},
+                  request_router_config=AFFINITY)
+@serve.ingress(chat_api)
+class VLMDeployment:
+    """A replica: one :class:`VLMRuntime` whose sessions are keyed by the ``x-session-id`` header; a request
+    without one is a conversation of its own, ended after its reply."""
+
+    def __init__(self, args: dict):
+        self.args = options_from_dict(AppArgs, args, "args.")
+        self.cfg = load_app_config(self.args)
+        if self.cfg.mode != "vlm":
+            raise ConfigError(f"{self.args.config}: a {self.cfg.mode} config has no chat")
+        self.key = read_api_key(self.args.api_key_file)
+        self.runtime = VLMRuntime(self.cfg)
+        self.counts: Counter = Counter()
+        self.replica = f"{socket.gethostname()}:{os.getpid()}"
+        self.max_bytes = self.cfg.serve.max_message_bytes
+        self.max_pixels = self.cfg.vision.max_input_pixels if self.cfg.vision is not None else 1
+
+    def _error(self, exc: chat.APIError) -> JSONResponse:
+        self.counts["requests_refused"] += 1
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @chat_api.get("/healthz")
+    def healthz(self):
+        return PlainTextResponse("OK\n")
+
+    @chat_api.get("/status")
+    def status(self):
+        return JSONResponse({"model": self.cfg.name, "backend": self.cfg.executor.backend, "replica": self.replica,
+                             "sessions": len(self.runtime.sessions), **dict(self.counts)})
+
+    @chat_api.get("/v1/models")
+    def models(self, request: Request):
+        if not authorised(request.headers, self.key):
+            return self._error(chat.APIError("a valid 'Authorization: Bearer ...' header is required", status=401,
+                                             kind="authentication_error", code="invalid_api_key"))
+        return JSONResponse({"object": "list", "data": [{"id": self.cfg.name, "object": "model", "created": 0,
+                                                          "owned_by": "synflux"}]})
+
+    @chat_api.post("/v1/chat/completions")
+    async def completions(self, request: Request):
+        if not authorised(request.headers, self.key):
+            return self._error(chat.APIError("a valid 'Authorization: Bearer ...' header is required", status=401,
+                                             kind="authentication_error", code="invalid_api_key"))
+        sid = request.headers.get(SESSION_HEADER) or ""
+        oneshot = not sid
+        if oneshot:
+            sid = f"oneshot-{os.urandom(8).hex()}"
+        try:
+            raw = await request.body()
+            if len(raw) > self.max_bytes:
+                raise chat.APIError(f"the request has {len(raw)} bytes, over the limit of {self.max_bytes} "
+                                    f"(serve.max_message_bytes)", status=413)
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise chat.APIError(f"the body is not JSON: {exc}") from None
+            req, stream, include_usage = chat.parse(body, sid, self.cfg.name, self.max_pixels)
+        except chat.APIError as exc:
+            return self._error(exc)
+        if stream:
+            return StreamingResponse(self._stream(req, include_usage, oneshot), media_type="text/event-stream")
+        try:
+            result = await asyncio.to_thread(self.runtime.chat, req)
+        except ChatRefused as exc:
+            return self._error(chat.APIError(str(exc)))
+        except Exception as exc:  # the replica keeps serving
+            logger.exception("chat failed")
+            self.counts["requests_failed"] += 1
+            return JSONResponse(chat.APIError(f"inference failed: {type(exc).__name__}: {exc}", status=500,
+                                              kind="server_error").body(), status_code=500)
+        finally:
+            if oneshot:
+                self._end(sid)
+        self.counts["requests"] += 1
+        return JSONResponse(chat.completion(result, self.cfg.name))
+
+    def _end(self, sid: str):
+        try:
+            self.runtime.end_session(sid)
+        except ChatRefused:
+            pass
+
+    async def _stream(self, req, include_usage: bool, oneshot: bool):
+        """Server-sent events: the role, a content delta per decoded piece, the finish, the usage, [DONE]."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        chunks = chat.Chunks(self.cfg.name, self.runtime.tokenizer.decode, self.runtime.tokenizer.eos_ids)
+
+        def on_token(tok):
+            loop.call_soon_threadsafe(queue.put_nowait, ("token", tok))
+
+        def run():
+            try:
+                return self.runtime.chat(req, on_token)
+            finally:
+                if oneshot:
+                    self._end(req.session_id)
+
+        task = asyncio.ensure_future(asyncio.to_thread(run))
+        task.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, ("done", None)))
+
+        def sse(obj) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        yield sse(chunks.event({"role": "assistant", "content": ""}))
+        while True:
+            kind, tok = await queue.get()
+            if kind == "done":
+                break
+            delta = chunks.text(tok)
+            if delta:
+                yield sse(chunks.event({"content": delta}))
+        try:
+            result = task.result()
+        except ChatRefused as exc:
+            self.counts["requests_refused"] += 1
+            yield sse(chat.APIError(str(exc)).body())
+            yield "data: [DONE]\n\n"
+            return
+        except Exception as exc:
+            logger.exception("chat failed")
+            self.counts["requests_failed"] += 1
+            yield sse(chat.APIError(f"inference failed: {type(exc).__name__}: {exc}", status=500,
+                                    kind="server_error").body())
+            yield "data: [DONE]\n\n"
+            return
+        self.counts["requests"] += 1
+        rest = chunks.rest(result.reply)
+        if rest:
+            yield sse(chunks.event({"content": rest}))
+        yield sse(chunks.event({}, chat.finish_reason(result)))
+        if include_usage:
+            yield sse({**chunks.event({}), "choices": [], "usage": chat.usage(result)})
+        yield "data: [DONE]\n\n"
+
+
 def build_app(args: dict, deployment: dict | None = None):
     """Ray's application builder: ``args`` as :class:`AppArgs`; ``deployment`` the options of the
     deployment (``num_replicas`` or ``autoscaling_config``, ``ray_actor_options``, ...), as a Serve config
@@ -178,8 +329,6 @@ def build_app(args: dict, deployment: dict | None = None):
     if cfg.executor.backend not in executor_table():  # its packages need only be on the replicas' nodes
         raise ConfigError(f"executor.backend: unknown backend {cfg.executor.backend!r}"
                           f"{choices_hint(cfg.executor.backend, sorted(executor_table()))}")
-    if cfg.mode != "vla":
-        raise ConfigError(f"{parsed.config}: synflux-serve serves vla configs (openpi's policy protocol); the "
-                          f"chat endpoint for {cfg.mode} configs is not there yet")
     options = {k: v for k, v in (deployment or {}).items() if k != "name"}
-    return VLADeployment.options(**options).bind(dataclasses.asdict(parsed))
+    cls = VLADeployment if cfg.mode == "vla" else VLMDeployment
+    return cls.options(**options).bind(dataclasses.asdict(parsed))

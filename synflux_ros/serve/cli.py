@@ -1,4 +1,5 @@
-"""``synflux-serve``: serve a synflux config and graph set with Ray Serve (a local Ray, or a cluster it joins).
+"""``synflux-serve``: serve a synflux config and graph set with Ray Serve (a local Ray, or a cluster it joins):
+a VLA in openpi's websocket policy protocol, a VLM as OpenAI's chat completions API.
 
 It writes the Serve config file it runs (``--write-config``), so that the same application can be run with
 ``serve run`` or deployed with ``serve deploy``; ``--dry-run`` checks the config and writes the file only.
@@ -13,11 +14,11 @@ import threading
 
 import yaml
 
-from ..core.config import ConfigError
+from ..core.config import ConfigError, load_config
 
 APP_NAME = "synflux"
 IMPORT_PATH = "synflux_ros.serve.app:build_app"
-DEPLOYMENT = "vla_policy"
+DEPLOYMENTS = {"vla": "vla_policy", "vlm": "vlm_chat"}
 
 
 def _autoscale(text: str) -> tuple[int, int]:
@@ -77,7 +78,7 @@ def serve_config(a: argparse.Namespace) -> dict:
     actor = {"num_cpus": a.cpus_per_replica}
     if a.gpus_per_replica:
         actor["num_gpus"] = a.gpus_per_replica
-    deployment: dict = {"name": DEPLOYMENT, "ray_actor_options": actor}
+    deployment: dict = {"name": DEPLOYMENTS[load_config(a.config).mode], "ray_actor_options": actor}
     if a.autoscale:
         deployment["autoscaling_config"] = {"min_replicas": a.autoscale[0], "max_replicas": a.autoscale[1],
                                             "target_ongoing_requests": 1}
@@ -122,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve.start(http_options=config["http_options"], proxy_location=config["proxy_location"])
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-        scheme = "wss" if a.tls_cert else "ws"
-        print(f"synflux-serve: serving {os.path.basename(a.config)} at {scheme}://{a.host}:{a.port}/ "
-              f"(openpi policy protocol; /healthz)", flush=True)
+        secure = "s" if a.tls_cert else ""
+        where = (f"ws{secure}://{a.host}:{a.port}/ (openpi policy protocol)" if app_cfg["deployments"][0]["name"]
+                 == DEPLOYMENTS["vla"] else f"http{secure}://{a.host}:{a.port}/v1 (OpenAI chat completions)")
+        print(f"synflux-serve: serving {os.path.basename(a.config)} at {where}", flush=True)
         stop.wait()
     finally:
         if a.address:  # a cluster's Serve may run other applications: remove only this one

@@ -38,7 +38,6 @@ def test_dry_run_writes_a_serve_config_file_ray_accepts(tmp_path, capsys):
     (["--config", VLA, "--tls-cert", VLA], "--tls-cert and --tls-key go together"),
     (["--config", VLA, "--graph-dir", "/nonexistent"], "is not a directory"),
     (["--config", VLA, "--replicas", "0"], "--replicas: 0 (at least 1)"),
-    (["--config", testing.config_path("vlm_demo.yaml")], "synflux-serve serves vla configs"),
     (["--config", VLA, "--backend", "tpu"], "unknown backend 'tpu'"),
 ])
 def test_bad_arguments_exit_2_naming_the_fault(argv, needle, capsys):
@@ -55,7 +54,9 @@ def test_a_short_api_key_is_refused(tmp_path, capsys):
 
 def test_the_api_key_is_compared_whole():
     key = "0123456789abcdef0123"
-    assert app.authorised({"authorization": f"Api-Key {key}"}, key)
-    for given in ("", key, f"Api-Key {key[:-1]}", f"Api-Key {key}0", f"Bearer {key}", f"api-key {key}"):
+    assert app.authorised({"authorization": f"Api-Key {key}"}, key)  # openpi-client's header
+    assert app.authorised({"authorization": f"Bearer {key}"}, key)  # OpenAI's
+    for given in ("", key, f"Api-Key {key[:-1]}", f"Api-Key {key}0", f"Bearer  {key}", f"Basic {key}",
+                  f"api-key {key}", f"Api-Key{key}"):
         assert not app.authorised({"authorization": given}, key), given
     assert app.authorised({}, "")  # no key configured: no header asked for
