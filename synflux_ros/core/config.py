@@ -588,6 +588,29 @@ class ExecutionConfig:
                                   f"[{lo[i]}, {hi[i]}]")
 
 
+@dataclass(frozen=True, kw_only=True)
+class RemoteConfig:
+    """``executor.backend: remote``: the model runs on a ``synflux-serve`` policy endpoint; the node sends each
+    frame there (its images fitted to the model's resolution and JPEG-compressed, as configured)."""
+    url: str = _spec("", doc="ws:// or wss:// address of the endpoint, e.g. ws://gpu-server:8000/")
+    api_key_file: str = _spec("", doc="file holding the endpoint's API key (relative: to the config file)")
+    connect_timeout: float = _spec(5.0, min=0.01, doc="seconds to open the connection")
+    request_timeout: float = _spec(2.0, min=0.01, doc="seconds a chunk may take on the wire and the server")
+    compression: str = _spec("jpeg", choices=("jpeg", "raw"), doc="how images travel (raw: uint8 arrays)")
+    jpeg_quality: int = _spec(90, min=1, max=100)
+    resize: bool = _spec(True, doc="downscale each image to fit the model's resolution before sending (the "
+                                   "server letterboxes or stretches it as vision.resize says)")
+    backoff_min: float = _spec(0.5, min=0.0, doc="seconds before the first reconnection attempt")
+    backoff_max: float = _spec(10.0, min=0.0, doc="the longest wait between reconnection attempts")
+
+    def __post_init__(self):
+        if self.url and not self.url.startswith(("ws://", "wss://")):
+            raise ConfigError(f"remote.url: {self.url!r} is not a ws:// or wss:// address")
+        if self.backoff_max < self.backoff_min:
+            raise ConfigError(f"remote.backoff_max: {self.backoff_max} is below remote.backoff_min "
+                              f"{self.backoff_min}")
+
+
 def _key_path(value, path: str) -> tuple[str, ...]:
     """An observation key: a string names a top-level key (it may hold '/', as DROID's keys do), a list of
     strings a path into nested maps (ALOHA's ``[images, cam_high]``)."""
@@ -649,6 +672,7 @@ class ModelConfig:
     pipeline: PipelineConfig = _spec(default_factory=PipelineConfig)
     execution: ExecutionConfig = _spec(default_factory=ExecutionConfig)
     serve: ServeConfig = _spec(default_factory=ServeConfig)
+    remote: RemoteConfig = _spec(default_factory=RemoteConfig)
     default_instruction: str = _spec("pick up the object")
     source: str = _spec("", doc="file the config was loaded from (set by the loader)")
 
@@ -683,6 +707,12 @@ class ModelConfig:
                                   f"else action_dim)")
         if self.mode == "vla":
             self.serve.image_keys(self.vision.cameras)
+        if self.executor.backend == "remote":
+            if self.mode != "vla":
+                raise ConfigError("executor.backend: remote runs vla configs (a chat model is reached through "
+                                  "synflux-serve's chat API directly)")
+            if not self.remote.url:
+                raise ConfigError("remote.url: executor.backend remote needs the endpoint's address")
         if self.execution.mode == "rtc" and (self.action is None or self.action.head_type != "flow_matching"):
             raise ConfigError("execution.mode: rtc guides a flow-matching head; this model's head is "
                               f"{self.action.head_type if self.action else 'none'}")

@@ -28,6 +28,7 @@ from ..core.pipeline import source_rate
 from ..runtimes.control import ControlLoop, Controller
 from ..runtimes.execution import ChunkRefused
 from ..runtimes.robot_state import CameraImages, NoFreshState, RobotStateBuffer
+from ..runtimes.remote import RemoteVLARuntime
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
 from .diagnostics import ERROR, OK, WARN, median
 from .lifecycle import SynfluxNode, destroy_entities
@@ -126,14 +127,14 @@ class VLANode(SynfluxNode):
         if p["publish_joint_trajectory"] and not joints:
             raise self.fail("publish_joint_trajectory", "needs the commanded joints: set joint_names or the "
                                                         "config's execution.joints")
-        self.runtime = self.load_runtime(VLARuntime, cfg)
+        self.runtime = self.load_runtime(RemoteVLARuntime if cfg.executor.backend == "remote" else VLARuntime, cfg)
         if p["default_instruction"]:
             try:
                 self.runtime.set_instruction(p["default_instruction"])
             except ValueError as exc:
                 raise self.fail("default_instruction", str(exc)) from None
         self.cfg, self.joint_names = cfg, joints
-        devices = self.runtime.stage_devices
+        devices = self.runtime.stage_devices  # a remote runtime reports the server's stages too
         self._stage_devices = (devices["vision"], devices["backbone"], devices["head"])
         self.pipeline = VLAPipeline(self.runtime, self._on_result, self._on_error)
         self._pubs["chunk"] = self.create_lifecycle_publisher(ActionChunk, "action_chunk", 10)

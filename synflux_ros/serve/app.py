@@ -28,13 +28,15 @@ from collections import Counter
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from starlette.websockets import WebSocketDisconnect
 
 from ..backends import executor_table
 from ..core.config import ConfigError, ModelConfig, _spec, choices_hint, load_config, options_from_dict
 from ..runtimes.sessions import RequestError as ChatRefused
 from ..runtimes.vlm import VLMRuntime
-from . import chat, wire
+from ..runtimes import wire
+from . import chat
 from .policy import RequestError, VLAPolicy
 
 logger = logging.getLogger("synflux_ros.serve")
@@ -51,6 +53,8 @@ class AppArgs:
     graph_dir: str = _spec("", doc="graph set directory; empty = the config's executor.graph_dir")
     backend: str = _spec("", doc="backend; empty = the config's executor.backend")
     api_key_file: str = _spec("", doc="file holding the API key; empty = no key asked for")
+    session_affinity: bool = _spec(True, doc="vlm: route x-session-id to the replica holding the session (off: "
+                                             "Ray's default router, for comparison)")
 
 
 def load_app_config(args: AppArgs) -> ModelConfig:
@@ -330,5 +334,7 @@ def build_app(args: dict, deployment: dict | None = None):
         raise ConfigError(f"executor.backend: unknown backend {cfg.executor.backend!r}"
                           f"{choices_hint(cfg.executor.backend, sorted(executor_table()))}")
     options = {k: v for k, v in (deployment or {}).items() if k != "name"}
+    if cfg.mode == "vlm" and not parsed.session_affinity:
+        options["request_router_config"] = RequestRouterConfig()  # Ray's default: power of two choices
     cls = VLADeployment if cfg.mode == "vla" else VLMDeployment
     return cls.options(**options).bind(dataclasses.asdict(parsed))

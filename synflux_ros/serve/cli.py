@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     scale.add_argument("--replicas", type=int, default=1, help="replicas of the model (default 1)")
     scale.add_argument("--autoscale", type=_autoscale, metavar="MIN:MAX",
                        help="autoscale between MIN and MAX replicas on the ongoing requests")
+    p.add_argument("--max-ongoing-requests", type=int, default=16,
+                   help="requests a replica takes at once; a robot's websocket counts as one for its lifetime, so "
+                   "for a VLA this is the robots a replica serves (default 16)")
     p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves per replica")
     p.add_argument("--gpus-per-replica", type=float, default=0.0, help="GPUs Ray reserves per replica")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
@@ -48,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
                    "start a local Ray")
     p.add_argument("--num-cpus", type=int, default=0, help="local Ray: CPUs it may use (default all)")
     p.add_argument("--object-store-mib", type=int, default=256, help="local Ray: object store size")
+    p.add_argument("--no-session-affinity", action="store_true",
+                   help="vlm: route requests without regard to their x-session-id (for comparison)")
     p.add_argument("--api-key-file", default="", help="file holding the API key clients must send")
     p.add_argument("--tls-cert", default="", help="certificate file (PEM): serve wss:// and https://")
     p.add_argument("--tls-key", default="", help="private key file of --tls-cert")
@@ -75,10 +80,15 @@ def serve_config(a: argparse.Namespace) -> dict:
         args["backend"] = a.backend
     if a.api_key_file:
         args["api_key_file"] = os.path.abspath(a.api_key_file)
+    if a.no_session_affinity:
+        args["session_affinity"] = False
     actor = {"num_cpus": a.cpus_per_replica}
     if a.gpus_per_replica:
         actor["num_gpus"] = a.gpus_per_replica
-    deployment: dict = {"name": DEPLOYMENTS[load_config(a.config).mode], "ray_actor_options": actor}
+    if a.max_ongoing_requests < 1:
+        raise ConfigError(f"--max-ongoing-requests: {a.max_ongoing_requests} (at least 1)")
+    deployment: dict = {"name": DEPLOYMENTS[load_config(a.config).mode], "ray_actor_options": actor,
+                        "max_ongoing_requests": a.max_ongoing_requests}
     if a.autoscale:
         deployment["autoscaling_config"] = {"min_replicas": a.autoscale[0], "max_replicas": a.autoscale[1],
                                             "target_ongoing_requests": 1}

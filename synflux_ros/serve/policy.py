@@ -18,11 +18,12 @@ import numpy as np
 from ..core.config import ModelConfig
 from ..core.executor import Executor
 from ..model.heads.rtc import RTCGuidance
-from ..model.image import check_image_size
+from ..model.image import ImageError, check_image_size, decode_compressed
 from ..model.normalization import Normalizer
 from ..runtimes.vla import VLARuntime
 
 RTC_KEY = "rtc"
+SEQ_KEY = "seq"
 
 
 class RequestError(ValueError):
@@ -79,11 +80,16 @@ class VLAPolicy:
                 img = _lookup(obs, path)
             except KeyError as exc:
                 raise RequestError(f"camera {cam!r}: the observation has no image at {exc.args[0]}") from None
+            if isinstance(img, bytes):  # JPEG or PNG (what executor.backend remote sends)
+                try:
+                    img = decode_compressed("image", img, max_pixels=limit)
+                except ImageError as exc:
+                    raise RequestError(f"camera {cam!r} ({_name(path)}): {exc}") from None
             if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 3:
                 what = f"{img.dtype} array of shape {list(img.shape)}" if isinstance(img, np.ndarray) else \
                     type(img).__name__
-                raise RequestError(f"camera {cam!r} ({_name(path)}): expected a uint8 image HxWx3 or 3xHxW, got "
-                                   f"a {what}")
+                raise RequestError(f"camera {cam!r} ({_name(path)}): expected a uint8 image HxWx3 or 3xHxW (or "
+                                   f"JPEG/PNG bytes), got a {what}")
             if img.shape[-1] != 3 and img.shape[0] == 3:
                 img = img.transpose(1, 2, 0)
             if img.shape[-1] != 3:
@@ -139,23 +145,26 @@ class VLAPolicy:
         if not self.flow:
             raise RequestError(f"rtc: Real-Time Chunking guides a flow-matching head; this model's head is "
                                f"{self.cfg.action.head_type}")
-        if not isinstance(req, dict) or "prev_chunk" not in req or "inference_delay" not in req:
+        model_space = isinstance(req, dict) and "prev_chunk_model" in req
+        key = "prev_chunk_model" if model_space else "prev_chunk"
+        if not isinstance(req, dict) or key not in req or "inference_delay" not in req:
             raise RequestError("rtc: expected a map with prev_chunk ([steps, action_dim], the previous chunk's "
-                               "actions not yet executed, as sent) and inference_delay (steps)")
-        prev = np.asarray(req["prev_chunk"]) if isinstance(req["prev_chunk"], (np.ndarray, list)) else None
-        dim = self.cfg.action.published_dim
+                               "actions not yet executed, as sent; or prev_chunk_model, as model_actions gave "
+                               "them) and inference_delay (steps)")
+        prev = np.asarray(req[key]) if isinstance(req[key], (np.ndarray, list)) else None
+        dim = self.cfg.action.action_dim if model_space else self.cfg.action.published_dim
         if prev is None or prev.dtype.kind not in "iuf" or prev.ndim != 2 or prev.shape[1] != dim \
                 or prev.shape[0] < 1:
-            raise RequestError(f"rtc prev_chunk: expected a [steps, {dim}] array of numbers")
+            raise RequestError(f"rtc {key}: expected a [steps, {dim}] array of numbers")
         prev = prev.astype(np.float32)
         if not np.all(np.isfinite(prev)):
-            raise RequestError("rtc prev_chunk: holds NaN or Inf")
+            raise RequestError(f"rtc {key}: holds NaN or Inf")
         delay = req["inference_delay"]
         horizon = req.get("execution_horizon", self.cfg.execution.rtc.execution_horizon)
         for name, v in (("inference_delay", delay), ("execution_horizon", horizon)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise RequestError(f"rtc {name}: expected a non-negative integer, got {v!r}")
-        if self.action_norm is not None:
+        if self.action_norm is not None and not model_space:
             prev = self.action_norm.forward(prev)
         rtc = self.cfg.execution.rtc
         try:
@@ -167,9 +176,15 @@ class VLAPolicy:
 
     # ---------------------------------------------------------------- inference
     def infer(self, obs, seq: int) -> dict:
-        """One chunk for ``obs``; the initial noise is the one ``vla_node`` uses for frame ``seq``."""
+        """One chunk for ``obs``; the initial noise is the one ``vla_node`` uses for frame ``seq`` (the request's
+        own ``seq`` when it carries one)."""
         if not isinstance(obs, dict):
             raise RequestError(f"expected an observation map, got {type(obs).__name__}")
+        if SEQ_KEY in obs:
+            seq = obs[SEQ_KEY]
+            if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < 2**63:
+                raise RequestError(f"seq: expected a non-negative integer, got {seq!r}")
+            seq = int(seq)
         images, state, prompt, rtc = self.images(obs), self.state(obs), self.prompt(obs), self.guidance(obs)
         with self._lock:
             t0 = time.perf_counter()
@@ -182,4 +197,7 @@ class VLAPolicy:
             frame = self.runtime.infer(image, seq=seq, state=state, rtc=rtc)
             infer_ms = (time.perf_counter() - t0) * 1e3
         timing = {"infer_ms": infer_ms, **{k: float(v) for k, v in frame.timings.items()}}
-        return {"actions": np.asarray(frame.actions, np.float32), "policy_timing": timing}
+        out = {"actions": np.asarray(frame.actions, np.float32), "policy_timing": timing}
+        if frame.raw_actions is not None:  # the chunk in the model's space: what an RTC leftover is made of
+            out["model_actions"] = np.asarray(frame.raw_actions, np.float32)
+        return out

@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ..serve import wire
+from ..runtimes import wire
 
 
 def free_port() -> int:

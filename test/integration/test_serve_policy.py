@@ -22,7 +22,7 @@ from synflux_ros.tools import harness as testing
 pytestmark = pytest.mark.serve
 pytest.importorskip("websockets.sync.client", reason="make serve-venv")
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (make serve-venv)")
-from synflux_ros.serve import wire  # noqa: E402
+from synflux_ros.runtimes import wire  # noqa: E402
 from synflux_ros.tools.serve_process import ServeProcess  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -25,7 +25,7 @@ def test_dry_run_writes_a_serve_config_file_ray_accepts(tmp_path, capsys):
     assert application.import_path == "synflux_ros.serve.app:build_app"
     assert application.args == {"config": VLA, "api_key_file": str(key)}
     dep = application.deployments[0]
-    assert dep.name == "vla_policy" and dep.ray_actor_options.num_cpus == 0.5
+    assert dep.name == "vla_policy" and dep.ray_actor_options.num_cpus == 0.5 and dep.max_ongoing_requests == 16
     assert written["applications"][0]["deployments"][0]["autoscaling_config"] == {
         "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 1}
     # the file's application is what the builder makes of its entry
@@ -38,11 +38,20 @@ def test_dry_run_writes_a_serve_config_file_ray_accepts(tmp_path, capsys):
     (["--config", VLA, "--tls-cert", VLA], "--tls-cert and --tls-key go together"),
     (["--config", VLA, "--graph-dir", "/nonexistent"], "is not a directory"),
     (["--config", VLA, "--replicas", "0"], "--replicas: 0 (at least 1)"),
+    (["--config", VLA, "--max-ongoing-requests", "0"], "--max-ongoing-requests: 0 (at least 1)"),
     (["--config", VLA, "--backend", "tpu"], "unknown backend 'tpu'"),
 ])
 def test_bad_arguments_exit_2_naming_the_fault(argv, needle, capsys):
     assert cli.main(argv + ["--dry-run"]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_session_affinity_can_be_switched_off_for_comparison(tmp_path):
+    out = tmp_path / "serve.yaml"
+    assert cli.main(["--config", testing.config_path("vlm_demo.yaml"), "--no-session-affinity",
+                     "--write-config", str(out), "--dry-run"]) == 0
+    application = yaml.safe_load(out.read_text())["applications"][0]
+    assert application["args"]["session_affinity"] is False and application["deployments"][0]["name"] == "vlm_chat"
 
 
 def test_a_short_api_key_is_refused(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""openpi's msgpack-numpy layout, decoded without trusting the sender (synflux_ros.serve.wire)."""
+"""openpi's msgpack-numpy layout, decoded without trusting the sender (synflux_ros.runtimes.wire)."""
 from __future__ import annotations
 
 import msgpack
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from synflux_ros.serve import wire
+from synflux_ros.runtimes import wire
 
 MB = 1 << 20
 
