@@ -228,11 +228,13 @@ bench-llm: install $(VENV)/.stamp-smollm2 llamacpp
 bench-dds: install
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.dds_transport $(ARGS)
 
-# synflux-serve on loopback (synflux_ros/bench/serve.py, about a minute): the per-chunk overhead against the
-# runtime in process, and the throughput of 4 robots with 1 and 2 replicas; `ARGS="--jsonl rows.jsonl"`.
+# synflux-serve on loopback (synflux_ros/bench/serve.py, a few minutes): the per-chunk overhead against the
+# runtime in process, the throughput of 4 robots with 1 and 2 replicas, and the chat's turn-2 time to first
+# token with and without session affinity (SmolLM2); `ARGS="--jsonl rows.jsonl"`.
 .PHONY: bench-serve
-bench-serve: install serve-venv
-	cd $(BUILD) && $(PY) -m synflux_ros.bench.serve --work $(abspath $(BUILD))/bench $(ARGS)
+bench-serve: install serve-venv smollm2
+	cd $(BUILD) && $(PY) -m synflux_ros.bench.serve --work $(abspath $(BUILD))/bench \
+	    --chat-config $(SMOLLM2)/config.yaml $(ARGS)
 
 # Chunk execution on the small π0 (synflux_ros/bench/control.py, a few minutes): switch jumps and command steps
 # of each merge mode on a simulated clock at delays of 2, 4 and 8 steps, the RTC chunk time against the plain
