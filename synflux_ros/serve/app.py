@@ -323,10 +323,16 @@ class VLMDeployment:
         yield "data: [DONE]\n\n"
 
 
-def build_app(args: dict, deployment: dict | None = None):
-    """Ray's application builder: ``args`` as :class:`AppArgs`; ``deployment`` the options of the
-    deployment (``num_replicas`` or ``autoscaling_config``, ``ray_actor_options``, ...), as a Serve config
-    file's ``deployments`` entry gives them. The config is checked here, before any replica starts."""
+def build_app(args: dict):
+    """Ray's application builder (``serve run`` / ``serve deploy`` call it with the file's ``args``; the
+    file's ``deployments`` entry then sets the deployment's options)."""
+    return application(args)
+
+
+def application(args: dict, deployment: dict | None = None):
+    """The application of ``args`` (:class:`AppArgs`) with the deployment options ``deployment``
+    (``num_replicas`` or ``autoscaling_config``, ``ray_actor_options``, ...) as a Serve config file's
+    ``deployments`` entry gives them. The config is checked here, before any replica starts."""
     parsed = options_from_dict(AppArgs, args, "args.")
     cfg = load_app_config(parsed)
     read_api_key(parsed.api_key_file)

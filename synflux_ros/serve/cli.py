@@ -104,11 +104,11 @@ def serve_config(a: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    from .app import build_app  # Ray and FastAPI load only once the arguments hold
+    from .app import application  # Ray and FastAPI load only once the arguments hold
     try:
         config = serve_config(a)
         app_cfg = config["applications"][0]
-        app = build_app(app_cfg["args"], app_cfg["deployments"][0])
+        app = application(app_cfg["args"], app_cfg["deployments"][0])
     except ConfigError as exc:
         print(f"synflux-serve: {exc}", file=sys.stderr)
         return 2

@@ -23,11 +23,18 @@ def free_port() -> int:
 class ServeProcess:
     """``python -m synflux_ros.serve.cli --config CONFIG --port <free> ARGS...``, its output in ``log``."""
 
-    def __init__(self, config: str, args: list[str], log: str, key: str = "", timeout: float = 120.0):
+    def __init__(self, config: str, args: list[str], log: str, key: str = "", timeout: float = 120.0,
+                 ca_file: str = "", env: dict | None = None):
+        """``ca_file``: the certificate to trust when the server runs TLS (``--tls-cert``); ``env``: the
+        environment of the process (default this one's)."""
         self.port, self.log, self.key, self.config = free_port(), log, key, config
+        self.ssl = None
+        if ca_file:
+            import ssl
+            self.ssl = ssl.create_default_context(cafile=ca_file)
         cmd = [sys.executable, "-m", "synflux_ros.serve.cli", "--config", config, "--port", str(self.port), *args]
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         deadline = time.monotonic() + timeout
         while not self.healthy():
             if self.proc.poll() is not None:
@@ -37,12 +44,12 @@ class ServeProcess:
                 raise RuntimeError(f"synflux-serve not healthy after {timeout:.0f} s:\n{self.output()}")
             time.sleep(0.5)
 
-    def url(self, path: str = "") -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+    def url(self, path: str = "", scheme: str = "http") -> str:
+        return f"{scheme}{'s' if self.ssl else ''}://127.0.0.1:{self.port}{path}"
 
     def healthy(self) -> bool:
         try:
-            return urllib.request.urlopen(self.url("/healthz"), timeout=2).read() == b"OK\n"
+            return urllib.request.urlopen(self.url("/healthz"), timeout=2, context=self.ssl).read() == b"OK\n"
         except OSError:
             return False
 
@@ -55,8 +62,8 @@ class ServeProcess:
         from websockets.sync.client import connect
         key = self.key if key is None else key
         headers = {"Authorization": f"Api-Key {key}"} if key else None
-        ws = connect(f"ws://127.0.0.1:{self.port}/", compression=None, max_size=None, additional_headers=headers,
-                     open_timeout=30)
+        ws = connect(self.url("/", "ws"), compression=None, max_size=None, additional_headers=headers,
+                     open_timeout=30, ssl=self.ssl)
         return ws, wire.unpack(ws.recv(timeout=30), 1 << 20)
 
     def stop(self, timeout: float = 90.0) -> int:

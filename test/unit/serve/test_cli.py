@@ -28,9 +28,9 @@ def test_dry_run_writes_a_serve_config_file_ray_accepts(tmp_path, capsys):
     assert dep.name == "vla_policy" and dep.ray_actor_options.num_cpus == 0.5 and dep.max_ongoing_requests == 16
     assert written["applications"][0]["deployments"][0]["autoscaling_config"] == {
         "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 1}
-    # the file's application is what the builder makes of its entry
-    built = app.build_app(application.args, written["applications"][0]["deployments"][0])
-    assert built is not None
+    # the file's application is what the builder makes of its entry (Ray calls it with the args alone)
+    assert app.build_app(application.args) is not None
+    assert app.application(application.args, written["applications"][0]["deployments"][0]) is not None
 
 
 @pytest.mark.parametrize("argv,needle", [

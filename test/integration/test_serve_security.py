@@ -1,0 +1,149 @@
+"""synflux-serve with TLS from a certificate file (wss:// and https://, openpi's client trusting the certificate),
+and the chat endpoint under malformed and mutated JSON, staying up."""
+from __future__ import annotations
+
+import datetime
+import http.client
+import ipaddress
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from synflux_ros.tools import harness as testing
+
+pytestmark = pytest.mark.serve
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed (make serve-venv)")
+from synflux_ros.runtimes import wire  # noqa: E402
+from synflux_ros.tools.serve_process import ServeProcess  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+OPENPI_PY = REPO / ".venv-openpi" / "bin" / "python"
+CLIENT = REPO / "test" / "reference" / "openpi_client_run.py"
+
+
+def self_signed(directory: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key (PEM), as an operator would make with openssl."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "synflux-serve test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = directory / "server.crt", directory / "server.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve_tls")
+    cert, key = self_signed(d)
+    srv = ServeProcess(testing.config_path("vla_demo_orin.yaml"),
+                       ["--replicas", "1", "--num-cpus", "2", "--object-store-mib", "100", "--tls-cert", cert,
+                        "--tls-key", key], str(d / "serve.log"), ca_file=cert)
+    srv.cert, srv.dir = cert, d
+    yield srv
+    assert srv.stop() == 0, srv.output()
+
+
+def test_the_policy_endpoint_serves_wss_and_https_only(tls_server):
+    ws, meta = tls_server.connect()
+    ws.send(wire.pack({"observation/image": np.zeros((64, 64, 3), np.uint8)}))
+    assert wire.unpack(ws.recv(timeout=60), 1 << 24)["actions"].shape == (16, 7)
+    ws.close()
+    # plain HTTP on the TLS port gets no answer a client would take
+    conn = http.client.HTTPConnection("127.0.0.1", tls_server.port, timeout=10)
+    with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
+        conn.request("GET", "/healthz")
+        response = conn.getresponse()
+        assert response.status != 200
+        raise ConnectionError(f"answered {response.status}")
+    # a client that does not trust the certificate refuses the server
+    import ssl
+    from websockets.sync.client import connect
+    with pytest.raises(ssl.SSLCertVerificationError):
+        connect(f"wss://127.0.0.1:{tls_server.port}/", open_timeout=10)
+
+
+def test_openpi_s_client_over_wss(tls_server, tmp_path):
+    if not OPENPI_PY.exists():
+        pytest.skip("openpi's client is not installed (make openpi-venv)")
+    np.save(tmp_path / "img.npy", np.zeros((64, 64, 3), np.uint8))
+    job = {"host": f"wss://127.0.0.1:{tls_server.port}", "port": None, "out": str(tmp_path),
+           "requests": [{"observation/image": str(tmp_path / "img.npy"), "prompt": "pick up the red block"}]}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "SSL_CERT_FILE": tls_server.cert}  # how an operator makes Python trust a private CA
+    proc = subprocess.run([str(OPENPI_PY), str(CLIENT), str(tmp_path / "job.json")], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert "error" not in result and np.load(tmp_path / "actions_0.npy").shape == (16, 7)
+
+
+# ---------------------------------------------------------------------------------------- chat under fuzz
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve_fuzz")
+    srv = ServeProcess(testing.config_path("vlm_demo.yaml"), ["--replicas", "1", "--num-cpus", "2",
+                                                                "--object-store-mib", "100"], str(d / "serve.log"))
+    yield srv
+    assert srv.stop() == 0, srv.output()
+
+
+def post(server, body: bytes, content_type="application/json") -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": content_type})
+    r = conn.getresponse()
+    return r.status, r.read()
+
+
+GOOD = {"model": "vlm-demo", "messages": [{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("body", [
+    b"", b"{", b"[]", b"null", b'"text"', b"\xff\xfe\x00", b'{"messages": "hello"}', b'{"messages": [null]}',
+    b'{"messages": [{"role": "user"}]}', b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+    b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e400}',
+    b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+    b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+    b'{"messages": [{"role": "user", "content": "x"}], "stream_options": 3}',
+    b'{"messages": [{"role": "user", "content": "x"}], "n": true}',
+    b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 5}}]}]}',
+    json.dumps({"messages": [{"role": "user", "content": "x"}] * 5000}).encode(),
+], ids=lambda b: repr(b[:40]))
+def test_malformed_json_is_refused_and_the_server_keeps_serving(chat_server, body):
+    status, reply = post(chat_server, body)
+    assert 400 <= status < 500, (status, reply[:300])
+    error = json.loads(reply)["error"]
+    assert error["message"] and error["type"]
+    status, reply = post(chat_server, json.dumps(GOOD).encode())
+    assert status == 200, reply[:300]
+
+
+def test_mutated_json_never_takes_the_server_down(chat_server):
+    good = json.dumps(GOOD).encode()
+    rng = np.random.default_rng(11)
+    for i in range(40):
+        data = bytearray(good)
+        for pos in rng.integers(0, len(data), 3):
+            data[pos] = int(rng.integers(32, 127))
+        status, reply = post(chat_server, bytes(data))
+        assert status in (200, 400, 404), (i, status, reply[:300])
+        assert status == 200 or "error" in json.loads(reply), (i, reply[:300])
+    assert chat_server.healthy()
