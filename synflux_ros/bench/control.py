@@ -400,6 +400,14 @@ def plot(runs: dict, path: str, delay: int, every: int, step_period: float) -> s
     return path
 
 
+def append_rows(path: str, rows: list[dict]) -> None:
+    """Append benchmark rows (docs/benchmarks/results.jsonl's fields) to a JSON-lines file."""
+    with open(path, "a", encoding="utf-8") as fh:
+        for r in rows:
+            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"    {len(rows)} rows appended to {path}")
+
+
 def judge(ok: bool | None) -> str:
     return "not judged" if ok is None else ("met" if ok else "NOT MET")
 
@@ -517,10 +525,7 @@ def main(argv=None) -> int:
         for r in rows:
             r["metric"] += f", {args.label}"
     if args.jsonl:
-        with open(args.jsonl, "a", encoding="utf-8") as fh:
-            for r in rows:
-                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-        print(f"    {len(rows)} rows appended to {args.jsonl}")
+        append_rows(args.jsonl, rows)
     return 0
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import threading
@@ -24,6 +23,7 @@ import numpy as np
 import yaml
 
 from ..build.export import build
+from .control import append_rows
 from ..core.config import load_config
 from ..runtimes.base import resolve_graph_dir
 from ..runtimes.vla import VLARuntime
@@ -218,10 +218,7 @@ def main(argv=None) -> int:
     for what, ok in verdicts:
         print(f"    {'met' if ok else 'NOT MET':<8} {what}")
     if args.jsonl:
-        with open(args.jsonl, "a", encoding="utf-8") as fh:
-            for r in rows:
-                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-        print(f"    {len(rows)} rows appended to {args.jsonl}")
+        append_rows(args.jsonl, rows)
     return 0
 
 

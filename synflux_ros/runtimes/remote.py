@@ -24,7 +24,7 @@ import numpy as np
 from ..core.config import ConfigError, ModelConfig
 from ..model.image import check_image_size
 from . import wire
-from .vla import MAX_INSTRUCTION_CHARS, Frame
+from .vla import Frame, instruction_text
 
 MAX_REPLY_BYTES = 1 << 24
 
@@ -108,12 +108,7 @@ class RemoteVLARuntime:
 
     def set_instruction(self, text: str) -> None:
         """Checked as the local runtime checks it, but for the token count, which the server checks."""
-        text = text.strip()
-        if not text:
-            raise ValueError("instruction is empty")
-        if len(text) > MAX_INSTRUCTION_CHARS:
-            raise ValueError(f"instruction has {len(text)} characters (limit {MAX_INSTRUCTION_CHARS})")
-        self._instruction = text
+        self._instruction = instruction_text(text)
 
     # ---------------------------------------------------------------- connection
     def _open(self):
@@ -155,6 +150,10 @@ class RemoteVLARuntime:
         self.failures += 1
         self._backoff = min(self.remote.backoff_max, max(self.remote.backoff_min, self._backoff * 2))
         self._retry_at = time.monotonic() + self._backoff
+        self._drop()
+
+    def _drop(self) -> None:
+        """Close the connection, whatever state it is in."""
         if self._ws is not None:
             try:
                 self._ws.close()
@@ -164,12 +163,7 @@ class RemoteVLARuntime:
 
     def close(self) -> None:
         with self._lock:
-            if self._ws is not None:
-                try:
-                    self._ws.close()
-                except Exception:
-                    pass
-                self._ws = None
+            self._drop()
 
     # ---------------------------------------------------------------- stages
     def camera_images(self, image) -> list[np.ndarray]:
@@ -222,8 +216,7 @@ class RemoteVLARuntime:
                 raise RemoteError(f"the connection to {self.remote.url} failed: {type(exc).__name__}: {exc}; "
                                   f"reconnecting in {self._backoff:.1f} s") from None
             if isinstance(reply, str):  # the server refused the request and closes the connection
-                self._ws = None
-                ws.close()
+                self._drop()
                 raise RemoteError(f"the server refused the frame: {reply}")
         result = wire.unpack(reply, MAX_REPLY_BYTES)
         actions = np.asarray(result["actions"], np.float32)

@@ -33,6 +33,16 @@ from .base import ModelRuntime
 MAX_INSTRUCTION_CHARS = 2000
 
 
+def instruction_text(text: str) -> str:
+    """An instruction stripped; ValueError when it is empty or longer than MAX_INSTRUCTION_CHARS."""
+    text = text.strip()
+    if not text:
+        raise ValueError("instruction is empty")
+    if len(text) > MAX_INSTRUCTION_CHARS:
+        raise ValueError(f"instruction has {len(text)} characters (limit {MAX_INSTRUCTION_CHARS})")
+    return text
+
+
 @dataclass
 class Frame:
     """One camera frame travelling through the pipeline."""
@@ -97,11 +107,7 @@ class VLARuntime(ModelRuntime):
 
     def set_instruction(self, text: str) -> None:
         """Tokenise and embed a new instruction once; frames after this call use it."""
-        text = text.strip()
-        if not text:
-            raise ValueError("instruction is empty")
-        if len(text) > MAX_INSTRUCTION_CHARS:
-            raise ValueError(f"instruction has {len(text)} characters (limit {MAX_INSTRUCTION_CHARS})")
+        text = instruction_text(text)
         ids = self.bos + self.tokenizer.encode(self.cfg.tokenizer.prompt_template.format(instruction=text))
         if self.max_instruction_tokens:  # cut as LeRobot's tokenizer step does (truncation to its max length)
             ids = ids[:self.max_instruction_tokens]

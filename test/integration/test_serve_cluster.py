@@ -51,8 +51,9 @@ def cluster(tmp_path_factory):
         log.close()
 
 
-def stop(proc) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
+def stop(proc, sig=signal.SIGTERM) -> None:
+    """Signal a process group; kill it when it outlives a minute."""
+    os.killpg(proc.pid, sig)
     try:
         proc.wait(60)
     except subprocess.TimeoutExpired:
@@ -90,9 +91,5 @@ def test_synflux_serve_joins_a_cluster_and_serve_run_runs_its_config_file(cluste
             time.sleep(0.5)
         np.testing.assert_array_equal(one_chunk(srv), first)
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc, signal.SIGINT)
         log.close()
