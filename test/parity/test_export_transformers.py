@@ -219,6 +219,21 @@ def test_phi3_fused_projections_logits_match_transformers(tmp_path):
         config_from_hf(str(tmp_path / "ckpt"), load_config(longer))
 
 
+def test_mistral_logits_match_transformers(tmp_path):
+    """Mistral is Llama's decoder: prefill and decode logits within 1e-4 of transformers'; its sliding window,
+    when shorter than the context, is refused as Phi-3's is."""
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    hf = MistralForCausalLM(MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
+                                          max_position_embeddings=256, sliding_window=128, head_dim=16)).eval()
+    worst, _, _ = worst_logit_difference(hf, tmp_path, "llama", seed=5)
+    assert worst < 1e-4, f"logits differ by {worst}"
+    longer = base_yaml(tmp_path, llm={"decode_buckets": [64, 256], "max_seq_len": 256})
+    with pytest.raises(ConfigError, match=r"sliding_window 128: .*llm.max_seq_len \(256\) must be at most 128"):
+        config_from_hf(str(tmp_path / "ckpt"), load_config(longer))
+
+
 def test_qwen3_vl_image_embeddings_match_transformers(tmp_path):
     from PIL import Image
     from checkpoints import H, W, hf_image_processor, tiny_hf_config

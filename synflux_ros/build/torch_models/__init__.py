@@ -75,7 +75,7 @@ def config_from_hf(hf_dir: str, base: ModelConfig) -> ModelConfig:
         return config_from_lerobot_pi0(hf_dir, base)
     model_type, fields, _ = hf_llm_fields(hf_dir)
     cfg = base.with_overrides(llm=fields)
-    window = read_hf_config(hf_dir)[1].get("sliding_window") if model_type == "phi3" else None
+    window = read_hf_config(hf_dir)[1].get("sliding_window") if model_type in ("phi3", "mistral") else None
     if window and cfg.llm.max_seq_len > int(window):
         # every position within the window attends to all earlier ones: the graphs' full attention is exact
         raise ConfigError(f"{hf_dir}: sliding_window {window}: the graphs attend to every cached position, so "

@@ -602,10 +602,12 @@ def materialize(module: nn.Module) -> nn.Module:
 
 # ---------------------------------------------------------------------------------------------- HF checkpoints
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "phi3", "gemma", "qwen3_vl")
-_ARCH_OF = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "phi3": "llama", "gemma": "gemma",
-            "qwen3_vl": "qwen3"}
-_TIED_DEFAULT = {"qwen3": False, "qwen2": False, "llama": False, "phi3": False, "gemma": True, "qwen3_vl": False}
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "phi3", "gemma", "qwen3_vl")
+# Mistral is Llama's decoder (its sliding window is checked against the context where the config is made).
+_ARCH_OF = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "llama", "phi3": "llama",
+            "gemma": "gemma", "qwen3_vl": "qwen3"}
+_TIED_DEFAULT = {"qwen3": False, "qwen2": False, "llama": False, "mistral": False, "phi3": False, "gemma": True,
+                 "qwen3_vl": False}
 _FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                         "self_attn.v_proj.weight"),
           "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
