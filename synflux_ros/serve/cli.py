@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.address:
         ray.init(address=a.address, namespace="serve")
     else:
-        ray.init(num_cpus=a.num_cpus or None, object_store_memory=a.object_store_mib * 2**20,
+        # address "local": a Ray of its own, even where another runs on this machine (ray start)
+        ray.init(address="local", num_cpus=a.num_cpus or None, object_store_memory=a.object_store_mib * 2**20,
                  include_dashboard=False, namespace="serve")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -14,7 +14,6 @@ import os
 import sys
 
 import numpy as np
-from openpi_client import websocket_client_policy
 
 
 def load(value):
@@ -28,6 +27,7 @@ def load(value):
 def main(job_file: str) -> int:
     with open(job_file, encoding="utf-8") as fh:
         job = json.load(fh)
+    from openpi_client import websocket_client_policy  # .venv-openpi's (it is not in the package's venv)
     out = job["out"]
     policy = websocket_client_policy.WebsocketClientPolicy(host=job["host"], port=job["port"],
                                                            api_key=job.get("api_key"))
