@@ -50,9 +50,11 @@ def server(tmp_path_factory):
     cfg.write_text(yaml.safe_dump(raw))
     build(load_config(str(cfg)), str(d / "graphs"))
     (d / "key").write_text(KEY + "\n")
+    # at most 3 robots a replica: Ray's router alone may put every connection on one replica
     srv = ServeProcess(str(cfg), ["--graph-dir", str(d / "graphs"), "--replicas", "2", "--num-cpus", "2",
                                   "--object-store-mib", "100", "--api-key-file", str(d / "key"),
-                                  "--write-config", str(d / "serve.yaml")], str(d / "serve.log"), key=KEY)
+                                  "--max-ongoing-requests", "3", "--write-config", str(d / "serve.yaml")],
+                       str(d / "serve.log"), key=KEY)
     srv.graphs, srv.dir = str(d / "graphs"), d
     yield srv
     code = srv.stop()

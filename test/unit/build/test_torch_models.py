@@ -413,8 +413,8 @@ def _write_config(path, **fields):
 
 def test_checkpoint_errors(tmp_path):
     base = small_qwen3()
-    with pytest.raises(ConfigError, match="model_type 'mistral' is not supported"):
-        config_from_hf(_write_config(tmp_path / "a", model_type="mistral"), base)
+    with pytest.raises(ConfigError, match="model_type 'falcon' is not supported"):
+        config_from_hf(_write_config(tmp_path / "a", model_type="falcon"), base)
     with pytest.raises(ConfigError, match="attention_bias"):
         config_from_hf(_write_config(tmp_path / "b", attention_bias=True), base)
     with pytest.raises(ConfigError, match="rope_type 'yarn'"):
