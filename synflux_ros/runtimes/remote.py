@@ -24,7 +24,7 @@ import numpy as np
 from ..core.config import ConfigError, ModelConfig
 from ..model.image import check_image_size
 from . import wire
-from .vla import Frame, instruction_text
+from .vla import Frame, StagedVLA, instruction_text
 
 MAX_REPLY_BYTES = 1 << 24
 
@@ -66,7 +66,7 @@ def put(obs: dict, path: tuple[str, ...], value) -> None:
     obs[path[-1]] = value
 
 
-class RemoteVLARuntime:
+class RemoteVLARuntime(StagedVLA):
     """The :class:`~synflux_ros.runtimes.vla.VLARuntime` interface the node uses, over a policy endpoint."""
 
     mode = "vla"
@@ -166,13 +166,6 @@ class RemoteVLARuntime:
             self._drop()
 
     # ---------------------------------------------------------------- stages
-    def camera_images(self, image) -> list[np.ndarray]:
-        images = list(image) if isinstance(image, (list, tuple)) else [image]
-        if len(images) != self.cfg.vision.num_cameras:
-            raise ValueError(f"the model takes {self.cfg.vision.num_cameras} camera image(s) per frame, got "
-                             f"{len(images)}")
-        return images
-
     def stage_encode(self, frame: Frame) -> Frame:
         t0 = time.perf_counter()
         vis, remote = self.cfg.vision, self.remote
@@ -245,9 +238,3 @@ class RemoteVLARuntime:
     @property
     def stages(self) -> list[tuple[str, Callable]]:
         return [("encode", self.stage_encode), ("network", self.stage_network)]
-
-    def infer(self, image, seq: int = 0, state: np.ndarray | None = None, rtc=None) -> Frame:
-        frame = Frame(seq, image, state=state, rtc=rtc)
-        for _, fn in self.stages:
-            fn(frame)
-        return frame

@@ -71,7 +71,34 @@ class _Instruction:
     embeds: np.ndarray
 
 
-class VLARuntime(ModelRuntime):
+class StagedVLA:
+    """What a VLA runtime shares whether the model runs here or on a server: its ``cfg`` and ``stages``
+    give :meth:`camera_images` and :meth:`infer`."""
+
+    cfg: ModelConfig
+    stages: list
+
+    def camera_images(self, image) -> list[np.ndarray]:
+        """A frame's images, one per camera in config order; ValueError when the count is wrong."""
+        images = list(image) if isinstance(image, (list, tuple)) else [image]
+        vis = self.cfg.vision
+        if len(images) != vis.num_cameras:
+            names = f" ({', '.join(vis.cameras)})" if vis.cameras else ""
+            raise ValueError(f"the model takes {vis.num_cameras} camera image(s) per frame{names}, "
+                             f"got {len(images)}")
+        return images
+
+    def infer(self, image, seq: int = 0, state: np.ndarray | None = None, rtc=None) -> Frame:
+        """Run one frame (an image, or a list of one per camera with ``vision.cameras``; its robot state in
+        robot units, for configs with one; a Real-Time Chunking guidance for flow heads) through all stages in
+        the calling thread."""
+        frame = Frame(seq, image, state=state, rtc=rtc)
+        for _, fn in self.stages:
+            fn(frame)
+        return frame
+
+
+class VLARuntime(StagedVLA, ModelRuntime):
     """Camera frame + instruction -> action chunk, as three stages (:attr:`stages`) that
     :class:`VLAPipeline` runs in threads. The instruction is tokenised and embedded once per change."""
 
@@ -86,7 +113,6 @@ class VLARuntime(ModelRuntime):
         self.head = action_head(cfg, self.executor, self.backbone)
         self.horizon, self.action_dim = cfg.action.action_horizon, cfg.action.published_dim
         self.maps = StateActionMaps(cfg.action) if cfg.action.head_type == "flow_matching" else None
-        self.cameras = cfg.vision.cameras
         self.vision_tokens = cfg.prefix_vision_tokens
         self.max_instruction_tokens = cfg.tokenizer.max_instruction_tokens
         self.bos: list[int] = []
@@ -125,15 +151,6 @@ class VLARuntime(ModelRuntime):
             self._instruction = _Instruction(text, tuple(ids), embeds)
 
     # ---------------------------------------------------------------- stages
-    def camera_images(self, image) -> list[np.ndarray]:
-        """A frame's images, one per camera in config order; ValueError when the count is wrong."""
-        images = list(image) if isinstance(image, (list, tuple)) else [image]
-        if len(images) != self.cfg.vision.num_cameras:
-            names = f" ({', '.join(self.cameras)})" if self.cameras else ""
-            raise ValueError(f"the model takes {self.cfg.vision.num_cameras} camera image(s) per frame{names}, "
-                             f"got {len(images)}")
-        return images
-
     def stage_vision(self, frame: Frame) -> Frame:
         t0 = time.perf_counter()
         images = self.camera_images(frame.image)
@@ -202,14 +219,6 @@ class VLARuntime(ModelRuntime):
     def stages(self) -> list[tuple[str, Callable]]:
         return [("vision", self.stage_vision), ("backbone", self.stage_backbone), ("head", self.stage_head)]
 
-    def infer(self, image, seq: int = 0, state: np.ndarray | None = None, rtc=None) -> Frame:
-        """Run one frame (an image, or a list of one per camera with ``vision.cameras``; its robot state in
-        robot units, for configs with one; a Real-Time Chunking guidance for flow heads) through all stages in
-        the calling thread."""
-        frame = Frame(seq, image, state=state, rtc=rtc)
-        for _, fn in self.stages:
-            fn(frame)
-        return frame
 
 
 class VLAPipeline:

@@ -96,24 +96,36 @@ def _reason(text: str) -> str:
     return raw.decode("utf-8", "ignore")
 
 
+class _Replica:
+    """What every replica reads at start (its arguments, the config of its mode, the key) and keeps (its
+    counters and name); the routes stay on each deployment, whose FastAPI app they belong to."""
+
+    def __init__(self, args: dict, mode: str):
+        self.args = options_from_dict(AppArgs, args, "args.")
+        self.cfg = load_app_config(self.args)
+        if self.cfg.mode != mode:
+            raise ConfigError(f"{self.args.config}: a {self.cfg.mode} config, this deployment serves {mode} ones")
+        self.key = read_api_key(self.args.api_key_file)
+        self.counts: Counter = Counter()
+        self.replica = f"{socket.gethostname()}:{os.getpid()}"
+        self.max_bytes = self.cfg.serve.max_message_bytes
+
+    def status_response(self, **extra) -> JSONResponse:
+        return JSONResponse({"model": self.cfg.name, "backend": self.cfg.executor.backend,
+                             "replica": self.replica, **extra, **dict(self.counts)})
+
+
 vla_api = FastAPI(title="synflux-serve VLA (openpi websocket protocol)")
 
 
 @serve.deployment(name="vla_policy", max_ongoing_requests=16, ray_actor_options={"num_cpus": 1})
 @serve.ingress(vla_api)
-class VLADeployment:
+class VLADeployment(_Replica):
     """A replica: one :class:`VLAPolicy`; each websocket connection is one robot, its frames numbered from 0."""
 
     def __init__(self, args: dict):
-        self.args = options_from_dict(AppArgs, args, "args.")
-        self.cfg = load_app_config(self.args)
-        if self.cfg.mode != "vla":
-            raise ConfigError(f"{self.args.config}: a {self.cfg.mode} config is not a policy")
-        self.key = read_api_key(self.args.api_key_file)
+        super().__init__(args, "vla")
         self.policy = VLAPolicy(self.cfg)
-        self.counts: Counter = Counter()
-        self.replica = f"{socket.gethostname()}:{os.getpid()}"
-        self.max_bytes = self.cfg.serve.max_message_bytes
 
     @vla_api.get("/healthz")
     def healthz(self):
@@ -121,8 +133,7 @@ class VLADeployment:
 
     @vla_api.get("/status")
     def status(self):
-        return JSONResponse({"model": self.cfg.name, "backend": self.cfg.executor.backend,
-                             "replica": self.replica, **dict(self.counts)})
+        return self.status_response()
 
     @vla_api.websocket("/")
     async def policy(self, ws: WebSocket):
@@ -188,20 +199,13 @@ AFFINITY = {"request_router_class": "ray.serve.experimental.consistent_hash_rout
 @serve.deployment(name="vlm_chat", max_ongoing_requests=16, ray_actor_options={"num_cpus": 1},
                   request_router_config=AFFINITY)
 @serve.ingress(chat_api)
-class VLMDeployment:
+class VLMDeployment(_Replica):
     """A replica: one :class:`VLMRuntime` whose sessions are keyed by the ``x-session-id`` header; a request
     without one is a conversation of its own, ended after its reply."""
 
     def __init__(self, args: dict):
-        self.args = options_from_dict(AppArgs, args, "args.")
-        self.cfg = load_app_config(self.args)
-        if self.cfg.mode != "vlm":
-            raise ConfigError(f"{self.args.config}: a {self.cfg.mode} config has no chat")
-        self.key = read_api_key(self.args.api_key_file)
+        super().__init__(args, "vlm")
         self.runtime = VLMRuntime(self.cfg)
-        self.counts: Counter = Counter()
-        self.replica = f"{socket.gethostname()}:{os.getpid()}"
-        self.max_bytes = self.cfg.serve.max_message_bytes
         self.max_pixels = self.cfg.vision.max_input_pixels if self.cfg.vision is not None else 1
 
     def _error(self, exc: chat.APIError) -> JSONResponse:
@@ -214,8 +218,7 @@ class VLMDeployment:
 
     @chat_api.get("/status")
     def status(self):
-        return JSONResponse({"model": self.cfg.name, "backend": self.cfg.executor.backend, "replica": self.replica,
-                             "sessions": len(self.runtime.sessions), **dict(self.counts)})
+        return self.status_response(sessions=len(self.runtime.sessions))
 
     @chat_api.get("/v1/models")
     def models(self, request: Request):

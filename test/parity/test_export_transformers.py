@@ -204,30 +204,23 @@ def test_qwen2_biased_qkv_logits_match_transformers(tmp_path):
     assert np.abs(ref[0] - unbiased).max() > 100 * 1e-4  # the biases count
 
 
-def test_phi3_fused_projections_logits_match_transformers(tmp_path):
-    """Phi-3's fused qkv_proj / gate_up_proj tensors are split into the projections: prefill and decode logits
-    within 1e-4 of transformers'; a sliding window shorter than the context is refused, naming it."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-    torch.manual_seed(0)
-    hf = Phi3ForCausalLM(Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                    intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256,
-                                    pad_token_id=0, sliding_window=128)).eval()
-    worst, _, _ = worst_logit_difference(hf, tmp_path, "llama", seed=4)
-    assert worst < 1e-4, f"logits differ by {worst}"
-    longer = base_yaml(tmp_path, llm={"decode_buckets": [64, 256], "max_seq_len": 256})
-    with pytest.raises(ConfigError, match=r"sliding_window 128: .*llm.max_seq_len \(256\) must be at most 128"):
-        config_from_hf(str(tmp_path / "ckpt"), load_config(longer))
+def windowed_model(family: str):
+    """A tiny transformers model of a family with a sliding window (128 positions)."""
+    import transformers
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256, sliding_window=128)
+    if family == "phi3":  # fused qkv_proj and gate_up_proj tensors
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0))
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**common, head_dim=16))  # Llama's decoder
 
 
-def test_mistral_logits_match_transformers(tmp_path):
-    """Mistral is Llama's decoder: prefill and decode logits within 1e-4 of transformers'; its sliding window,
-    when shorter than the context, is refused as Phi-3's is."""
-    from transformers import MistralConfig, MistralForCausalLM
+@pytest.mark.parametrize("family,seed", [("phi3", 4), ("mistral", 5)])
+def test_windowed_llama_families_logits_match_transformers(tmp_path, family, seed):
+    """Phi-3 (its fused qkv_proj / gate_up_proj tensors split into the projections) and Mistral build as Llama's
+    decoder: prefill and decode logits within 1e-4 of transformers'; a sliding window shorter than the context
+    is refused, naming it."""
     torch.manual_seed(0)
-    hf = MistralForCausalLM(MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
-                                          max_position_embeddings=256, sliding_window=128, head_dim=16)).eval()
-    worst, _, _ = worst_logit_difference(hf, tmp_path, "llama", seed=5)
+    worst, _, _ = worst_logit_difference(windowed_model(family).eval(), tmp_path, "llama", seed=seed)
     assert worst < 1e-4, f"logits differ by {worst}"
     longer = base_yaml(tmp_path, llm={"decode_buckets": [64, 256], "max_seq_len": 256})
     with pytest.raises(ConfigError, match=r"sliding_window 128: .*llm.max_seq_len \(256\) must be at most 128"):
