@@ -9,6 +9,7 @@ test`` runs the tests through ament_cmake_ros's isolation runner, which sets a f
 for this test session.
 """
 import os
+import shutil
 import tempfile
 import uuid
 
@@ -32,15 +33,20 @@ def temporary_files_under_basetemp(tmp_path_factory):
     """The temporary files of the tests and of the processes they start (node logs, ROS log directories,
     simulator worker logs) go under the session's base directory, which the next run replaces, rather than
     piling up in the system's temporary directory."""
-    old = os.environ.get("TMPDIR")
+    old = {k: os.environ.get(k) for k in ("TMPDIR", "RAY_TMPDIR")}
+    # Ray's sessions (synflux-serve's local Ray) in a short dir of their own, removed at the end: their socket
+    # paths must fit in the 107 bytes of an AF_UNIX path, which a deep base directory would pass
+    os.environ["RAY_TMPDIR"] = ray_dir = tempfile.mkdtemp(prefix="synflux-ray-", dir="/tmp")
     os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp", numbered=False))
     tempfile.tempdir = None  # tempfile caches the directory it chose
     yield
-    if old is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = old
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     tempfile.tempdir = None
+    shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -51,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
                    "start a local Ray")
     p.add_argument("--num-cpus", type=int, default=0, help="local Ray: CPUs it may use (default all)")
     p.add_argument("--object-store-mib", type=int, default=256, help="local Ray: object store size")
+    p.add_argument("--temp-dir", default="", help="local Ray: its session files and sockets (default: Ray's, "
+                   "$RAY_TMPDIR or $TMPDIR, then /tmp, plus /ray; a shorter one under /tmp where that makes socket "
+                   "paths longer than the 107 bytes Linux allows)")
     p.add_argument("--no-session-affinity", action="store_true",
                    help="vlm: route requests without regard to their x-session-id (for comparison)")
     p.add_argument("--api-key-file", default="", help="file holding the API key clients must send")
@@ -102,10 +105,34 @@ def serve_config(a: argparse.Namespace) -> dict:
                               "deployments": [deployment]}]}
 
 
+# A Ray session's longest socket path below its temp dir: "/session_<date>_<time>_<us>_<pid>/sockets/plasma_store"
+# (pids up to 7 digits), against the 107 bytes of an AF_UNIX path.
+_RAY_SOCKET_TAIL = len("/session_2026-01-01_00-00-00_000000_1234567/sockets/plasma_store")
+_UNIX_PATH_MAX = 107
+
+
+def ray_temp_dir(requested: str) -> tuple[str, str]:
+    """The temp dir a local Ray gets, and why where it is not the one asked for (or Ray's default): Ray fails
+    to start where its socket paths exceed the AF_UNIX limit, as under a deep $TMPDIR."""
+    if requested:
+        if len(os.path.abspath(requested)) + _RAY_SOCKET_TAIL > _UNIX_PATH_MAX:
+            raise ConfigError(f"--temp-dir {requested!r} is too long for Ray's socket paths: at most "
+                              f"{_UNIX_PATH_MAX - _RAY_SOCKET_TAIL} characters")
+        return os.path.abspath(requested), ""
+    root = os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if sys.platform.startswith("linux") else "")
+    default = os.path.join(root or "/tmp", "ray")
+    if len(default) + _RAY_SOCKET_TAIL <= _UNIX_PATH_MAX:
+        return default, ""
+    short = f"/tmp/ray-{os.getuid()}"
+    return short, (f"Ray's temp dir {default} makes socket paths longer than {_UNIX_PATH_MAX} bytes; "
+                   f"using {short} (--temp-dir sets it)")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     from .app import application  # Ray and FastAPI load only once the arguments hold
     try:
+        temp_dir, why = ray_temp_dir(a.temp_dir) if not a.address else ("", "")
         config = serve_config(a)
         app_cfg = config["applications"][0]
         app = application(app_cfg["args"], app_cfg["deployments"][0])
@@ -126,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=a.address, namespace="serve")
     else:
         # address "local": a Ray of its own, even where another runs on this machine (ray start)
+        if why:
+            print(f"synflux-serve: {why}", flush=True)
         ray.init(address="local", num_cpus=a.num_cpus or None, object_store_memory=a.object_store_mib * 2**20,
-                 include_dashboard=False, namespace="serve")
+                 include_dashboard=False, namespace="serve", _temp_dir=temp_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

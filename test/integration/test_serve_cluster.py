@@ -3,9 +3,11 @@ file it writes run by Ray's own ``serve run`` on that cluster: both serve the po
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +34,10 @@ def cluster(tmp_path_factory):
     (d / "token").write_text(os.urandom(32).hex())
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(d / "token")}
     log = open(d / "ray.log", "w")
+    # its sockets under a short dir: a deep basetemp would pass the 107 bytes of an AF_UNIX path
+    temp_dir = tempfile.mkdtemp(prefix="synflux-ray-", dir="/tmp")
     proc = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                             f"--temp-dir={temp_dir}",
                              f"--object-store-memory={100 * 2**20}", "--include-dashboard=false",
                              "--disable-usage-stats", f"--ray-client-server-port={free_port()}",
                              f"--node-manager-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"],
@@ -49,6 +54,7 @@ def cluster(tmp_path_factory):
     finally:
         stop(proc)
         log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def stop(proc, sig=signal.SIGTERM) -> None:

@@ -40,6 +40,7 @@ def test_dry_run_writes_a_serve_config_file_ray_accepts(tmp_path, capsys):
     (["--config", VLA, "--replicas", "0"], "--replicas: 0 (at least 1)"),
     (["--config", VLA, "--max-ongoing-requests", "0"], "--max-ongoing-requests: 0 (at least 1)"),
     (["--config", VLA, "--backend", "tpu"], "unknown backend 'tpu'"),
+    (["--config", VLA, "--temp-dir", "/tmp/" + "d" * 40], "is too long for Ray's socket paths: at most 43"),
 ])
 def test_bad_arguments_exit_2_naming_the_fault(argv, needle, capsys):
     assert cli.main(argv + ["--dry-run"]) == 2
@@ -69,3 +70,19 @@ def test_the_api_key_is_compared_whole():
                   f"api-key {key}", f"Api-Key{key}"):
         assert not app.authorised({"authorization": given}, key), given
     assert app.authorised({}, "")  # no key configured: no header asked for
+
+
+def test_a_local_ray_gets_a_temp_dir_its_socket_paths_fit_in(monkeypatch):
+    """Ray refuses to start where a socket path passes 107 bytes, as under a deep $TMPDIR (a CI checkout's build
+    folder): a shorter dir is taken then, and said."""
+    monkeypatch.delenv("RAY_TMPDIR", raising=False)
+    monkeypatch.setenv("TMPDIR", "/tmp/build")
+    assert cli.ray_temp_dir("") == ("/tmp/build/ray", "")
+    deep = "/check/work/main/build/pytest-simulators/tmp"
+    monkeypatch.setenv("TMPDIR", deep)
+    where, why = cli.ray_temp_dir("")
+    assert len(where + "/session_2026-11-26_09-42-17_864114_2730700/sockets/plasma_store") <= 107
+    assert f"{deep}/ray makes socket paths longer than 107 bytes" in why and where in why
+    monkeypatch.setenv("RAY_TMPDIR", "/tmp/r")  # Ray's own variable comes first
+    assert cli.ray_temp_dir("") == ("/tmp/r/ray", "")
+    assert cli.ray_temp_dir("/tmp/mine") == ("/tmp/mine", "")
