@@ -224,9 +224,22 @@ class LLMConfig:
                                 doc="dtype of the graphs' input_ids (the embedding's Gather indices); int32 for "
                                     "the qnn backend")
     # Architecture details used by synflux-build (the mock ignores them).
-    architecture: str = _spec("qwen3", choices=("qwen3", "qwen2", "llama", "gemma"),
+    architecture: str = _spec("qwen3", choices=("qwen3", "qwen2", "llama", "gemma", "gemma2", "gemma3"),
                               doc="qwen3: q/k RMSNorm; qwen2: q/k/v biases; llama: plain; gemma: (1+w) norms, GELU, "
-                                  "scaled embeddings")
+                                  "scaled embeddings; gemma2: gemma with sandwich norms (after attention and MLP "
+                                  "too); gemma3: gemma2 with q/k RMSNorm")
+    query_pre_attn_scalar: float = _spec(0.0, min=0.0, doc="attention scores scaled by its inverse square root "
+                                                            "(Gemma 2/3); 0 = head_dim")
+    attn_logit_softcapping: float = _spec(0.0, min=0.0, doc="attention scores capped as cap * tanh(s / cap) "
+                                                             "before the mask (Gemma 2); 0 = none")
+    final_logit_softcapping: float = _spec(0.0, min=0.0, doc="logits capped as cap * tanh(z / cap) (Gemma 2); "
+                                                              "0 = none")
+    sliding_window: int = _spec(0, min=0, doc="layers of sliding_window_layers attend to the keys of the last "
+                                              "sliding_window positions (the query's included) only")
+    sliding_window_layers: tuple[int, ...] = _spec(default_factory=tuple, min=0,
+                                                   doc="indices of the layers with the sliding window")
+    rope_local_theta: float = _spec(0.0, min=0.0, doc="rope base of the sliding-window layers (Gemma 3), without "
+                                                      "scaling; 0 = rope_theta with its scaling, as every layer")
     intermediate_size: int = _spec(0, min=0, doc="MLP width (0 = 4 x hidden_dim)")
     rope_theta: float = _spec(10000.0, min=1.0)
     mrope_section: tuple[int, ...] = _spec(
@@ -264,6 +277,16 @@ class LLMConfig:
         if self.mrope_section and (len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2):
             raise ConfigError(f"llm.mrope_section: three frequency counts [t, h, w] summing to head_dim / 2 "
                               f"({self.head_dim // 2}) are needed, got {list(self.mrope_section)}")
+        if bool(self.sliding_window) != bool(self.sliding_window_layers):
+            raise ConfigError("llm.sliding_window: the window and sliding_window_layers go together")
+        if self.sliding_window_layers and (list(self.sliding_window_layers) != sorted(set(self.sliding_window_layers))
+                                           or self.sliding_window_layers[-1] >= self.num_layers):
+            raise ConfigError(f"llm.sliding_window_layers: strictly increasing layer indices below num_layers "
+                              f"({self.num_layers}) are needed, got {list(self.sliding_window_layers)}")
+        if self.sliding_window_layers and self.mrope_section:
+            raise ConfigError("llm.sliding_window: not supported with multimodal positions (mrope_section)")
+        if self.rope_local_theta and not self.sliding_window_layers:
+            raise ConfigError("llm.rope_local_theta: a rope base for sliding-window layers, but there are none")
         if self.decode_buckets[-1] != self.max_seq_len:
             raise ConfigError(f"llm.decode_buckets: the largest bucket must equal max_seq_len "
                               f"({self.max_seq_len}) so every cache position can be decoded, "
@@ -686,6 +709,10 @@ class ModelConfig:
             if not self.action.num_bins <= vocab <= self.llm.vocab_size:
                 raise ConfigError(f"action.token_vocab_size: {vocab} must lie between action.num_bins "
                                   f"({self.action.num_bins}) and llm.vocab_size ({self.llm.vocab_size})")
+        if self.action is not None and self.action.head_type == "flow_matching" and \
+                self.llm.architecture in ("gemma2", "gemma3"):
+            raise ConfigError(f"llm.architecture: {self.llm.architecture}: the action expert of a flow-matching head "
+                              f"is built of the backbone's blocks, which it has for qwen3, qwen2, llama and gemma only")
         if self.llm.mrope_section:
             if self.mode != "vlm":
                 raise ConfigError("llm.mrope_section: multimodal positions are supported for vlm configs only")

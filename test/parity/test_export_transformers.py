@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
 from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402
-from synflux_ros.core.config import ConfigError, from_dict, load_config  # noqa: E402
+from synflux_ros.core.config import ConfigError, load_config  # noqa: E402
 from synflux_ros.model.backbone import LLMBackbone  # noqa: E402
 from synflux_ros.model.tokenizer import HFTokenizer  # noqa: E402
 from synflux_ros.runtimes.base import create_executor  # noqa: E402
@@ -267,3 +267,56 @@ def test_qwen3_vl_image_embeddings_match_transformers(tmp_path):
         tokens.append(int(np.argmax(logits)))
         logits = llm.decode(slot, 9 + i, tokens[-1])
     assert tokens == ref_tokens.tolist()
+
+
+def gemma_model(family: str, **over):
+    """A tiny transformers Gemma 2 or Gemma 3 (text) model: 3 layers, sliding-window layers 0 and 2 with a window
+    of 6 positions (the 12-token prefill and the decode steps pass it), scores scaled by query_pre_attn_scalar
+    24 instead of head_dim 16; Gemma 2 soft-caps scores and logits, Gemma 3 gives its sliding layers their
+    own rope base. Weights at 0.1 so that the caps bite."""
+    import transformers
+    common = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256, sliding_window=6,
+                  query_pre_attn_scalar=24, initializer_range=0.1, attn_implementation="eager")
+    if family == "gemma2":
+        common.update(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+        common.update(over)
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common))
+    common.update(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}})
+    common.update(over)
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**common))
+
+
+@pytest.mark.parametrize("family,seed", [("gemma2", 6), ("gemma3", 7)])
+def test_gemma2_and_gemma3_logits_match_transformers(tmp_path, family, seed):
+    """Gemma 2 and 3: sandwich norms, soft-capped scores and logits (2), q/k norms and a rope base of their own
+    for the sliding-window layers (3), sliding-window layers among global ones: prefill and decode logits within
+    1e-4 of transformers'; each feature changes the reference's logits, so the comparison sees it."""
+    torch.manual_seed(seed)
+    hf = gemma_model(family).eval()
+    with torch.no_grad():  # norms away from identity (zero at init), so that a (1 + w) slip shows
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    worst, ids, ref = worst_logit_difference(hf, tmp_path, family, seed=seed)
+    assert worst < 1e-4, f"{family}: logits differ by {worst}"
+    cfg = load_config(str(tmp_path / "graphs" / "config.yaml"))
+    assert (cfg.llm.sliding_window, cfg.llm.sliding_window_layers, cfg.llm.query_pre_attn_scalar) == (6, (0, 2), 24)
+    if family == "gemma2":
+        assert (cfg.llm.attn_logit_softcapping, cfg.llm.final_logit_softcapping) == (2.0, 3.0)
+        variants = {"attn cap": dict(attn_logit_softcapping=None), "logit cap": dict(final_logit_softcapping=None)}
+    else:
+        assert cfg.llm.rope_local_theta == 10.0 and cfg.llm.rope_theta == 1_000_000.0
+        variants = {"local rope": dict(rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})}
+    variants["window"] = dict(sliding_window=64)
+    variants["score scale"] = dict(query_pre_attn_scalar=16)
+    for what, over in variants.items():
+        other = gemma_model(family, **over).eval()
+        other.load_state_dict(hf.state_dict())
+        with torch.no_grad():
+            got = other(torch.from_numpy(ids[:12])[None]).logits[0, -1].numpy()
+        assert np.abs(got - ref[0]).max() > 100 * 1e-4, f"{family}: the {what} does not change the logits"

@@ -214,18 +214,34 @@ def layer_kv(past, layer: int, span: int | None = None) -> tuple[torch.Tensor, t
     return pk, pv
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` (Gemma 2's capped attention scores and logits); ``x`` itself for cap 0."""
+    return torch.tanh(x / cap) * cap if cap else x
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+           cap: float = 0.0) -> torch.Tensor:
     """Masked attention with grouped-query heads.
 
     q [nh, T, Dh], k/v [KV, S, Dh], bias [T, S] (:func:`attention_bias`: 0 = may attend, -inf = may not)
-    -> [nh, T, Dh]. Every query row must allow at least one key (callers always allow the token itself).
+    -> [nh, T, Dh]; scores capped by :func:`softcap` before the mask. Every query row must allow at least one
+    key (callers always allow the token itself).
     """
     nh, t, dh = q.shape
     kv = k.shape[0]
     qg = q.reshape(kv, nh // kv, t, dh)
-    scores = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2)) * scale  # [KV, G, T, S]
+    scores = softcap(torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2)) * scale, cap)  # [KV, G, T, S]
     probs = torch.softmax(scores + bias, dim=-1)
     return torch.matmul(probs, v.unsqueeze(1)).reshape(nh, t, dh)
+
+
+def sliding_window_allowed(allowed: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """``allowed`` [T, P + T] (P cache positions 0 .. P-1, then the new rows at ``positions`` [T]) narrowed to
+    the keys of the last ``window`` positions of each query: key position > query position - window
+    (transformers' sliding-window mask)."""
+    t = positions.shape[0]
+    keys = torch.cat((torch.arange(allowed.shape[1] - t, dtype=torch.int64), positions))
+    return allowed & (keys[None, :] > positions[:, None] - window)
 
 
 def attention_bias(allowed: torch.Tensor) -> torch.Tensor:
@@ -236,7 +252,7 @@ def attention_bias(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(allowed, torch.tensor(0.0), torch.tensor(float("-inf")))
 
 
-def attend_past_and_new(q, past_k, past_v, k, v, bias, scale: float) -> torch.Tensor:
+def attend_past_and_new(q, past_k, past_v, k, v, bias, scale: float, cap: float = 0.0) -> torch.Tensor:
     """``attend`` over [past | new] keys without concatenating the key/value tensors: only the (small)
     score rows are joined, so the graph copies no cache-sized tensor. bias [T, S + T]: the
     :func:`attention_bias` of the allowed positions."""
@@ -245,7 +261,7 @@ def attend_past_and_new(q, past_k, past_v, k, v, bias, scale: float) -> torch.Te
     qg = q.reshape(kv, nh // kv, t, dh)
     s_past = torch.matmul(qg, past_k.unsqueeze(1).transpose(-1, -2))  # [KV, G, T, S]
     s_new = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2))  # [KV, G, T, T]
-    scores = torch.cat((s_past, s_new), dim=-1) * scale
+    scores = softcap(torch.cat((s_past, s_new), dim=-1) * scale, cap)
     probs = torch.softmax(scores + bias, dim=-1)
     ctx = torch.matmul(probs[..., :s], past_v.unsqueeze(1)) + torch.matmul(probs[..., s:], v.unsqueeze(1))
     return ctx.reshape(nh, t, dh)
@@ -256,10 +272,10 @@ class Attention(nn.Module):
     :func:`attend_past_and_new` (:func:`attend` without a past), called by :class:`DecoderLayer`."""
 
     def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool,
-                 eps: float, unit_offset: bool, qkv_bias: bool = False):
+                 eps: float, unit_offset: bool, qkv_bias: bool = False, query_pre_attn_scalar: float = 0.0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = (query_pre_attn_scalar or head_dim) ** -0.5
         self.q_proj = nn.Linear(width, num_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(width, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(width, num_kv_heads * head_dim, bias=qkv_bias)
@@ -351,8 +367,15 @@ class GatedMLP(nn.Module):
         return torch.matmul(h, self.down_t) if self.down_t is not None else self.down_proj(h)
 
 
+GEMMA_FAMILY = ("gemma", "gemma2", "gemma3")
+"""Architectures with (1 + w) norms, tanh-GELU MLPs and embeddings scaled by sqrt(hidden)."""
+SANDWICH_NORMS = ("gemma2", "gemma3")
+"""Architectures that also norm the attention and MLP outputs before adding them (Gemma 2/3)."""
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm block. ``forward`` attends the layer's tokens to ``past`` keys/values followed by their own."""
+    """Pre-norm block (Gemma 2/3: sandwich-norm). ``forward`` attends the layer's tokens to ``past``
+    keys/values followed by their own."""
 
     join_past = False
     """Attend to ``past`` by joining its keys/values with the new ones (:func:`attend`) instead of joining score
@@ -362,14 +385,21 @@ class DecoderLayer(nn.Module):
     copies no cache-sized tensor."""
 
     def __init__(self, width: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 architecture: str, eps: float):
+                 architecture: str, eps: float, query_pre_attn_scalar: float = 0.0, attn_softcap: float = 0.0):
         super().__init__()
-        gemma = architecture == "gemma"
-        self.self_attn = Attention(width, num_heads, num_kv_heads, head_dim, architecture == "qwen3", eps, gemma,
-                                   qkv_bias=architecture == "qwen2")
+        gemma = architecture in GEMMA_FAMILY
+        self.self_attn = Attention(width, num_heads, num_kv_heads, head_dim, architecture in ("qwen3", "gemma3"),
+                                   eps, gemma, qkv_bias=architecture == "qwen2",
+                                   query_pre_attn_scalar=query_pre_attn_scalar)
+        self.attn_softcap = float(attn_softcap)
         self.mlp = GatedMLP(width, intermediate, "gelu_tanh" if gemma else "silu")
         self.input_layernorm = RMSNorm(width, eps, gemma)
         self.post_attention_layernorm = RMSNorm(width, eps, gemma)
+        if architecture in SANDWICH_NORMS:  # Hugging Face's names: the attention output's norm keeps the pre-MLP
+            self.pre_feedforward_layernorm = RMSNorm(width, eps, gemma)  # name of the others
+            self.post_feedforward_layernorm = RMSNorm(width, eps, gemma)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
 
     def forward(self, x, cos, sin, past_k, past_v, bias, kv_dtype: torch.dtype = torch.float32):
         """x [T, W]; past_k/v [KV, S, Dh] f32 (None: no past, the new rows attend among themselves); bias
@@ -380,16 +410,18 @@ class DecoderLayer(nn.Module):
             k_use, v_use = k.to(torch.float32), v.to(torch.float32)
         else:
             k_use, v_use = k, v
+        scale, cap = self.self_attn.scale, self.attn_softcap
         if past_k is None:
-            ctx = attend(q, k_use, v_use, bias, self.self_attn.scale)
+            ctx = attend(q, k_use, v_use, bias, scale, cap)
         elif self.join_past:
-            ctx = attend(q, torch.cat((past_k, k_use), dim=1), torch.cat((past_v, v_use), dim=1), bias,
-                         self.self_attn.scale)
+            ctx = attend(q, torch.cat((past_k, k_use), dim=1), torch.cat((past_v, v_use), dim=1), bias, scale, cap)
         else:
-            ctx = attend_past_and_new(q, past_k, past_v, k_use, v_use, bias, self.self_attn.scale)
-        x = x + self.self_attn.output(ctx)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k, v
+            ctx = attend_past_and_new(q, past_k, past_v, k_use, v_use, bias, scale, cap)
+        if self.pre_feedforward_layernorm is None:
+            x = x + self.self_attn.output(ctx)
+            return x + self.mlp(self.post_attention_layernorm(x)), k, v
+        x = x + self.post_attention_layernorm(self.self_attn.output(ctx))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), k, v
 
 
 class TextModel(nn.Module):
@@ -400,8 +432,9 @@ class TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(llm.vocab_size, llm.hidden_dim)
         self.layers = nn.ModuleList(
             DecoderLayer(llm.hidden_dim, llm.intermediate_size, llm.num_heads, llm.num_kv_heads, llm.head_dim,
-                         llm.architecture, llm.rms_norm_eps) for _ in range(llm.num_layers))
-        self.norm = RMSNorm(llm.hidden_dim, llm.rms_norm_eps, llm.architecture == "gemma")
+                         llm.architecture, llm.rms_norm_eps, llm.query_pre_attn_scalar, llm.attn_logit_softcapping)
+            for _ in range(llm.num_layers))
+        self.norm = RMSNorm(llm.hidden_dim, llm.rms_norm_eps, llm.architecture in GEMMA_FAMILY)
 
 
 class CausalLM(nn.Module):
@@ -415,13 +448,18 @@ class CausalLM(nn.Module):
         self.rope = dict(rope or {})
         self.model = TextModel(llm)
         self.lm_head = nn.Linear(llm.hidden_dim, llm.vocab_size, bias=False)
-        self.embed_scale = math.sqrt(llm.hidden_dim) if llm.architecture == "gemma" else None
+        self.embed_scale = math.sqrt(llm.hidden_dim) if llm.architecture in GEMMA_FAMILY else None
         self.tie()
         self.register_buffer("inv_freq", torch.empty(llm.head_dim // 2), persistent=False)
         self.head_t: nn.Parameter | None = None
-        # rotary cos/sin [max_seq_len, Dh] of every cache position (rope_table), set by finalize_weights
+        # rotary cos/sin [max_seq_len, Dh] of every cache position (rope_table), set by finalize_weights; the
+        # sliding-window layers' own with llm.rope_local_theta
         self.rope_cos: nn.Parameter | None = None
         self.rope_sin: nn.Parameter | None = None
+        self.rope_cos_local: nn.Parameter | None = None
+        self.rope_sin_local: nn.Parameter | None = None
+        if llm.rope_local_theta:
+            self.register_buffer("inv_freq_local", torch.empty(llm.head_dim // 2), persistent=False)
         if llm.mrope_section:
             self.register_buffer("mrope_masks", torch.empty(3, llm.head_dim), persistent=False)
 
@@ -431,6 +469,8 @@ class CausalLM(nn.Module):
 
     def fill_buffers(self) -> None:
         self.inv_freq = rope_inv_freq(self.llm.head_dim, self.llm.rope_theta, self.rope)
+        if self.llm.rope_local_theta:
+            self.inv_freq_local = rope_inv_freq(self.llm.head_dim, self.llm.rope_local_theta)
         if self.llm.mrope_section:
             self.mrope_masks = mrope_axis_masks(self.llm.head_dim, self.llm.mrope_section)
 
@@ -462,9 +502,17 @@ class CausalLM(nn.Module):
             cos, sin = rope_lookup(self.rope_cos, self.rope_sin, positions)
         new = []
         bias = attention_bias(allowed)
+        sliding = set(self.llm.sliding_window_layers)
+        if sliding:  # Gemma 2/3: those layers see the last sliding_window positions, with their own rope base
+            bias_local = attention_bias(sliding_window_allowed(allowed, positions, self.llm.sliding_window))
+            local = rope_lookup(self.rope_cos_local, self.rope_sin_local, positions) \
+                if self.rope_cos_local is not None else (cos, sin)
         for i, layer in enumerate(self.model.layers):
             pk, pv = (None, None) if isinstance(span, int) and span == 0 else layer_kv(past, i, span)
-            x, k, v = layer(x, cos, sin, pk, pv, bias, kv_dtype)
+            if i in sliding:
+                x, k, v = layer(x, *local, pk, pv, bias_local, kv_dtype)
+            else:
+                x, k, v = layer(x, cos, sin, pk, pv, bias, kv_dtype)
             if deepstack is not None and i < deepstack.shape[0]:
                 x = x + deepstack[i]
             new.append(torch.stack((k, v)))
@@ -486,7 +534,7 @@ class CausalLM(nn.Module):
         stores the table twice, each copy shared by all graphs."""
         if self.head_t is None:
             raise RuntimeError("CausalLM.finalize_weights() must run after the weights are set")
-        return torch.matmul(self.model.norm(h), self.head_t)
+        return softcap(torch.matmul(self.model.norm(h), self.head_t), self.llm.final_logit_softcapping)
 
     def finalize_weights(self, join: bool = True) -> None:
         """Derive the export-time tables from the final weights (call after init or checkpoint load):
@@ -497,6 +545,9 @@ class CausalLM(nn.Module):
         head = self.model.embed_tokens.weight if self.llm.tie_word_embeddings else self.lm_head.weight
         self.head_t = _param(head.t())
         self.rope_cos, self.rope_sin = (_param(t) for t in rope_table(self.llm.max_seq_len, self.inv_freq))
+        if self.llm.rope_local_theta:
+            self.rope_cos_local, self.rope_sin_local = (
+                _param(t) for t in rope_table(self.llm.max_seq_len, self.inv_freq_local))
         fuse_projections(self, join=join)
 
 
@@ -602,12 +653,15 @@ def materialize(module: nn.Module) -> nn.Module:
 
 # ---------------------------------------------------------------------------------------------- HF checkpoints
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "phi3", "gemma", "qwen3_vl")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "phi3", "gemma", "gemma2", "gemma3_text", "qwen3_vl")
 # Mistral is Llama's decoder (its sliding window is checked against the context where the config is made).
 _ARCH_OF = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "mistral": "llama", "phi3": "llama",
-            "gemma": "gemma", "qwen3_vl": "qwen3"}
+            "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3_vl": "qwen3"}
 _TIED_DEFAULT = {"qwen3": False, "qwen2": False, "llama": False, "mistral": False, "phi3": False, "gemma": True,
-                 "qwen3_vl": False}
+                 "gemma2": True, "gemma3_text": True, "qwen3_vl": False}
+_SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+"""Every n-th layer attends globally, the others through the sliding window, where a config lists no
+layer_types (Gemma 2 and 3 before transformers wrote them)."""
 _FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                         "self_attn.v_proj.weight"),
           "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
@@ -639,6 +693,42 @@ def hf_rope(text: dict) -> tuple[float, dict]:
     return float(theta), params
 
 
+def _gemma_fields(model_type: str, text: dict, where: str) -> tuple[dict, float, dict]:
+    """Gemma 2/3's LLMConfig fields (score scale, soft-capping, sliding-window layers, the local rope base), the
+    global layers' rope theta and rope parameters."""
+    layers = int(text["num_hidden_layers"])
+    types = text.get("layer_types")
+    if not types:
+        n = int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern")
+                or _SLIDING_PATTERN[model_type])
+        types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != layers:
+        raise ConfigError(f"{where}: layer_types {unknown or types!r}: {layers} of sliding_attention or "
+                          f"full_attention are supported")
+    if text.get("use_bidirectional_attention"):
+        raise ConfigError(f"{where}: use_bidirectional_attention: true (an embedding model) is not supported")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    fields = {"query_pre_attn_scalar": float(text.get("query_pre_attn_scalar") or 0.0),
+              "attn_logit_softcapping": float(text.get("attn_logit_softcapping") or 0.0),
+              "final_logit_softcapping": float(text.get("final_logit_softcapping") or 0.0),
+              "sliding_window": int(text.get("sliding_window") or 0) if sliding else 0,
+              "sliding_window_layers": sliding if text.get("sliding_window") else ()}
+    params = text.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # transformers 5: one rope per layer type
+        theta, rope = hf_rope({"rope_parameters": params["full_attention"]})
+        local_theta, local = hf_rope({"rope_parameters": params.get("sliding_attention") or {}})
+    else:
+        theta, rope = hf_rope(text)
+        local_theta, local = float(text.get("rope_local_base_freq") or theta), {}
+    if model_type == "gemma3_text" and fields["sliding_window_layers"]:
+        if (local.get("rope_type") or "default") != "default":
+            raise ConfigError(f"{where}: sliding-window layers with rope_type {local.get('rope_type')!r}: only "
+                              f"default is supported there")
+        fields["rope_local_theta"] = local_theta
+    return fields, theta, rope
+
+
 def hf_llm_fields(hf_dir: str) -> tuple[str, dict, dict]:
     """(model_type, LLMConfig fields, rope dict) read from a checkpoint, checking unsupported features."""
     model_type, text, top = read_hf_config(hf_dir)
@@ -651,8 +741,9 @@ def hf_llm_fields(hf_dir: str) -> tuple[str, dict, dict]:
 
     arch = _ARCH_OF[model_type]
     # Gemma's legacy "gelu" means the tanh approximation (transformers maps it the same way).
-    act = text.get("hidden_activation") or text.get("hidden_act") or ("gelu_pytorch_tanh" if arch == "gemma" else "silu")
-    allowed_acts = ("gelu_pytorch_tanh", "gelu_tanh", "gelu") if arch == "gemma" else ("silu", "swish")
+    gemma = arch in GEMMA_FAMILY
+    act = text.get("hidden_activation") or text.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    allowed_acts = ("gelu_pytorch_tanh", "gelu_tanh", "gelu") if gemma else ("silu", "swish")
     if act not in allowed_acts:
         raise ConfigError(f"{where}: hidden_act {act!r} is not supported for {model_type} "
                           f"(supported: {', '.join(allowed_acts)})")
@@ -661,7 +752,11 @@ def hf_llm_fields(hf_dir: str) -> tuple[str, dict, dict]:
             raise ConfigError(f"{where}: {key}: true is not supported (the graphs have no biases there)")
     if text.get("use_sliding_window"):
         raise ConfigError(f"{where}: use_sliding_window: true is not supported")
-    theta, rope = hf_rope(text)
+    extra: dict = {}
+    if model_type in _SLIDING_PATTERN:
+        extra, theta, rope = _gemma_fields(model_type, text, where)
+    else:
+        theta, rope = hf_rope(text)
     rope_inv_freq(2, theta, rope)  # rejects unsupported rope types early
     heads = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
@@ -678,6 +773,7 @@ def hf_llm_fields(hf_dir: str) -> tuple[str, dict, dict]:
         "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
         "tie_word_embeddings": bool(tied),
         "architecture": arch,
+        **extra,
     }
     section = rope.get("mrope_section")
     if model_type == "qwen3_vl":

@@ -56,6 +56,16 @@ def tiny_gemma():
                           "expert_intermediate_size": 48})
 
 
+def tiny_gemma3():
+    """Gemma 3 text: sandwich and q/k norms, a sliding window of 5 on layer 0 with its own rope base, Gemma 2's
+    soft-caps too (the graphs take both features together), fp16 KV."""
+    return cfg_of("vlm_demo", vision=None,
+                  llm={**TINY_LLM, "architecture": "gemma3", "kv_dtype": "float16", "prefill_buckets": [16, 32],
+                       "decode_buckets": [48, 64], "max_seq_len": 64, "sliding_window": 5,
+                       "sliding_window_layers": [0], "rope_local_theta": 100.0, "query_pre_attn_scalar": 24.0,
+                       "attn_logit_softcapping": 1.5, "final_logit_softcapping": 4.0})
+
+
 def small_qwen3(**llm):
     return cfg_of("vlm_demo", llm={"prefill_buckets": [16, 64], "decode_buckets": [64, 128], "max_seq_len": 128,
                                    **llm})
@@ -442,9 +452,10 @@ def test_checkpoint_errors(tmp_path):
 # ==================================================================================== 4. ONNX round trip
 
 ONNX_CONFIGS = {"vla_demo_orin": lambda: cfg_of("vla_demo_orin"), "gemma_tiny": tiny_gemma,
-                "openvla_tiny": tiny_openvla}
-STANDARD_OPS = {"Add", "Cast", "Clip", "Concat", "Constant", "ConstantOfShape", "Conv", "Cos", "Div", "Equal", "Erf",
-                "Expand", "Gather", "Gemm", "Identity", "LayerNormalization", "Less", "MatMul", "Mul", "Neg", "Not", "Pow",
+                "openvla_tiny": tiny_openvla, "gemma3_tiny": tiny_gemma3}
+STANDARD_OPS = {"Add", "And", "Cast", "Clip", "Concat", "Constant", "ConstantOfShape", "Conv", "Cos", "Div", "Equal",
+                "Erf", "Expand", "Gather", "Gemm", "Greater", "Identity", "LayerNormalization", "Less", "MatMul", "Mul",
+                "Neg", "Not", "Pow",
                 "ReduceMean", "Reshape", "Sigmoid", "Sin", "Slice", "Softmax", "Sqrt", "Sub", "Tanh",
                 "Transpose", "Unsqueeze", "Where"}
 

@@ -244,6 +244,29 @@ def test_cross_field_checks():
     assert "vision.std" in bad(d)
 
 
+@pytest.mark.parametrize("llm,needle", [
+    ({"sliding_window": 8}, "llm.sliding_window: the window and sliding_window_layers go together"),
+    ({"sliding_window_layers": [0]}, "llm.sliding_window: the window and sliding_window_layers go together"),
+    ({"sliding_window": 8, "sliding_window_layers": [1, 0]}, "strictly increasing layer indices below num_layers"),
+    ({"sliding_window": 8, "sliding_window_layers": [0, 99]}, "strictly increasing layer indices below num_layers"),
+    ({"rope_local_theta": 10.0}, "llm.rope_local_theta: a rope base for sliding-window layers, but there are none"),
+    ({"attn_logit_softcapping": -1.0}, "llm.attn_logit_softcapping"),
+])
+def test_sliding_window_and_gemma_fields_are_checked(llm, needle):
+    d = raw("vlm_demo.yaml")
+    d["llm"].update(llm)
+    assert needle in bad(d)
+
+
+def test_a_flow_head_refuses_a_backbone_its_expert_cannot_mirror():
+    d = raw("vla_demo_orin.yaml")
+    d["llm"]["architecture"] = "gemma2"
+    assert "llm.architecture: gemma2: the action expert of a flow-matching head" in bad(d)
+    d = raw("vlm_demo.yaml")
+    d["llm"].update(architecture="gemma3", sliding_window=4, sliding_window_layers=[0])
+    assert from_dict(d).llm.sliding_window_layers == (0,)
+
+
 def test_nan_is_rejected_for_bounded_fields():
     d = raw("vlm_demo.yaml")
     d["text"]["temperature"] = math.nan
