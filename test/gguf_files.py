@@ -22,7 +22,14 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n
 LAYERS, HIDDEN, FF = 2, 64, 256  # FF = 256: one K-quant block per row of ffn_down
 SHAPES = {"llama": dict(heads=4, kv_heads=2, head_dim=16),
           # transformers' GGUF loader ignores qwen3.attention.key_length (Qwen3Config's head_dim, 128, stays)
-          "qwen3": dict(heads=2, kv_heads=1, head_dim=128)}
+          "qwen3": dict(heads=2, kv_heads=1, head_dim=128),
+          # transformers takes query_pre_attn_scalar 256 (its default) where llama.cpp takes head_dim: equal at 256;
+          # Gemma 3's first global layer is its sixth
+          "gemma2": dict(heads=2, kv_heads=1, head_dim=256),
+          "gemma3": dict(heads=2, kv_heads=1, head_dim=256, layers=6)}
+WINDOW = 8  # Gemma's sliding window: the 24-token comparisons pass it
+# GGUF holds no soft-caps transformers reads: it takes Gemma 2's defaults, which real files hold too
+GEMMA2_CAPS = (50.0, 30.0)
 # One tensor type per weight, every supported family at least once (the rest F32).
 LLAMA_TYPES = {"token_embd.weight": Q.Q8_0, "output.weight": Q.F16,
                "blk.0.attn_q.weight": Q.Q4_0, "blk.0.attn_k.weight": Q.Q4_1, "blk.0.attn_v.weight": Q.BF16,
@@ -33,6 +40,10 @@ LLAMA_TYPES = {"token_embd.weight": Q.Q8_0, "output.weight": Q.F16,
 QWEN3_TYPES = {"token_embd.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q4_1, "blk.1.ffn_down.weight": Q.Q6_K}
 QWEN2_TYPES = {"token_embd.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q4_0, "blk.0.attn_k.weight": Q.Q4_1,
                "blk.1.ffn_up.weight": Q.Q8_0}
+GEMMA_TYPES = {"token_embd.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q4_0, "blk.1.attn_v.weight": Q.Q4_1,
+               "blk.1.ffn_down.weight": Q.Q6_K, "blk.0.ffn_gate.weight": Q.F16}
+PHI3_TYPES = {"token_embd.weight": Q.Q8_0, "blk.0.attn_qkv.weight": Q.Q4_0, "blk.1.ffn_up.weight": Q.Q4_1,
+              "blk.1.ffn_down.weight": Q.Q6_K}
 PROMPT = "What is the capital of France? Answer in one sentence."
 
 
@@ -69,11 +80,14 @@ def write_gguf(path, arch: str = "llama", seed: int = 0, types: dict | None = No
     rng = np.random.default_rng(seed)
     s = SHAPES.get(arch, SHAPES["llama"])
     heads, kv, hd = s["heads"], s["kv_heads"], s["head_dim"]
+    layers = s.get("layers", LAYERS)
     tokens, merges, token_types = vocabulary()
+    if arch in ("gemma2", "gemma3"):  # transformers' Gemma tokenizer adds a <mask> token where the vocabulary has none
+        tokens, token_types = tokens + ["<mask>"], token_types + [3]
     vocab = len(tokens)
     types = LLAMA_TYPES if types is None else types
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(LAYERS)
+    w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FF)
@@ -81,11 +95,16 @@ def write_gguf(path, arch: str = "llama", seed: int = 0, types: dict | None = No
     w.add_head_count_kv(kv)
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(1e-6)
-    if arch == "llama":
+    if arch in ("llama", "phi3"):
         w.add_rope_dimension_count(hd)
     else:
         w.add_key_length(hd)
         w.add_value_length(hd)
+    if arch in ("gemma2", "gemma3"):
+        w.add_sliding_window(WINDOW)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(GEMMA2_CAPS[0])
+        w.add_final_logit_softcapping(GEMMA2_CAPS[1])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -94,19 +113,28 @@ def write_gguf(path, arch: str = "llama", seed: int = 0, types: dict | None = No
     w.add_bos_token_id(BOS)
     w.add_eos_token_id(EOS)
     w.add_add_bos_token(False)
+    if arch == "phi3":  # else transformers' Phi3Config keeps its pad_token_id 32000, beyond this vocabulary
+        w.add_pad_token_id(EOS)
     if template:
         w.add_chat_template(template)
     shapes = {"token_embd.weight": (vocab, HIDDEN), "output_norm.weight": (HIDDEN,)}
     if not tied:
         shapes["output.weight"] = (vocab, HIDDEN)
-    for i in range(LAYERS):
+    for i in range(layers):
         shapes.update({f"blk.{i}.attn_norm.weight": (HIDDEN,), f"blk.{i}.ffn_norm.weight": (HIDDEN,),
                        f"blk.{i}.attn_q.weight": (heads * hd, HIDDEN), f"blk.{i}.attn_k.weight": (kv * hd, HIDDEN),
                        f"blk.{i}.attn_v.weight": (kv * hd, HIDDEN), f"blk.{i}.attn_output.weight": (HIDDEN, heads * hd),
                        f"blk.{i}.ffn_gate.weight": (FF, HIDDEN), f"blk.{i}.ffn_up.weight": (FF, HIDDEN),
                        f"blk.{i}.ffn_down.weight": (HIDDEN, FF)})
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             shapes.update({f"blk.{i}.attn_q_norm.weight": (hd,), f"blk.{i}.attn_k_norm.weight": (hd,)})
+        if arch in ("gemma2", "gemma3"):  # sandwich norms
+            shapes.update({f"blk.{i}.post_attention_norm.weight": (HIDDEN,), f"blk.{i}.post_ffw_norm.weight": (HIDDEN,)})
+        if arch == "phi3":  # fused q/k/v and gate/up
+            for k in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+                del shapes[f"blk.{i}.{k}.weight"]
+            shapes.update({f"blk.{i}.attn_qkv.weight": ((heads + 2 * kv) * hd, HIDDEN),
+                           f"blk.{i}.ffn_up.weight": (2 * FF, HIDDEN)})
         if arch == "qwen2":  # biased q/k/v projections
             shapes.update({f"blk.{i}.attn_q.bias": (heads * hd,), f"blk.{i}.attn_k.bias": (kv * hd,),
                            f"blk.{i}.attn_v.bias": (kv * hd,)})

@@ -9,7 +9,8 @@
 directory that the ``--from-hf`` path reads unchanged: the tensors dequantized to float32 with llama.cpp's
 own code, ``config.json``, the tokenizer and, for ``Q4_0``/``Q4_1``/``Q8_0`` tensors, their raw blocks
 (:data:`BLOCKS_FILE`), which ``--weights int4|int8`` carries into the graphs exactly. Architectures ``llama``,
-``qwen3`` and ``qwen2``, text only; anything else is a :class:`GGUFImportError` naming what is not supported. The
+``qwen3``, ``qwen2``, ``gemma2``, ``gemma3`` and ``phi3``, text only; anything else is a :class:`GGUFImportError`
+naming what is not supported. The
 files written are described in docs/internals/build.md.
 """
 from __future__ import annotations
@@ -38,8 +39,17 @@ CARRIED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 can hold exactly: ``x = d * (q - 8)`` (Q4_0), ``x = d * q + m`` (Q4_1), ``x = d * q`` (Q8_0)."""
 GGML_BLOCK = 32
 
-ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen2": "qwen2"}
+ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen2": "qwen2", "gemma2": "gemma2", "gemma3": "gemma3_text",
+                 "phi3": "phi3"}
 """GGUF ``general.architecture`` -> Hugging Face ``model_type`` of the checkpoint written."""
+_GEMMAS = ("gemma2", "gemma3")
+_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+"""Gemma 2/3: every n-th layer global, the others through the sliding window (llama.cpp's fixed patterns)."""
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+"""The 27B models scale scores by hidden / heads rather than head_dim (their query_pre_attn_scalar), which GGUF
+does not store: llama.cpp tells them by their layer count, and so does this import."""
+_GEMMA3_LOCAL_ROPE = 10000.0
+"""Gemma 3's sliding-window layers' rope base, which GGUF does not store either (llama.cpp's constant)."""
 
 UNSUPPORTED = {
     "qwen2moe": "mixture-of-experts layers",
@@ -47,10 +57,7 @@ UNSUPPORTED = {
     "qwen35": "hybrid linear-attention layers",
     "qwen35moe": "hybrid linear-attention and mixture-of-experts layers",
     "gemma": "transformers cannot load Gemma GGUF files, so there is no reference to check the import against",
-    "gemma2": "logit and attention soft-capping, sandwich norms and sliding-window layers",
-    "gemma3": "sandwich norms, sliding-window layers with their own rope base",
     "gemma4": "mixed sliding/global attention with two head sizes",
-    "phi3": "fused QKV and long-rope scaling",
     "mistral3": "a vision tower",
 }
 """Architectures transformers' GGUF loader reads that these graphs cannot express, and why."""
@@ -71,9 +78,17 @@ _BLOCK_TENSORS = {
 _QK_NORMS = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 _QKV_BIASES = {"attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
                "attn_v.bias": "self_attn.v_proj.bias"}
-_EXTRA_TENSORS = {"qwen3": _QK_NORMS, "qwen2": _QKV_BIASES}
-"""Per-layer tensors an architecture has beside :data:`_BLOCK_TENSORS`."""
-_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_SANDWICH = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+             "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+             "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+_FUSED = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+_EXTRA_TENSORS = {"qwen3": _QK_NORMS, "qwen2": _QKV_BIASES, "gemma2": _SANDWICH, "gemma3": dict(_SANDWICH, **_QK_NORMS),
+                  "phi3": _FUSED}
+"""Per-layer tensors an architecture has beside (or instead of) :data:`_BLOCK_TENSORS`."""
+_NOT_IN = {"phi3": ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight")}
+"""Of :data:`_BLOCK_TENSORS`, those an architecture's GGUF has not (Phi-3: fused q/k/v and gate/up)."""
+_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -237,7 +252,8 @@ def inspect_gguf(path: str) -> GGUFModel:
     types: dict[str, int] = {}
     bad_type: dict[str, str] = {}
     unknown: list[str] = []
-    block_names = dict(_BLOCK_TENSORS, **_EXTRA_TENSORS.get(arch, {}))
+    block_names = {k: v for k, v in _BLOCK_TENSORS.items() if k not in _NOT_IN.get(arch, ())}
+    block_names.update(_EXTRA_TENSORS.get(arch, {}))
     for t in reader.tensors:
         qtype = t.tensor_type
         shapes[t.name] = tuple(int(d) for d in reversed(t.shape.tolist()))  # torch order
@@ -247,6 +263,9 @@ def inspect_gguf(path: str) -> GGUFModel:
             tensors[t.name] = ""
         elif (m := _BLOCK.match(t.name)) and m.group(2) in block_names and int(m.group(1)) < layers:
             tensors[t.name] = f"model.layers.{m.group(1)}.{block_names[m.group(2)]}"
+        elif t.name.startswith("rope_factors_") and arch == "phi3":
+            raise GGUFImportError(f"{path}: tensor {t.name}: Phi-3's long-context rope scaling (longrope) is not "
+                                  f"supported; a 4k-context Phi-3 imports")
         else:
             unknown.append(t.name)
             continue
@@ -276,8 +295,15 @@ def inspect_gguf(path: str) -> GGUFModel:
                  "attn_q.weight": (heads * head_dim, hidden), "attn_k.weight": (kv_heads * head_dim, hidden),
                  "attn_v.weight": (kv_heads * head_dim, hidden), "attn_output.weight": (hidden, heads * head_dim),
                  "ffn_gate.weight": (ff, hidden), "ffn_up.weight": (ff, hidden), "ffn_down.weight": (hidden, ff)}
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         per_layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
+    if arch in _GEMMAS:
+        per_layer.update({"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)})
+    if arch == "phi3":
+        for k in _NOT_IN["phi3"]:
+            del per_layer[k]
+        per_layer.update({"attn_qkv.weight": ((heads + 2 * kv_heads) * head_dim, hidden),
+                          "ffn_up.weight": (2 * ff, hidden)})
     if arch == "qwen2":
         per_layer.update({"attn_q.bias": (heads * head_dim,), "attn_k.bias": (kv_heads * head_dim,),
                           "attn_v.bias": (kv_heads * head_dim,)})
@@ -334,13 +360,24 @@ def inspect_gguf(path: str) -> GGUFModel:
         "max_position_embeddings": int(_meta(reader, f"{arch}.context_length", 4096)),
         "rms_norm_eps": eps,
         "rope_theta": theta,
-        "hidden_act": "silu",
-        **({} if arch == "qwen2" else {"attention_bias": False, "mlp_bias": False}),  # Qwen2: q/k/v biases
+        "hidden_act": "gelu_pytorch_tanh" if arch in _GEMMAS else "silu",
+        **({} if arch in ("qwen2", "gemma2", "gemma3", "phi3") else {"attention_bias": False, "mlp_bias": False}),
         "tie_word_embeddings": "output.weight" not in shapes,
         "torch_dtype": "float32",
     }
     if rope:
         config["rope_scaling"] = rope
+    window = _meta(reader, f"{arch}.attention.sliding_window")
+    if window is not None:
+        config["sliding_window"] = int(window)
+    if arch in _GEMMAS:
+        pattern = _SLIDING_PATTERN[arch]
+        config["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        config["query_pre_attn_scalar"] = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
+        config["attn_logit_softcapping"] = _meta(reader, f"{arch}.attn_logit_softcapping")
+        config["final_logit_softcapping"] = _meta(reader, f"{arch}.final_logit_softcapping")
+        if arch == "gemma3":
+            config["rope_local_base_freq"] = _GEMMA3_LOCAL_ROPE
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
         if (idx := _meta(reader, f"tokenizer.ggml.{key}")) is not None:
@@ -397,6 +434,8 @@ def _float32_tensors(model: GGUFModel) -> Iterator[tuple[str, "object", "dict | 
         if model.architecture == "llama" and n_head:
             w = _unpermute(w, n_head)
             blocks = {k: _unpermute(v, n_head) for k, v in blocks.items()} if blocks else None
+        if model.architecture in _GEMMAS and t.name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) norm gains as 1 + w
         if blocks:
             blocks["type"] = t.tensor_type.name
         yield name, np.ascontiguousarray(w), blocks

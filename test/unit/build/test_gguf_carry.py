@@ -235,20 +235,39 @@ def test_fused_kernels_keep_the_carried_weights(sets):
     assert float(np.abs(got - fp).max()) <= 1e-4 * max(scale, 1.0)
 
 
-def test_qwen2_int4_and_int8_sets_compute_what_its_float32_set_does(tmp_path):
-    """Qwen2's q/k/v biases stay float32 beside the carried blocks of its projections: the int4 and int8 sets
-    of a file whose matrices are all Q4_0 / Q4_1 / Q8_0 give the float32 set's logits (accuracy level 0)."""
-    path = write_gguf(tmp_path / "qwen2.gguf", "qwen2", seed=7, types=ALL_CARRIED, tied=True)
+def all_carried(arch: str) -> dict:
+    """Every matrix of a tiny ``arch`` file in a carried type, each fused group (q/k/v, gate/up) in one."""
+    from gguf_files import LAYERS, SHAPES
+    layers = SHAPES.get(arch, {}).get("layers", LAYERS)
+    groups = ([("attn_qkv",), ("attn_output",), ("ffn_up",), ("ffn_down",)] if arch == "phi3" else
+              [("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)])
+    kinds = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+    types = {"token_embd.weight": Q.Q8_0}
+    for i in range(layers):
+        for j, group in enumerate(groups):
+            types.update({f"blk.{i}.{name}.weight": kinds[(i + j) % 3] for name in group})
+    return types
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "gemma3", "phi3"])
+def test_int4_and_int8_sets_of_each_family_compute_what_its_float32_set_does(tmp_path, arch):
+    """Each family's own tensors (Qwen2's q/k/v biases, Gemma's sandwich and q/k norms, stored as 1 + w) stay
+    float32 beside the carried blocks of its matrices, Phi-3's fused q/k/v and gate/up blocks are found in the
+    split projections: the int4 and int8 sets of a file whose matrices are all Q4_0 / Q4_1 / Q8_0 give the
+    float32 set's logits (accuracy level 0), every matrix carried."""
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, seed=7, types=all_carried(arch), tied=True)
     sets = {}
     for weights in ("float32", "int4", "int8"):
         sets[weights] = str(tmp_path / weights)
         args = ["--config", base_yaml(tmp_path), "--out", sets[weights], "--from-gguf", path]
         assert build_tool.main(args + (["--weights", weights] if weights != "float32" else [])) == 0
-    assert load_config(os.path.join(sets["int4"], "config.yaml")).llm.architecture == "qwen2"
+    assert load_config(os.path.join(sets["int4"], "config.yaml")).llm.architecture == \
+        {"phi3": "llama"}.get(arch, arch)  # Phi-3 runs as Llama's decoder
     ids = np.random.default_rng(3).integers(0, 300, 10)
     fp = _logits(sets["float32"], ids, 5)
     scale = float(np.abs(fp).max())
     for weights in ("int4", "int8"):
-        assert graphset.read_manifest(sets[weights])["weights"]["ggml_carried"]
+        info = graphset.read_manifest(sets[weights])["weights"]
+        assert info["ggml_carried"], weights
         diff = float(np.abs(_logits(sets[weights], ids, 5, EXACT) - fp).max())
         assert diff <= 1e-4 * max(scale, 1.0), (weights, diff, scale)

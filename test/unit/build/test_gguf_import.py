@@ -32,8 +32,8 @@ from synflux_ros.runtimes.base import create_executor  # noqa: E402
 from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime  # noqa: E402
 
 from gguf_files import (  # noqa: E402
-    BOS, EOS, HIDDEN, LLAMA_TYPES, PROMPT, Q, QWEN2_TYPES, QWEN3_TYPES, SHAPES, SPECIALS, TEMPLATE, base_yaml,
-    hf_reference, write_gguf)
+    BOS, EOS, GEMMA2_CAPS, GEMMA_TYPES, HIDDEN, LLAMA_TYPES, PHI3_TYPES, PROMPT, Q, QWEN2_TYPES, QWEN3_TYPES, SHAPES, SPECIALS,
+    TEMPLATE, WINDOW, base_yaml, hf_reference, write_gguf)
 
 
 def backbone(graph_dir: str):
@@ -44,13 +44,19 @@ def backbone(graph_dir: str):
     return LLMBackbone(cfg, ex), pool.tensor(0)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2"])
+TYPES = {"llama": LLAMA_TYPES, "qwen3": QWEN3_TYPES, "qwen2": QWEN2_TYPES, "gemma2": GEMMA_TYPES,
+         "gemma3": GEMMA_TYPES, "phi3": PHI3_TYPES}
+TIED = ("qwen3", "gemma2")
+
+
+@pytest.fixture(scope="module", params=list(TYPES))
 def imported(request, tmp_path_factory):
     """(arch, GGUF path, graph set dir): a tiny GGUF built with synflux-build --from-gguf."""
     arch = request.param
     d = tmp_path_factory.mktemp(f"gguf_{arch}")
-    types = {"llama": LLAMA_TYPES, "qwen3": QWEN3_TYPES, "qwen2": QWEN2_TYPES}[arch]
-    path = write_gguf(d / f"tiny-{arch}.gguf", arch, types=types, tied=arch == "qwen3")
+    # Gemma 3: global layers at another rope base than the sliding ones' (10000, which GGUF does not hold)
+    path = write_gguf(d / f"tiny-{arch}.gguf", arch, types=TYPES[arch], tied=arch in TIED,
+                      theta=1e6 if arch == "gemma3" else 10000.0)
     out = d / "graphs"
     assert build_tool.main(["--config", base_yaml(d), "--out", str(out), "--from-gguf", path]) == 0
     return arch, path, str(out)
@@ -62,10 +68,13 @@ def test_weights_equal_transformers_dequantized_weights(imported, tmp_path):
     model = gguf_import.convert(path, str(tmp_path / "ckpt"))
     assert set(model.types) >= {"llama": {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K",
                                           "Q6_K"},
-                                "qwen3": {"F32", "Q8_0", "Q4_1", "Q6_K"}, "qwen2": {"F32", "Q8_0", "Q4_0", "Q4_1"}}[arch]
+                                "qwen3": {"F32", "Q8_0", "Q4_1", "Q6_K"}, "qwen2": {"F32", "Q8_0", "Q4_0", "Q4_1"},
+                                "gemma2": {"F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q6_K"},
+                                "gemma3": {"F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q6_K"},
+                                "phi3": {"F32", "Q8_0", "Q4_0", "Q4_1", "Q6_K"}}[arch]
     ours = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     ref = {k: v.numpy() for k, v in hf_reference(path)[0].state_dict().items()}
-    if arch == "qwen3":
+    if arch in TIED:
         assert "lm_head.weight" not in ours
         assert json.load(open(tmp_path / "ckpt" / "config.json"))["tie_word_embeddings"]
         ref.pop("lm_head.weight")
@@ -89,6 +98,24 @@ def test_logits_equal_transformers(imported):
         worst = max(worst, float(np.abs(llm.decode(slot, i, int(ids[i])) - ref[i]).max()))
     print(f"\n{arch}: worst logit difference {worst:.2e}, logit scale {np.abs(ref).max():.2f}")
     assert worst < 1e-4, f"{arch}: logits differ by {worst}"
+
+
+def test_gemma_attention_comes_through_as_llama_cpp_runs_it(imported):
+    """What a Gemma GGUF leaves to the runtime (llama.cpp's fixed layer patterns, the score scale, Gemma 3's local
+    rope base) and what it holds (window, soft-caps) reach the graph set's config; the other families get none."""
+    arch, _, out = imported
+    llm = load_config(os.path.join(out, "config.yaml")).llm
+    if arch not in ("gemma2", "gemma3"):
+        assert (llm.sliding_window, llm.query_pre_attn_scalar, llm.rope_local_theta) == (0, 0.0, 0.0)
+        return
+    assert (llm.architecture, llm.sliding_window, llm.query_pre_attn_scalar) == (arch, WINDOW, 256)
+    if arch == "gemma2":
+        assert llm.sliding_window_layers == (0,)
+        assert (llm.attn_logit_softcapping, llm.final_logit_softcapping) == GEMMA2_CAPS
+    else:
+        assert llm.sliding_window_layers == (0, 1, 2, 3, 4)  # the sixth is global
+        assert (llm.rope_theta, llm.rope_local_theta) == (1e6, 10000.0)
+        assert (llm.attn_logit_softcapping, llm.final_logit_softcapping) == (0.0, 0.0)
 
 
 def test_chat_template_and_special_tokens_come_through(imported):
@@ -159,10 +186,14 @@ def test_errors_name_the_file_and_what_is_unsupported(tmp_path, capsys):
     assert code == 2 and "missing.gguf: GGUF file not found" in err
     code, err = run("")  # e.g. a shell lookup that found nothing: never silently random weights
     assert code == 2 and "--from-gguf is empty" in err
-    gemma2 = write_gguf(tmp_path / "gemma2.gguf", "gemma2", types={})
-    code, err = run(gemma2)
-    assert code == 2 and gemma2 in err and "architecture 'gemma2' is not supported" in err and "soft-capping" in err
-    assert "supported: llama, qwen3, qwen2" in err
+    gemma4 = write_gguf(tmp_path / "gemma4.gguf", "gemma4", types={})
+    code, err = run(gemma4)
+    assert code == 2 and gemma4 in err and "architecture 'gemma4' is not supported" in err and "two head sizes" in err
+    assert "supported: llama, qwen3, qwen2, gemma2, gemma3, phi3" in err
+    longrope = write_gguf(tmp_path / "phi3-128k.gguf", "phi3", types={},
+                          extra_tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
+    code, err = run(longrope)
+    assert code == 2 and "rope_factors_long.weight: Phi-3's long-context rope scaling (longrope)" in err
     biased = write_gguf(tmp_path / "biased.gguf", types={},
                         extra_tensors={"blk.0.attn_q.bias": np.zeros(64, np.float32)})
     code, err = run(biased)
@@ -173,7 +204,7 @@ def test_errors_name_the_file_and_what_is_unsupported(tmp_path, capsys):
     assert code == 2 and "blk.0.ffn_gate_exps.weight" in err
     assert not os.path.exists(tmp_path / "o")  # nothing written before the file was checked
     with pytest.raises(SystemExit) as exc:  # argparse: one weight source
-        build_tool.main(["--config", cfg, "--out", str(tmp_path / "o"), "--from-gguf", gemma2, "--from-hf", "x"])
+        build_tool.main(["--config", cfg, "--out", str(tmp_path / "o"), "--from-gguf", gemma4, "--from-hf", "x"])
     assert exc.value.code == 2
 
 
