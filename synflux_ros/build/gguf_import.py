@@ -59,6 +59,19 @@ UNSUPPORTED = {
     "gemma": "transformers cannot load Gemma GGUF files, so there is no reference to check the import against",
     "gemma4": "mixed sliding/global attention with two head sizes",
     "mistral3": "a vision tower",
+    "gpt-oss": "mixture-of-experts layers and attention sinks",
+    "minimax-m2": "mixture-of-experts layers",
+    "lfm2": "short-convolution layers",
+    "mamba": "state-space layers instead of attention",
+    "t5": "an encoder-decoder model",
+    "t5encoder": "an encoder model",
+    "falcon": "LayerNorm blocks with parallel attention and MLP",
+    "bloom": "ALiBi positions and LayerNorm blocks",
+    "gpt2": "learned absolute positions, LayerNorm and biased, ungated MLPs",
+    "starcoder2": "LayerNorm blocks with biases and ungated MLPs",
+    "stablelm": "LayerNorm blocks with partial rotary embeddings",
+    "nemotron": "LayerNorm1P blocks, squared-ReLU ungated MLPs and partial rotary embeddings",
+    "deci": "layers of differing head counts and widths",
 }
 """Architectures transformers' GGUF loader reads that these graphs cannot express, and why."""
 

@@ -208,6 +208,20 @@ def test_errors_name_the_file_and_what_is_unsupported(tmp_path, capsys):
     assert exc.value.code == 2
 
 
+def test_every_architecture_transformers_reads_is_imported_or_refused_with_its_reason():
+    """transformers' GGUF loader is the reference: each architecture it reads either imports or has the feature
+    these graphs lack named (GGUF's names: llama.cpp's, which transformers renames)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    gguf_name = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "minimax_m2": "minimax-m2",
+                 "mistral": "llama", "umt5": "t5"}  # transformers' name -> the file's (llama.cpp's)
+    for arch in GGUF_SUPPORTED_ARCHITECTURES:
+        if arch in ("general", "tokenizer"):  # metadata sections, not architectures
+            continue
+        name = gguf_name.get(arch, arch)
+        assert name in gguf_import.ARCHITECTURES or gguf_import.UNSUPPORTED.get(name), arch
+    assert not set(gguf_import.ARCHITECTURES) & set(gguf_import.UNSUPPORTED)
+
+
 def test_unreadable_tensor_type_is_named(tmp_path):
     path = write_gguf(tmp_path / "i8.gguf", types={})
     # rewrite one tensor entry's type to I8 (not a weight type gguf can dequantize) in a copy of the file
