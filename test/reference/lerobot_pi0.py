@@ -1,20 +1,23 @@
 #!/usr/bin/env python3
-"""LeRobot 0.4.4's π0 (``lerobot.policies.pi0``) as the reference the project's π0 is compared with.
+"""LeRobot 0.4.4's π0 (``lerobot.policies.pi0``) and π0.5 (``lerobot.policies.pi05``) as the references the
+project's π0 and π0.5 are compared with.
 
 Run it with the interpreter of ``.venv-pi0ref`` (``make pi0ref-venv``): torch 2.13 CPU, stock transformers
 4.53.2 and lerobot 0.4.4 installed without its dependencies (see requirements-pi0ref.txt).
 
 Subcommands
-    check            import LeRobot's π0 here and run a minute model once (the venv's smoke test)
-    make-checkpoint  build a small π0 with random weights and save it as a LeRobot 0.4.4 checkpoint directory
+    check            import LeRobot's π0 and π0.5 here and run a minute model of each once (the venv's smoke test)
+    make-checkpoint  build a small π0 (or, with --policy pi05, π0.5) with random weights and save it as a LeRobot
+                     0.4.4 checkpoint directory
     run              load such a checkpoint with LeRobot and compute one action chunk from an .npz of inputs
-                     (with --rtc, also the chunks LeRobot's Real-Time Chunking guides towards given leftovers)
+                     (with --rtc, also the chunks LeRobot's Real-Time Chunking guides towards given leftovers);
+                     the policy is the one config.json names ("type": "pi0" or "pi05")
 
 Why a compatibility layer is needed
-    LeRobot 0.4.4's π0 requires ``transformers @ git+…@fix/lerobot_openpi``, a branch that exists only on
-    GitHub: stock transformers 4.53.2 plus openpi's ``transformers_replace`` files. π0 refuses to build unless
-    ``transformers.models.siglip.check`` exists, and it relies on the branch's semantics, which differ from
-    stock 4.53.2 in exactly these places on its inference path:
+    LeRobot 0.4.4's π0 and π0.5 require ``transformers @ git+…@fix/lerobot_openpi``, a branch that exists only on
+    GitHub: stock transformers 4.53.2 plus openpi's ``transformers_replace`` files. Both refuse to build unless
+    ``transformers.models.siglip.check`` exists, and they rely on the branch's semantics, which differ from stock
+    4.53.2 in exactly these places on their inference paths:
 
     * ``GemmaModel.forward`` does not multiply its input embeddings by sqrt(hidden_size) (π0 scales the language
       embeddings itself and feeds unscaled image and action embeddings), accepts ``adarms_cond`` and, when given
@@ -23,29 +26,42 @@ Why a compatibility layer is needed
     * ``PaliGemmaModel.get_image_features`` does not divide the projected image features by
       sqrt(text hidden_size).
     * ``GemmaRMSNorm`` called with ``cond=`` returns ``(output, gate)``; ``modeling_gemma._gated_residual``
-      exists. Both are used by π0's joint (training) forward, not by inference.
+      exists. π0 uses both only in its joint (training) forward.
+    * Adaptive RMSNorm (π0.5's action expert, a Gemma config with ``use_adarms=True`` and ``adarms_cond_dim``):
+      each decoder layer's two norms and the final norm have no ``weight`` but ``dense = Linear(cond_dim,
+      3 * width)``; with a condition c they return ``(normed * (1 + scale) + shift, gate)`` where
+      ``scale, shift, gate = dense(c)`` (broadcast over the sequence), and the decoder layer adds each sub-block
+      as ``x + out * gate``. π0.5 feeds its time embedding as c on every denoising step.
     * In bfloat16 the Gemma and SigLIP encoders cast their inputs to bfloat16 first.
 
     ``install_transformers_shim`` patches these into stock transformers 4.53.2 at run time. When the branch
     itself is installed (``transformers.models.siglip.check`` is importable) nothing is patched, so the same
-    script also runs LeRobot's π0 on the real branch, which is how the shim was validated.
+    script also runs LeRobot's policies on the real branch, which is how the shim was validated.
 
 The small models
-    π0's sizes come only from the variant names in its config ("gemma_2b" for the VLM, "gemma_300m" for the
+    The sizes come only from the variant names in the config ("gemma_2b" for the VLM, "gemma_300m" for the
     action expert) and a SigLIP-So400m vision config hard-coded in LeRobot, so LeRobot's config.json cannot
     describe a small model. make-checkpoint therefore writes ``tiny_dims.json`` beside it, and run (like
     make-checkpoint) patches LeRobot's ``get_gemma_config`` and the vision config from it before building the
-    policy. A checkpoint without tiny_dims.json is loaded at π0's real sizes. The vocabulary stays 257152
+    policy. A checkpoint without tiny_dims.json is loaded at the real sizes. The vocabulary stays 257152
     (hard-coded in LeRobot).
 
 tiny_dims.json
-    {"format": 1, "seed": int, "vocab_size": 257152,
+    {"format": 1, "seed": int, "vocab_size": 257152, ["policy": "pi05",]
      "vlm":    {"variant": "gemma_2b",   "width", "depth", "mlp_dim", "num_heads", "num_kv_heads", "head_dim"},
      "expert": {"variant": "gemma_300m", "width", "depth", "mlp_dim", "num_heads", "num_kv_heads", "head_dim"},
      "vision": {"hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size",
                 "image_size", "num_image_tokens"}}
     ("variant" is the name in config.json whose sizes the entry replaces; the vision projection width is
-    vlm.width.)
+    vlm.width; "policy" is absent for π0.)
+
+π0.5
+    π0.5 has no state projection: the state reaches the model only as text. LeRobot's preprocessor normalises
+    it (QUANTILES by default), pads it to max_state_dim, cuts [-1, 1] into 256 bins and builds the prompt
+    ``"Task: <task>, State: <bins>;\\nAction: "``, which the PaliGemma tokenizer turns into the language tokens.
+    As for π0 the tokenizer is not loaded: run takes the token ids from the inputs and reports the prompt LeRobot
+    built (``"prompt"``, for the task given by --task) and the normalised, padded state it discretised
+    (``"state_normalized"``), so the caller can check that its ids encode that prompt.
 """
 
 from __future__ import annotations
@@ -74,6 +90,7 @@ DIMS_FILE = "tiny_dims.json"
 VOCAB_SIZE = 257152  # hard-coded in LeRobot's PaliGemmaWithExpertModel
 PATCH_SIZE = 14  # SigLIP So400m/14
 TOKENIZER_STEP = "tokenizer_processor"
+DEFAULT_TASK = "pick up the object"  # the task π0.5's prompt states unless run is given --task
 # The Gemma tokenizer pads with id 0; LeRobot tokenises with padding="max_length", padding_side="right".
 PAD_TOKEN_ID = 0
 
@@ -124,7 +141,7 @@ def install_torchvision_placeholder() -> bool:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The transformers shim: the fix/lerobot_openpi branch's π0 semantics on stock transformers 4.53.2.
+# The transformers shim: the fix/lerobot_openpi branch's π0 and π0.5 semantics on stock transformers 4.53.2.
 
 SHIM_TRANSFORMERS_VERSION = "4.53.2"
 CHECK_MODULE = "transformers.models.siglip.check"  # π0 imports it to verify the branch is installed
@@ -158,26 +175,146 @@ class _ReadOnlyCache:
         return self._cache.get_seq_length(layer_idx)
 
 
+def _adarms_cond_dim(config):
+    """The condition width of a Gemma config's adaptive norms, or None when its norms are plain (π0, π0.5's VLM)."""
+    return getattr(config, "adarms_cond_dim", None) if getattr(config, "use_adarms", False) else None
+
+
+def _wrap_rms_norm_init(stock_init):
+    """GemmaRMSNorm(dim, eps, cond_dim=None) as on the branch: with cond_dim the norm has no ``weight`` but
+    ``dense = Linear(cond_dim, 3 * dim)`` (zero weights, as the branch initialises it); without, it is stock's."""
+
+    def __init__(self, dim, eps=1e-6, cond_dim=None):
+        from torch import nn
+
+        if cond_dim is None:
+            stock_init(self, dim, eps=eps)
+            return
+        nn.Module.__init__(self)
+        self.eps = eps
+        self.dim = dim
+        self.cond_dim = cond_dim
+        self.dense = nn.Linear(cond_dim, 3 * dim, bias=True)
+        nn.init.zeros_(self.dense.weight)
+
+    return __init__
+
+
+def _rms_norm_extra_repr(self):
+    if getattr(self, "dense", None) is not None:
+        return f"{self.dim}, eps={self.eps}, adaptive=True, cond_dim={self.cond_dim}"
+    return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
 def _rms_norm_forward(self, x, cond=_NO_COND):
     """GemmaRMSNorm as on the branch: the (1 + w) scale in float32, and ``(out, gate)`` when called with cond=.
 
-    In float32 the arithmetic equals stock 4.53.2; the difference is the return type. Only cond=None (π0) is
-    supported: π0.5's adaptive norm has parameters the stock module does not have.
+    In float32 the plain norm's arithmetic equals stock 4.53.2; the difference is the return type. An adaptive
+    norm (one with ``dense``) given a condition scales and shifts the normalised input by ``dense(cond)`` in float32
+    and returns the third part of it as the gate of the residual that follows.
     """
     import torch
 
-    if cond is not _NO_COND and cond is not None:
-        raise NotImplementedError("adaptive RMSNorm (π0.5) is not provided by the π0 reference shim")
     variance = torch.mean(torch.square(x.float()), dim=-1, keepdim=True)
-    out = (x * torch.rsqrt(variance + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-    return out if cond is _NO_COND else (out, None)
+    dense = getattr(self, "dense", None)
+    if cond is _NO_COND or cond is None or dense is None:
+        if dense is not None:
+            raise ValueError("an adaptive RMSNorm (use_adarms) needs its condition: call it with cond=")
+        out = (x * torch.rsqrt(variance + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return out if cond is _NO_COND else (out, None)
+    if cond.shape[-1] != self.cond_dim:
+        raise ValueError(f"Expected cond dimension {self.cond_dim}, got {cond.shape[-1]}")
+    modulation = dense(cond)
+    if x.ndim == 3:
+        modulation = modulation.unsqueeze(1)  # one condition per sequence, broadcast over its tokens
+    scale, shift, gate = torch.chunk(modulation, 3, dim=-1)
+    normed = x * torch.rsqrt(variance + self.eps)
+    out = normed * (1 + scale.to(torch.float32)) + shift.to(torch.float32)
+    return out.to(x.dtype), gate.to(x.dtype)
 
 
 def _gated_residual(x, y, gate):
-    """The branch's residual helper (π0's joint forward calls it through modeling_gemma); π0 has no gate."""
+    """The branch's residual helper: x + y, or x + y * gate after an adaptive norm."""
     if x is None or y is None:
         return y if x is None else x
     return x + y if gate is None else x + y * gate
+
+
+def _wrap_decoder_layer_init(stock_init):
+    """GemmaDecoderLayer with adaptive input and post-attention norms when its config sets use_adarms."""
+
+    def __init__(self, config, layer_idx):
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+        stock_init(self, config, layer_idx)
+        cond_dim = _adarms_cond_dim(config)
+        if cond_dim is not None:
+            self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, cond_dim=cond_dim)
+            self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps,
+                                                         cond_dim=cond_dim)
+
+    return __init__
+
+
+def _wrap_gemma_model_init(stock_init):
+    """GemmaModel with an adaptive final norm when its config sets use_adarms (the layers build their own)."""
+
+    def __init__(self, config):
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+        stock_init(self, config)
+        cond_dim = _adarms_cond_dim(config)
+        if cond_dim is not None:
+            self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, cond_dim=cond_dim)
+
+    return __init__
+
+
+def _wrap_gemma_init_weights(stock_init_weights):
+    """Stock initialisation sets every GemmaRMSNorm's weight; an adaptive norm has none (its dense is a Linear)."""
+
+    def _init_weights(self, module):
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+        if isinstance(module, GemmaRMSNorm) and getattr(module, "dense", None) is not None:
+            return
+        stock_init_weights(self, module)
+
+    return _init_weights
+
+
+def _wrap_decoder_layer_forward(stock_forward):
+    """GemmaDecoderLayer.forward taking ``adarms_cond``: without it the stock layer runs unchanged; with it each
+    sub-block is normalised by the adaptive norm and added back through the norm's gate, as on the branch."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None,
+                output_attentions=False, use_cache=False, cache_position=None, position_embeddings=None,
+                adarms_cond=None, **kwargs):
+        if adarms_cond is None:
+            return stock_forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_value=past_key_value, output_attentions=output_attentions,
+                                 use_cache=use_cache, cache_position=cache_position,
+                                 position_embeddings=position_embeddings, **kwargs)
+        residual = hidden_states
+        hidden_states, gate = self.input_layernorm(hidden_states, cond=adarms_cond)
+        hidden_states, attn_weights = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_value=past_key_value,
+            output_attentions=output_attentions,
+            use_cache=use_cache,
+            cache_position=cache_position,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = _gated_residual(residual, hidden_states, gate)
+        residual = hidden_states
+        hidden_states, gate = self.post_attention_layernorm(hidden_states, cond=adarms_cond)
+        hidden_states = _gated_residual(residual, self.mlp(hidden_states), gate)
+        return (hidden_states, attn_weights) if output_attentions else (hidden_states,)
+
+    return forward
 
 
 def _gemma_model_forward(
@@ -197,16 +334,17 @@ def _gemma_model_forward(
     """GemmaModel.forward with the branch's semantics (see the module docstring).
 
     The decoder layers, rotary embedding and final norm are the stock modules; what differs from stock is that
-    the embeddings are not scaled, the mask given by π0 (4-D, additive) reaches the layers unchanged, and a
-    cache passed with use_cache=False is read but not written.
+    the embeddings are not scaled, the mask given by π0 (4-D, additive) reaches the layers unchanged, a cache
+    passed with use_cache=False is read but not written, and ``adarms_cond`` (π0.5's expert) conditions every
+    adaptive norm, the final one included.
     """
     import torch
     from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
-    if adarms_cond is not None or getattr(self.config, "use_adarms", False):
-        raise NotImplementedError("adaptive RMSNorm (π0.5) is not provided by the π0 reference shim")
+    if adarms_cond is None and _adarms_cond_dim(self.config) is not None:
+        raise ValueError("a Gemma model with adaptive RMSNorm (use_adarms) needs adarms_cond")
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     cfg = self.config
@@ -245,6 +383,8 @@ def _gemma_model_forward(
 
     all_hidden = () if output_hidden_states else None
     all_attn = () if output_attentions else None
+    if adarms_cond is not None:
+        kwargs = {**kwargs, "adarms_cond": adarms_cond}
     for layer in self.layers[: cfg.num_hidden_layers]:
         if output_hidden_states:
             all_hidden += (hidden,)
@@ -262,7 +402,10 @@ def _gemma_model_forward(
         hidden = out[0]
         if output_attentions:
             all_attn += (out[1],)
-    hidden = self.norm(hidden)
+    if adarms_cond is None:
+        hidden = self.norm(hidden)
+    else:
+        hidden, _ = self.norm(hidden, cond=adarms_cond)
     if output_hidden_states:
         all_hidden += (hidden,)
     return BaseModelOutputWithPast(
@@ -298,10 +441,10 @@ def branch_installed() -> bool:
 
 
 def install_transformers_shim(mode: str = "auto") -> str:
-    """Give stock transformers the branch's π0 semantics. Returns which semantics are in force.
+    """Give stock transformers the branch's π0/π0.5 semantics. Returns which semantics are in force.
 
     mode "auto": patch unless the branch is installed; "on": patch (stock transformers required); "off": leave
-    transformers alone (LeRobot's π0 then refuses stock transformers).
+    transformers alone (LeRobot's π0 and π0.5 then refuse stock transformers).
     """
     import transformers
 
@@ -331,8 +474,16 @@ def install_transformers_shim(mode: str = "auto") -> str:
     sys.modules[check.__name__] = check
     transformers.models.siglip.check = check
 
+    modeling_gemma.GemmaRMSNorm.__init__ = _wrap_rms_norm_init(modeling_gemma.GemmaRMSNorm.__init__)
     modeling_gemma.GemmaRMSNorm.forward = _rms_norm_forward
+    modeling_gemma.GemmaRMSNorm.extra_repr = _rms_norm_extra_repr
     modeling_gemma._gated_residual = _gated_residual
+    layer = modeling_gemma.GemmaDecoderLayer
+    layer.__init__ = _wrap_decoder_layer_init(layer.__init__)
+    layer.forward = _wrap_decoder_layer_forward(layer.forward)
+    modeling_gemma.GemmaModel.__init__ = _wrap_gemma_model_init(modeling_gemma.GemmaModel.__init__)
+    pretrained = modeling_gemma.GemmaPreTrainedModel
+    pretrained._init_weights = _wrap_gemma_init_weights(pretrained._init_weights)
     modeling_gemma.GemmaModel.forward = _gemma_model_forward
     modeling_paligemma.PaliGemmaModel.get_image_features = _image_features_unscaled
     modeling_siglip.SiglipEncoder.forward = _wrap_siglip_encoder_forward(modeling_siglip.SiglipEncoder.forward)
@@ -340,7 +491,7 @@ def install_transformers_shim(mode: str = "auto") -> str:
 
 
 def prepare_lerobot(shim_mode: str) -> str:
-    """Everything needed before LeRobot's π0 modules are imported; returns the semantics in force."""
+    """Everything needed before LeRobot's π0/π0.5 modules are imported; returns the semantics in force."""
     install_torchvision_placeholder()
     return install_transformers_shim(shim_mode)
 
@@ -349,19 +500,39 @@ def prepare_lerobot(shim_mode: str) -> str:
 # Small sizes
 
 
-def apply_model_dims(dims: dict) -> None:
-    """Make LeRobot build π0 at the sizes of ``dims`` (the tiny_dims.json format) instead of the real ones.
+POLICIES = ("pi0", "pi05")
 
-    LeRobot looks up ``get_gemma_config`` and ``PaliGemmaForConditionalGeneration`` in its module at call time,
-    so replacing both there is enough: the first maps the two variant names to the small Gemma sizes, the second
-    rewrites the vision config that PaliGemmaWithExpertModel hard-codes to SigLIP So400m.
+
+def policy_modules(policy: str):
+    """LeRobot's modeling module, policy class, config class and processor factory of ``policy``."""
+    if policy == "pi0":
+        from lerobot.policies.pi0 import modeling_pi0 as modeling
+        from lerobot.policies.pi0.configuration_pi0 import PI0Config as config_cls
+        from lerobot.policies.pi0.processor_pi0 import make_pi0_pre_post_processors as make_processors
+
+        return modeling, modeling.PI0Policy, config_cls, make_processors
+    if policy == "pi05":
+        from lerobot.policies.pi05 import modeling_pi05 as modeling
+        from lerobot.policies.pi05.configuration_pi05 import PI05Config as config_cls
+        from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors as make_processors
+
+        return modeling, modeling.PI05Policy, config_cls, make_processors
+    raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
+
+
+def apply_model_dims(dims: dict) -> None:
+    """Make LeRobot build the policy at the sizes of ``dims`` (the tiny_dims.json format) instead of the real ones.
+
+    LeRobot looks up ``get_gemma_config`` and ``PaliGemmaForConditionalGeneration`` in the policy's modeling module
+    at call time, so replacing both there is enough: the first maps the two variant names to the small Gemma sizes,
+    the second rewrites the vision config that PaliGemmaWithExpertModel hard-codes to SigLIP So400m.
     """
-    from lerobot.policies.pi0 import modeling_pi0
+    modeling = policy_modules(dims.get("policy", "pi0"))[0]
 
     gemma = {}
     for part in ("vlm", "expert"):
         d = dims[part]
-        gemma[d["variant"]] = modeling_pi0.GemmaConfig(
+        gemma[d["variant"]] = modeling.GemmaConfig(
             width=d["width"],
             depth=d["depth"],
             mlp_dim=d["mlp_dim"],
@@ -375,8 +546,8 @@ def apply_model_dims(dims: dict) -> None:
             raise ValueError(f"{DIMS_FILE} has no sizes for variant {variant!r}")
         return gemma[variant]
 
-    paligemma_cls = getattr(modeling_pi0, "_stock_paligemma_cls", modeling_pi0.PaliGemmaForConditionalGeneration)
-    modeling_pi0._stock_paligemma_cls = paligemma_cls
+    paligemma_cls = getattr(modeling, "_stock_paligemma_cls", modeling.PaliGemmaForConditionalGeneration)
+    modeling._stock_paligemma_cls = paligemma_cls
     vision = dims["vision"]
 
     def build_paligemma(config):
@@ -391,8 +562,8 @@ def apply_model_dims(dims: dict) -> None:
         config.text_config.num_image_tokens = (vc.image_size // vc.patch_size) ** 2
         return paligemma_cls(config=config)
 
-    modeling_pi0.get_gemma_config = get_gemma_config
-    modeling_pi0.PaliGemmaForConditionalGeneration = build_paligemma
+    modeling.get_gemma_config = get_gemma_config
+    modeling.PaliGemmaForConditionalGeneration = build_paligemma
 
 
 def read_dims(checkpoint: Path) -> dict | None:
@@ -402,6 +573,8 @@ def read_dims(checkpoint: Path) -> dict | None:
     dims = json.loads(path.read_text())
     if dims.get("format") != 1:
         raise ValueError(f"{path}: unknown format {dims.get('format')!r}")
+    if dims.get("policy", "pi0") not in POLICIES:
+        raise ValueError(f"{path}: unknown policy {dims['policy']!r}")
     return dims
 
 
@@ -409,6 +582,7 @@ def read_dims(checkpoint: Path) -> dict | None:
 # make-checkpoint
 
 CHECKPOINT_DEFAULTS = {
+    "policy": "pi0",
     "seed": 0,
     "vlm_width": 64,
     "depth": 2,
@@ -431,11 +605,15 @@ CHECKPOINT_DEFAULTS = {
     "chunk_size": 10,
     "n_action_steps": None,  # None: chunk_size
     "num_inference_steps": 10,
-    "state_norm": "MEAN_STD",
-    "action_norm": "MEAN_STD",
+    "tokenizer_max_length": None,  # None: the policy's default (π0 48, π0.5 200)
+    "state_norm": None,  # None: the policy's default (POLICY_NORMS)
+    "action_norm": None,
     "dtype": "float32",
 }
 NORM_MODES = ("MEAN_STD", "MIN_MAX", "QUANTILES", "QUANTILE10", "IDENTITY")
+# The state and action normalisation each policy gets unless told: MEAN_STD for π0 (as this script always made it),
+# LeRobot's own default QUANTILES for π0.5.
+POLICY_NORMS = {"pi0": "MEAN_STD", "pi05": "QUANTILES"}
 
 
 def checkpoint_options(args) -> dict:
@@ -456,12 +634,19 @@ def checkpoint_options(args) -> dict:
         opts["cameras"] = [c for c in opts["cameras"].split(",") if c]
     if opts["n_action_steps"] is None:
         opts["n_action_steps"] = opts["chunk_size"]
+    for key in ("state_norm", "action_norm"):
+        if opts[key] is None:
+            opts[key] = POLICY_NORMS.get(opts["policy"], "MEAN_STD")
     validate_options(opts)
     return opts
 
 
 def validate_options(o: dict) -> None:
     problems = []
+    if o["policy"] not in POLICIES:
+        problems.append(f"policy must be one of {', '.join(POLICIES)}")
+    if o["tokenizer_max_length"] is not None and o["tokenizer_max_length"] < 1:
+        problems.append("tokenizer_max_length must be positive")
     if o["image_size"] % PATCH_SIZE:
         problems.append(f"image_size must be a multiple of {PATCH_SIZE}")
     if o["vision_width"] % o["vision_heads"]:
@@ -498,7 +683,7 @@ def dims_from_options(o: dict) -> dict:
             "head_dim": o["head_dim"],
         }
 
-    return {
+    dims = {
         "format": 1,
         "seed": o["seed"],
         "vocab_size": VOCAB_SIZE,
@@ -514,6 +699,9 @@ def dims_from_options(o: dict) -> dict:
             "num_image_tokens": (o["image_size"] // PATCH_SIZE) ** 2,
         },
     }
+    if o["policy"] != "pi0":
+        dims["policy"] = o["policy"]
+    return dims
 
 
 def randomize_weights(policy, seed: int) -> None:
@@ -521,7 +709,10 @@ def randomize_weights(policy, seed: int) -> None:
 
     Each tensor draws from its own generator, seeded from the seed and the parameter's name, so the weights do not
     depend on module construction order or on the transformers build. Norm weights are random too: Gemma's RMSNorm
-    scales by (1 + w), which zero weights would not exercise; biases are nonzero.
+    scales by (1 + w), which zero weights would not exercise; biases are nonzero. π0.5's adaptive norms (their
+    ``dense``, which LeRobot initialises to zero) and its time MLP are Linear layers and get the same draw as the
+    others, std 1/sqrt(fan_in) and biases of std 0.1: scale, shift and gate come out of order 0.1, enough for the
+    time condition to matter without swamping the activations.
     """
     import torch
     from torch import nn
@@ -607,15 +798,16 @@ def tokenizer_not_loaded():
 
 
 def make_checkpoint(args) -> dict:
+    """Build the policy of --policy at the small sizes, randomise it and save it with LeRobot's own save_pretrained,
+    beside its pre/post processors (with the dataset statistics every normalisation mode needs) and tiny_dims.json.
+    """
     import torch
 
     opts = checkpoint_options(args)
     semantics = prepare_lerobot(args.transformers_shim)
     from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
-    from lerobot.policies.pi0.configuration_pi0 import PI0Config
-    from lerobot.policies.pi0.modeling_pi0 import PI0Policy
-    from lerobot.policies.pi0.processor_pi0 import make_pi0_pre_post_processors
 
+    _, policy_cls, config_cls, make_processors = policy_modules(opts["policy"])
     dims = dims_from_options(opts)
     apply_model_dims(dims)
     size = opts["image_size"]
@@ -624,7 +816,10 @@ def make_checkpoint(args) -> dict:
         for cam in opts["cameras"]
     }
     input_features["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(opts["state_dim"],))
-    config = PI0Config(
+    extra = {}
+    if opts["tokenizer_max_length"] is not None:
+        extra["tokenizer_max_length"] = opts["tokenizer_max_length"]
+    config = config_cls(
         paligemma_variant=dims["vlm"]["variant"],
         action_expert_variant=dims["expert"]["variant"],
         dtype=opts["dtype"],
@@ -642,9 +837,10 @@ def make_checkpoint(args) -> dict:
             "ACTION": NormalizationMode(opts["action_norm"]),
         },
         device="cpu",
+        **extra,
     )
     torch.manual_seed(opts["seed"])
-    policy = PI0Policy(config)
+    policy = policy_cls(config)
     randomize_weights(policy, opts["seed"])
 
     rng = np.random.default_rng(opts["seed"])
@@ -653,7 +849,7 @@ def make_checkpoint(args) -> dict:
         "action": make_stats(rng, opts["action_dim"]),
     }
     with tokenizer_not_loaded():
-        preprocessor, postprocessor = make_pi0_pre_post_processors(config, dataset_stats=stats)
+        preprocessor, postprocessor = make_processors(config, dataset_stats=stats)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -661,7 +857,10 @@ def make_checkpoint(args) -> dict:
     preprocessor.save_pretrained(out)
     postprocessor.save_pretrained(out)
     (out / DIMS_FILE).write_text(json.dumps(dims, indent=2) + "\n")
-    return {"checkpoint": str(out), "semantics": semantics, "files": sorted(p.name for p in out.iterdir())}
+    result = {"checkpoint": str(out), "semantics": semantics, "files": sorted(p.name for p in out.iterdir())}
+    if opts["policy"] != "pi0":
+        result["policy"] = opts["policy"]
+    return result
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -678,11 +877,13 @@ class PretokenizedPrompt:
 
     def __init__(self, ids: np.ndarray):
         self.ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+        self.texts = None  # the prompts LeRobot asked to tokenise last (π0.5's carry the state)
 
     def __call__(self, text, max_length, truncation=True, padding="max_length", padding_side="right", **_):
         import torch
 
         texts = [text] if isinstance(text, str) else list(text)
+        self.texts = texts
         ids = self.ids[:max_length] if truncation else self.ids
         if padding != "max_length" or len(ids) > max_length:
             raise ValueError("π0 pads prompts to max_length; the given ids do not fit")
@@ -698,14 +899,14 @@ class PretokenizedPrompt:
         }
 
 
-def load_reference(checkpoint: Path, lang_tokens: np.ndarray):
-    """The policy and its pre/post processors, loaded by LeRobot from the checkpoint directory.
+def load_reference(checkpoint: Path, lang_tokens: np.ndarray, policy_type: str = "pi0"):
+    """The policy and its pre/post processors, loaded by LeRobot from the checkpoint directory, and the tokenizer
+    stand-in.
 
     The preprocessor is rebuilt from policy_preprocessor.json with its saved normaliser state; the tokenizer step
     stays in place but is handed PretokenizedPrompt instead of loading the PaliGemma tokenizer.
     """
     import torch
-    from lerobot.policies.pi0.modeling_pi0 import PI0Policy
     from lerobot.processor import PolicyProcessorPipeline
     from lerobot.processor.converters import (
         batch_to_transition,
@@ -717,15 +918,18 @@ def load_reference(checkpoint: Path, lang_tokens: np.ndarray):
 
     dims = read_dims(checkpoint)
     if dims is not None:
+        if dims.get("policy", "pi0") != policy_type:
+            raise ValueError(f"{checkpoint}: config.json says {policy_type}, {DIMS_FILE} {dims.get('policy', 'pi0')}")
         apply_model_dims(dims)
-    policy = PI0Policy.from_pretrained(checkpoint)
+    policy = policy_modules(policy_type)[1].from_pretrained(checkpoint)
     policy.eval()
     verify_weights(policy, load_file(checkpoint / "model.safetensors"))
 
     steps = json.loads((checkpoint / "policy_preprocessor.json").read_text())["steps"]
     overrides = {}
+    tokenizer = PretokenizedPrompt(lang_tokens)
     if any(step.get("registry_name") == TOKENIZER_STEP for step in steps):
-        overrides[TOKENIZER_STEP] = {"tokenizer": PretokenizedPrompt(lang_tokens)}
+        overrides[TOKENIZER_STEP] = {"tokenizer": tokenizer}
     preprocessor = PolicyProcessorPipeline.from_pretrained(
         checkpoint,
         config_filename="policy_preprocessor.json",
@@ -740,15 +944,16 @@ def load_reference(checkpoint: Path, lang_tokens: np.ndarray):
         to_output=transition_to_policy_action,
     )
     torch.set_grad_enabled(False)
-    return policy, preprocessor, postprocessor
+    return policy, preprocessor, postprocessor, tokenizer
 
 
 def verify_weights(policy, saved: dict) -> None:
     """Fail unless every saved tensor is in the policy unchanged.
 
-    PI0Policy.from_pretrained loads with strict=True and only prints a warning when that raises, which it does for
-    LeRobot's own checkpoints: save_model drops embed_tokens, the tied twin of lm_head. The tensors are still
-    copied, but a silent partial load must not pass for a reference, so the result is checked here.
+    PI0Policy.from_pretrained (and PI05Policy's) loads with strict=True and only prints a warning when that raises,
+    which it does for LeRobot's own checkpoints: save_model drops embed_tokens, the tied twin of lm_head. The
+    tensors are still copied, but a silent partial load must not pass for a reference, so the result is checked
+    here.
     """
     import torch
 
@@ -850,7 +1055,7 @@ def rtc_chunk(policy, batch, noise, prev, case: dict):
     )
     policy.init_rtc_processor()
     if not (policy.model._rtc_enabled() and policy.model.rtc_processor is policy.rtc_processor):
-        raise RuntimeError("RTC did not reach the π0 model")
+        raise RuntimeError(f"RTC did not reach the {policy.name} model")
     if case["guidance"] == "vjp":
         through_the_model(policy.rtc_processor)
     try:
@@ -873,20 +1078,22 @@ def run(args) -> dict:
 
     checkpoint = Path(args.checkpoint)
     config = PreTrainedConfig.from_pretrained(checkpoint)
-    if config.type != "pi0":
-        raise SystemExit(f"{checkpoint} holds a {config.type!r} policy, not pi0")
+    if config.type not in POLICIES:
+        raise SystemExit(f"{checkpoint} holds a {config.type!r} policy, not one of {', '.join(POLICIES)}")
     rtc_cases = read_rtc_cases(getattr(args, "rtc", None))
     inputs = read_inputs(Path(args.inputs), config, rtc_cases)
-    policy, preprocessor, postprocessor = load_reference(checkpoint, inputs["lang_tokens"])
+    policy, preprocessor, postprocessor, tokenizer = load_reference(checkpoint, inputs["lang_tokens"], config.type)
+    # π0 tokenises the task alone (the given ids stand for it); π0.5's preprocessor writes the state into it.
+    task = getattr(args, "task", DEFAULT_TASK) if config.type == "pi05" else ""
 
     # What lerobot-record / predict_action do with a robot observation: uint8 HWC -> float [0,1] CHW with a batch
-    # dimension, then the preprocessor (batching, the tokenizer step, the normaliser).
+    # dimension, then the preprocessor (batching, the normaliser, for π0.5 the state prompt, the tokenizer step).
     observation = {key: img.copy() for key, img in inputs["images"].items()}
     observation["observation.state"] = inputs["state"].copy()
     noise = torch.from_numpy(inputs["noise"])[None]
     # RTC's guidance takes an autograd gradient, which inference tensors (inference_mode) do not allow.
     with torch.no_grad() if rtc_cases else torch.inference_mode():
-        observation = prepare_observation_for_inference(observation, torch.device("cpu"), task="", robot_type="")
+        observation = prepare_observation_for_inference(observation, torch.device("cpu"), task=task, robot_type="")
         batch = preprocessor(observation)
         normalized = policy.predict_action_chunk(batch, noise=noise.clone())
         actions = postprocessor(normalized.clone())
@@ -919,6 +1126,8 @@ def run(args) -> dict:
                 timing.update(rtc_median_ms=statistics.median(times), rtc_min_ms=min(times), rtc_max_ms=max(times))
 
     result = {"semantics": semantics, "actions_shape": list(actions.shape[1:])}
+    if config.type == "pi05":
+        result.update(policy="pi05", **pi05_prompt(batch, tokenizer, preprocessor))
     if args.out:
         np.savez(
             args.out,
@@ -936,12 +1145,33 @@ def run(args) -> dict:
     return result
 
 
+def pi05_prompt(batch: dict, tokenizer: PretokenizedPrompt, preprocessor) -> dict:
+    """What π0.5's preprocessor made of the raw state and the task: the prompt its tokenizer step was asked to
+    tokenise (built by LeRobot's NormalizerProcessorStep and Pi05PrepareStateTokenizerProcessorStep from the
+    checkpoint's statistics) and the normalised state padded as that prompt discretises it.
+
+    The padding is the loaded Pi05PrepareStateTokenizerProcessorStep's max_state_dim: LeRobot saves that step
+    without its configuration, so a reloaded checkpoint pads to 32 whatever config.json's max_state_dim says.
+    """
+    from lerobot.policies.pi05.modeling_pi05 import pad_vector
+    from lerobot.policies.pi05.processor_pi05 import Pi05PrepareStateTokenizerProcessorStep
+
+    prompts = tokenizer.texts
+    if not prompts or len(prompts) != 1 or batch.get("task") != prompts:
+        raise RuntimeError(f"π0.5's tokenizer step was not handed the state prompt (got {prompts!r})")
+    steps = [s for s in preprocessor.steps if isinstance(s, Pi05PrepareStateTokenizerProcessorStep)]
+    if len(steps) != 1:
+        raise RuntimeError("the π0.5 preprocessor has no state prompt step")
+    state = pad_vector(batch["observation.state"], steps[0].max_state_dim)[0]
+    return {"prompt": prompts[0], "state_normalized": [float(v) for v in state.numpy()]}
+
+
 # --------------------------------------------------------------------------------------------------------------
 # check
 
 
 def check(args) -> dict:
-    """Import LeRobot's π0 here and run a minute random model once, end to end."""
+    """Import LeRobot's π0 and π0.5 here and run a minute random model of each once, end to end."""
     import tempfile
 
     import lerobot
@@ -954,25 +1184,32 @@ def check(args) -> dict:
         "vision_width": 16, "vision_depth": 1, "vision_heads": 2, "vision_mlp_dim": 32, "image_size": 28,
         "chunk_size": 4, "num_inference_steps": 2, "state_dim": 3, "action_dim": 2,
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        shim = args.transformers_shim
-        make_checkpoint(argparse.Namespace(out=tmp, options=json.dumps(minute), transformers_shim=shim))
-        rng = np.random.default_rng(0)
-        np.savez(
-            tmp / "in.npz",
-            **{"observation.images.base": rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)},
-            lang_tokens=np.array([2, 100, 200], dtype=np.int64),
-            state=rng.normal(size=3).astype(np.float32),
-            noise=rng.normal(size=(4, 32)).astype(np.float32),
-        )
-        run(argparse.Namespace(checkpoint=tmp, inputs=tmp / "in.npz", out=tmp / "out.npz", time=0, threads=0,
-                               transformers_shim=shim))
-        actions = np.load(tmp / "out.npz")["actions"]
-    if actions.shape != (4, 2) or not np.isfinite(actions).all():
-        raise SystemExit(f"π0 reference check failed: actions {actions.shape}")
+    shim = args.transformers_shim
+    for policy in POLICIES:
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            options = {**minute, "policy": policy}
+            if policy == "pi05":
+                options["tokenizer_max_length"] = 32
+            make_checkpoint(argparse.Namespace(out=tmp, options=json.dumps(options), transformers_shim=shim))
+            rng = np.random.default_rng(0)
+            np.savez(
+                tmp / "in.npz",
+                **{"observation.images.base": rng.integers(0, 256, (28, 28, 3), dtype=np.uint8)},
+                lang_tokens=np.array([2, 100, 200], dtype=np.int64),
+                state=rng.normal(size=3).astype(np.float32),
+                noise=rng.normal(size=(4, 32)).astype(np.float32),
+            )
+            result = run(argparse.Namespace(checkpoint=tmp, inputs=tmp / "in.npz", out=tmp / "out.npz", time=0,
+                                            threads=0, transformers_shim=shim, task=DEFAULT_TASK))
+            actions = np.load(tmp / "out.npz")["actions"]
+        if actions.shape != (4, 2) or not np.isfinite(actions).all():
+            raise SystemExit(f"{policy} reference check failed: actions {actions.shape}")
+        if policy == "pi05" and not result["prompt"].startswith(f"Task: {DEFAULT_TASK}, State: "):
+            raise SystemExit(f"pi05 reference check failed: prompt {result['prompt']!r}")
     return {
         "pi0_reference": "ok",
+        "pi05_reference": "ok",
         "semantics": semantics,
         "lerobot": lerobot.__version__,
         "transformers": transformers.__version__,
@@ -996,21 +1233,26 @@ def main(argv=None) -> None:
 
     sub.add_parser("check", parents=[common], help="smoke test of the environment")
 
-    mk = sub.add_parser("make-checkpoint", parents=[common], help="save a small random π0 as a LeRobot checkpoint")
+    mk = sub.add_parser("make-checkpoint", parents=[common],
+                        help="save a small random π0 or π0.5 as a LeRobot checkpoint")
     mk.add_argument("--out", required=True, help="checkpoint directory to write")
     mk.add_argument("--options", help="JSON object of the options below (underscored names), or @file.json")
     flags = {
-        "seed": int, "vlm_width": int, "depth": int, "vlm_mlp_dim": int, "expert_width": int, "expert_mlp_dim": int,
+        "policy": str, "seed": int, "vlm_width": int, "depth": int, "vlm_mlp_dim": int, "expert_width": int, "expert_mlp_dim": int,
         "num_heads": int, "num_kv_heads": int, "head_dim": int, "vision_width": int, "vision_depth": int,
         "vision_heads": int, "vision_mlp_dim": int, "image_size": int, "cameras": str, "state_dim": int,
         "action_dim": int, "max_state_dim": int, "max_action_dim": int, "chunk_size": int, "n_action_steps": int,
-        "num_inference_steps": int, "state_norm": str, "action_norm": str, "dtype": str,
+        "num_inference_steps": int, "tokenizer_max_length": int, "state_norm": str, "action_norm": str,
+        "dtype": str,
     }
+    policy_norms = ", ".join(f"{p} {mode}" for p, mode in POLICY_NORMS.items())
     notes = {
+        "policy": "one of " + ", ".join(POLICIES) + " (LeRobot's lerobot.policies.<policy>)",
         "cameras": "comma-separated; features observation.images.<name>",
         "n_action_steps": "default chunk_size",
-        "state_norm": "one of " + ", ".join(NORM_MODES),
-        "action_norm": "one of " + ", ".join(NORM_MODES),
+        "tokenizer_max_length": "default the policy's (pi0 48, pi05 200)",
+        "state_norm": f"one of {', '.join(NORM_MODES)}; default {policy_norms}",
+        "action_norm": f"one of {', '.join(NORM_MODES)}; default {policy_norms}",
         "dtype": "float32 or bfloat16",
     }
     for name, kind in flags.items():
@@ -1020,10 +1262,12 @@ def main(argv=None) -> None:
         text = "; ".join(t for t in (text, notes.get(name, "")) if t)
         mk.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
 
-    rn = sub.add_parser("run", parents=[common], help="compute one action chunk with LeRobot's π0")
-    rn.add_argument("--checkpoint", required=True, help="LeRobot π0 checkpoint directory")
+    rn = sub.add_parser("run", parents=[common], help="compute one action chunk with LeRobot's π0 or π0.5")
+    rn.add_argument("--checkpoint", required=True, help="LeRobot π0 or π0.5 checkpoint directory")
     rn.add_argument("--inputs", required=True, help=".npz: observation.images.<cam> uint8 HxWx3, lang_tokens int64 "
                                                     "[n], state float32 [state dim], noise float32 [chunk, 32]")
+    rn.add_argument("--task", default=DEFAULT_TASK, help="π0.5: the task its prompt states, reported with the "
+                                                         "state as the result's \"prompt\" (default %(default)r)")
     rn.add_argument("--out", help=".npz to write: actions [chunk, action dim] float32, actions_normalized, "
                                   "state_normalized, lang_tokens, lang_mask")
     rn.add_argument("--rtc", metavar="JSON", help="Real-Time Chunking cases, a JSON list of {prev_chunk (an array "
