@@ -362,8 +362,22 @@ class ActionConfig:
         None, doc="flow matching: normalisation of the state_joints values before they enter the model")
     action_norm: NormalizationConfig | None = _spec(
         None, doc="flow matching: un-normalisation of the output_dim published values")
+    time_conditioning: str = _spec(
+        "action_mlp", choices=("action_mlp", "adarms"),
+        doc="flow matching: how the flow time enters the expert. action_mlp (pi0): joined with each action token "
+            "by action_time_mlp; adarms (pi0.5): a time MLP whose output scales, shifts and gates every norm of the "
+            "expert (adaptive RMSNorm)")
+    state_input: str = _spec(
+        "token", choices=("token", "prompt"),
+        doc="flow matching, with state_dim: token (pi0): the normalised state is the expert's state token; prompt "
+            "(pi0.5): it is cut into 256 bins over [-1, 1] and written into the prompt, tokenizer.prompt_template's "
+            "{state}")
 
     def __post_init__(self):
+        if self.head_type != "flow_matching" and (self.time_conditioning, self.state_input) != ("action_mlp", "token"):
+            raise ConfigError("action.time_conditioning / action.state_input: for flow_matching heads only")
+        if self.state_input == "prompt" and not self.state_dim:
+            raise ConfigError("action.state_input: prompt writes the robot state into the prompt; set state_dim")
         if self.state_dim:
             if self.head_type != "flow_matching":
                 raise ConfigError("action.state_dim: a robot-state input is supported for flow_matching heads only")
@@ -402,6 +416,11 @@ class ActionConfig:
     def published_dim(self) -> int:
         """Values per step of a published chunk."""
         return self.output_dim or self.action_dim
+
+    @property
+    def state_token_dim(self) -> int:
+        """Length of the action expert's state input (pi0's state token); 0 when the state is not one."""
+        return self.state_dim if self.state_input == "token" else 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -709,6 +728,15 @@ class ModelConfig:
             if not self.action.num_bins <= vocab <= self.llm.vocab_size:
                 raise ConfigError(f"action.token_vocab_size: {vocab} must lie between action.num_bins "
                                   f"({self.action.num_bins}) and llm.vocab_size ({self.llm.vocab_size})")
+        if self.mode == "vla":
+            in_prompt = self.action.state_input == "prompt"
+            if ("{state}" in self.tokenizer.prompt_template) != in_prompt:
+                raise ConfigError("tokenizer.prompt_template: {state} places the robot state in the prompt, which "
+                                  "goes with action.state_input: prompt" + ("" if in_prompt else " only"))
+        if self.action is not None and self.action.time_conditioning == "adarms" and \
+                self.execution.rtc.guidance == "vjp" and self.execution.mode == "rtc":
+            raise ConfigError("execution.rtc.guidance: vjp has no graph for an adaptive-RMSNorm expert "
+                              "(action.time_conditioning: adarms); use the lerobot guidance")
         if self.action is not None and self.action.head_type == "flow_matching" and \
                 self.llm.architecture in ("gemma2", "gemma3"):
             raise ConfigError(f"llm.architecture: {self.llm.architecture}: the action expert of a flow-matching head "

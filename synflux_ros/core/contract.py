@@ -193,7 +193,7 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
                 (TensorSpec("noisy_actions", (1, act.action_horizon, act.action_dim), F32),
                  TensorSpec("time_embedding", (1, time_embedding_dim(cfg)), F32),
                  TensorSpec("prefix_len", (1,), I64), kv,
-                 *((TensorSpec("state", (1, act.state_dim), F32),) if act.state_dim else ())),
+                 *((TensorSpec("state", (1, act.state_token_dim), F32),) if act.state_token_dim else ())),
                 (TensorSpec("velocity", (1, act.action_horizon, act.action_dim), F32),),
                 group="action_expert", file=f"action_expert_{d}.onnx", attrs={"bucket": d}))
         if cfg.execution.mode == "rtc" and cfg.execution.rtc.guidance == "vjp":

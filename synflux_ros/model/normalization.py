@@ -42,6 +42,19 @@ class Normalizer:
         return (y + np.float32(1.0)) * self.span / np.float32(2.0) + self.low
 
 
+STATE_BINS = 256
+"""pi0.5 writes the normalised state into its prompt as bin indices of this many bins over [-1, 1]."""
+
+
+def state_prompt_text(state: np.ndarray) -> str:
+    """A normalised state vector as pi0.5's prompt spells it (openpi's ``PaligemmaTokenizer``, LeRobot's
+    ``Pi05PrepareStateTokenizerProcessorStep``): each value's bin among :data:`STATE_BINS` equal bins over
+    [-1, 1], space-separated. A value below -1 reads -1, one of 1 or more 255, as there."""
+    edges = np.linspace(-1.0, 1.0, STATE_BINS + 1)[:-1]
+    bins = np.digitize(np.asarray(state, np.float32).reshape(-1), bins=edges) - 1
+    return " ".join(str(int(b)) for b in bins)
+
+
 class StateActionMaps:
     """What a flow-matching runtime applies around the model: :meth:`state_in` on the robot state (the
     ``state_joints`` values, zero-padded to ``state_dim``) and :meth:`actions_out` on the denoised chunk."""

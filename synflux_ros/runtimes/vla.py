@@ -26,7 +26,7 @@ from ..core.executor import Executor
 from ..core.pipeline import Pipeline
 from ..model.heads import action_head
 from ..model.heads.action_tokens import unnormalize
-from ..model.normalization import StateActionMaps
+from ..model.normalization import StateActionMaps, state_prompt_text
 from ..model.tokenizer import Tokenizer
 from .base import ModelRuntime
 
@@ -115,6 +115,7 @@ class VLARuntime(StagedVLA, ModelRuntime):
         self.maps = StateActionMaps(cfg.action) if cfg.action.head_type == "flow_matching" else None
         self.vision_tokens = cfg.prefix_vision_tokens
         self.max_instruction_tokens = cfg.tokenizer.max_instruction_tokens
+        self.state_in_prompt = cfg.action.head_type == "flow_matching" and cfg.action.state_input == "prompt"
         self.bos: list[int] = []
         if cfg.tokenizer.instruction_bos:
             try:
@@ -131,24 +132,44 @@ class VLARuntime(StagedVLA, ModelRuntime):
     def instruction(self) -> str:
         return self._instruction.text
 
-    def set_instruction(self, text: str) -> None:
-        """Tokenise and embed a new instruction once; frames after this call use it."""
-        text = instruction_text(text)
-        ids = self.bos + self.tokenizer.encode(self.cfg.tokenizer.prompt_template.format(instruction=text))
+    def prompt_ids(self, text: str, state: np.ndarray | None = None) -> list[int]:
+        """The prompt's token ids for an instruction (and, with ``action.state_input: prompt``, the frame's
+        normalised state, written in as pi0.5's bins), cut to ``tokenizer.max_instruction_tokens``."""
+        fields = {"instruction": text}
+        if self.state_in_prompt:
+            state = np.asarray(state, np.float32).reshape(-1)
+            if state.shape != (self.cfg.action.state_dim,) or not np.isfinite(state).all():
+                raise ValueError(f"robot state: expected {self.cfg.action.state_dim} finite values, got "
+                                 f"{state.shape[0]}{'' if np.isfinite(state).all() else ' with non-finite ones'}")
+            fields["state"] = state_prompt_text(state)
+        ids = self.bos + self.tokenizer.encode(self.cfg.tokenizer.prompt_template.format(**fields))
         if self.max_instruction_tokens:  # cut as LeRobot's tokenizer step does (truncation to its max length)
             ids = ids[:self.max_instruction_tokens]
-        extra = self.head.context_tokens
-        limit, what = self.cfg.llm.max_seq_len, "the context of {}"
-        if self.cfg.llm.prefill_attention == "bidirectional":
-            limit = min(limit, self.cfg.llm.prefill_buckets[-1])
-            what = "the largest prefill bucket, {} (a bidirectional prefix is prefilled in one call)"
-        if self.vision_tokens + len(ids) + extra > limit:
-            raise ValueError(f"instruction needs {len(ids)} tokens; with {self.vision_tokens} vision tokens"
-                             f"{f' and {extra} action tokens' if extra else ''}"
-                             f" that exceeds {what.format(limit)}")
+        return ids
+
+    def set_instruction(self, text: str) -> None:
+        """Tokenise and embed a new instruction once; frames after this call use it (with the state in the
+        prompt, the prompt is tokenised per frame; here it is checked with a state of zeros)."""
+        text = instruction_text(text)
+        if self.state_in_prompt:  # as pi0.5's processor cleans the task
+            text = text.replace("_", " ").replace("\n", " ")
+        ids = self.prompt_ids(text, np.zeros(self.cfg.action.state_dim, np.float32))
+        self._check_prompt_length(ids, "instruction")
         with self._instr_lock:
             embeds = self.backbone.embed(ids) if ids else np.zeros((0, self.cfg.llm.hidden_dim), np.float32)
             self._instruction = _Instruction(text, tuple(ids), embeds)
+
+    def _check_prompt_length(self, ids: list[int], what: str) -> None:
+        """ValueError when the prompt's tokens do not fit beside the vision (and action) tokens."""
+        extra = self.head.context_tokens
+        limit, room = self.cfg.llm.max_seq_len, "the context of {}"
+        if self.cfg.llm.prefill_attention == "bidirectional":
+            limit = min(limit, self.cfg.llm.prefill_buckets[-1])
+            room = "the largest prefill bucket, {} (a bidirectional prefix is prefilled in one call)"
+        if self.vision_tokens + len(ids) + extra > limit:
+            raise ValueError(f"{what} needs {len(ids)} tokens; with {self.vision_tokens} vision tokens"
+                             f"{f' and {extra} action tokens' if extra else ''}"
+                             f" that exceeds {room.format(limit)}")
 
     # ---------------------------------------------------------------- stages
     def stage_vision(self, frame: Frame) -> Frame:
@@ -163,9 +184,16 @@ class VLARuntime(StagedVLA, ModelRuntime):
     def stage_backbone(self, frame: Frame) -> Frame:
         t0 = time.perf_counter()
         instr = self._instruction
+        embeds = instr.embeds
+        if self.state_in_prompt:  # pi0.5: the prompt holds this frame's state
+            if frame.state is None:
+                raise ValueError("the prompt takes the robot state (action.state_input: prompt), none was given")
+            ids = self.prompt_ids(instr.text, self.maps.state_in(frame.state))
+            self._check_prompt_length(ids, "the prompt with this frame's state")
+            embeds = self.backbone.embed(ids)
         slot = self.kv_pool.acquire()
         try:
-            prefix = np.concatenate([frame.vision_embeds, instr.embeds], axis=0)
+            prefix = np.concatenate([frame.vision_embeds, embeds], axis=0)
             frame.logits = self.backbone.prefill(self.kv_pool.tensor(slot), 0, prefix)
         except BaseException:
             self.kv_pool.release(slot)
@@ -177,7 +205,7 @@ class VLARuntime(StagedVLA, ModelRuntime):
 
     def stage_head(self, frame: Frame) -> Frame:
         t0 = time.perf_counter()
-        state = frame.state
+        state = frame.state if not self.state_in_prompt else None  # pi0.5's is in the prompt
         try:
             if state is not None and self.maps is not None:
                 state = self.maps.state_in(state)

@@ -60,7 +60,8 @@ def profiled_io(cfg: ModelConfig, kind: str) -> tuple[list[tuple[str, tuple, str
     if kind == "action_expert":
         ha = (1, act.action_horizon, act.action_dim)
         ins = [("noisy_actions", ha, "float32"), ("time_embedding", (1, time_embedding_dim(cfg)), "float32"), ("prefix_len", (1,), "int64"),
-               *_kv_views(cfg), span, *([("state", (1, act.state_dim), "float32")] if act.state_dim else [])]
+               *_kv_views(cfg), span,
+               *([("state", (1, act.state_token_dim), "float32")] if act.state_token_dim else [])]
         return ins, [("velocity", ha, "float32")]
     if kind == "action_expert_vjp":
         ins, outs = profiled_io(cfg, "action_expert")

@@ -13,10 +13,15 @@ to the prefix keys/values that backbone layer ``l`` left in the KV cache:
   tokens]; action tokens see each other bidirectionally;
 * output: final norm and ``action_out_proj`` to the action dimension -> velocity [1, h, a].
 
-With ``action.state_dim`` the robot state is pi0's state token: ``state_proj(state)`` goes before the action
-tokens (positions ``prefix_len + 0`` for the state, ``prefix_len + 1 + i`` for the actions); the state token
-attends to the prefix and itself, the action tokens to the prefix, the state token and each other, and the
-velocity is read from the action tokens.
+With a state token (``action.state_dim`` and ``state_input: token``) the robot state is pi0's state token:
+``state_proj(state)`` goes before the action tokens (positions ``prefix_len + 0`` for the state,
+``prefix_len + 1 + i`` for the actions); the state token attends to the prefix and itself, the action tokens
+to the prefix, the state token and each other, and the velocity is read from the action tokens.
+
+With ``action.time_conditioning: adarms`` (pi0.5) the action tokens are ``action_in_proj(noisy_actions)``
+alone, and the time embedding passes a two-layer MLP with SiLU after each layer (``time_mlp_in`` /
+``time_mlp_out``) whose output conditions every norm of the expert (:class:`~.decoder.AdaRMSNorm`: scale,
+shift and the gate of the residual it feeds, final norm included).
 
 The blocks follow the backbone architecture (norm style, MLP activation, q/k norms).
 """
@@ -28,7 +33,9 @@ from torch.nn import functional as F
 
 from ...core.config import ModelConfig
 from ...core.contract import time_embedding_dim
-from .decoder import DecoderLayer, RMSNorm, _param, attention_bias, layer_kv, rope_inv_freq, rope_lookup, rope_table
+from .decoder import (
+    AdaRMSNorm, DecoderLayer, RMSNorm, _param, attention_bias, layer_kv, rope_inv_freq, rope_lookup, rope_table)
+
 
 class ActionExpert(nn.Module):
     """The expert's weights; one instance is shared by every ``ActionExpertGraph`` bucket."""
@@ -42,23 +49,30 @@ class ActionExpert(nn.Module):
         self.rope = dict(rope or {})
         self.horizon, self.action_dim, self.width = act.action_horizon, act.action_dim, width
         self.time_dim = time_embedding_dim(cfg)
+        self.adaptive = act.time_conditioning == "adarms"
         self.action_in_proj = nn.Linear(act.action_dim, width)
-        self.action_time_mlp_in = nn.Linear(width + self.time_dim, width)
-        self.action_time_mlp_out = nn.Linear(width, width)
+        if self.adaptive:  # pi0.5: the time conditions the norms
+            self.time_mlp_in = nn.Linear(self.time_dim, width)
+            self.time_mlp_out = nn.Linear(width, width)
+        else:  # pi0: the time joins each action token
+            self.action_time_mlp_in = nn.Linear(width + self.time_dim, width)
+            self.action_time_mlp_out = nn.Linear(width, width)
+        cond = width if self.adaptive else 0
         self.layers = nn.ModuleList(
             DecoderLayer(width, inter, llm.num_heads, llm.num_kv_heads, llm.head_dim, llm.architecture,
-                         llm.rms_norm_eps) for _ in range(llm.num_layers))
+                         llm.rms_norm_eps, cond_dim=cond) for _ in range(llm.num_layers))
         for layer in self.layers:
             layer.join_past = True  # a prefix of a few hundred keys, joined with the chunk's own each step
-        self.norm = RMSNorm(width, llm.rms_norm_eps, llm.architecture == "gemma")
+        self.norm = AdaRMSNorm(width, llm.rms_norm_eps, cond) if self.adaptive else \
+            RMSNorm(width, llm.rms_norm_eps, llm.architecture == "gemma")
         self.action_out_proj = nn.Linear(width, act.action_dim)
-        self.state_dim = act.state_dim
-        self.state_proj = nn.Linear(act.state_dim, width) if act.state_dim else None
+        self.state_dim = act.state_token_dim
+        self.state_proj = nn.Linear(self.state_dim, width) if self.state_dim else None
         self.register_buffer("inv_freq", torch.empty(llm.head_dim // 2), persistent=False)
         # Rotary cos/sin [max_seq_len + h, Dh] of every position an action token can take (prefix_len <=
         # max_seq_len, plus row i < h), see decoder.rope_table: parameters, so each is one initializer that
         # every action_expert graph shares; set by fill_buffers.
-        self.rope_rows = llm.max_seq_len + act.action_horizon + (1 if act.state_dim else 0)
+        self.rope_rows = llm.max_seq_len + act.action_horizon + (1 if self.state_dim else 0)
         self.rope_cos: nn.Parameter | None = None
         self.rope_sin: nn.Parameter | None = None
 
@@ -91,14 +105,25 @@ class ActionExpert(nn.Module):
         return self.action_time_mlp_in(torch.cat((self.action_in_proj(actions), t_emb), dim=-1))
 
     def action_embed(self, actions, time_embedding):
-        """actions [h, a] -> the action tokens [h, W] (pi0's action-time MLP)."""
+        """actions [h, a] -> the action tokens [h, W] (pi0's action-time MLP; pi0.5's projection alone)."""
+        if self.adaptive:
+            return self.action_in_proj(actions)
         return self.action_time_mlp_out(F.silu(self.action_mlp_in(actions, time_embedding)))
+
+    def time_condition(self, time_embedding):
+        """time_embedding [1, E] -> pi0.5's conditioning of the norms [W] (None for pi0)."""
+        if not self.adaptive:
+            return None
+        return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_embedding[0]))))
 
     def velocity(self, noisy_actions, time_embedding, prefix_len, past_kv, span: int, state=None):
         x, n, cos, sin, bias = self.tokens(noisy_actions, time_embedding, prefix_len, span, state)
+        cond = self.time_condition(time_embedding)
         for i, layer in enumerate(self.layers):
-            x, _, _ = layer(x, cos, sin, *layer_kv(past_kv, i, span), bias)
-        return self.action_out_proj(self.norm(x[n - self.horizon:])).unsqueeze(0)
+            x, _, _ = layer(x, cos, sin, *layer_kv(past_kv, i, span), bias, cond=cond)
+        out = x[n - self.horizon:]
+        out = self.norm(out, cond)[0] if self.adaptive else self.norm(out)
+        return self.action_out_proj(out).unsqueeze(0)
 
 
 class ActionExpertGraph(nn.Module):

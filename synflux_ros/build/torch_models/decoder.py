@@ -162,6 +162,23 @@ class RMSNorm(nn.Module):
         return x * (self.weight + 1.0) if self.unit_offset else x * self.weight
 
 
+class AdaRMSNorm(nn.Module):
+    """pi0.5's adaptive RMSNorm: no gain of its own; ``dense(cond)`` gives a scale, a shift and a gate, and
+    :meth:`forward` returns ``(x / rms(x) * (1 + scale) + shift, gate)``, the gate for the residual it feeds
+    (``x + y * gate``). ``cond`` [W_c] is one vector for every row (the flow time's)."""
+
+    def __init__(self, dim: int, eps: float, cond_dim: int):
+        super().__init__()
+        self.eps, self.dim = float(eps), dim
+        self.dense = nn.Linear(cond_dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor):
+        m, d = self.dense(cond), self.dim  # static slices (a chunk would export its sizes as Shape ops)
+        scale, shift, gate = m[..., :d], m[..., d:2 * d], m[..., 2 * d:]
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * (1.0 + scale) + shift, gate
+
+
 def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.detach().contiguous(), requires_grad=False)
 
@@ -385,7 +402,8 @@ class DecoderLayer(nn.Module):
     copies no cache-sized tensor."""
 
     def __init__(self, width: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 architecture: str, eps: float, query_pre_attn_scalar: float = 0.0, attn_softcap: float = 0.0):
+                 architecture: str, eps: float, query_pre_attn_scalar: float = 0.0, attn_softcap: float = 0.0,
+                 cond_dim: int = 0):
         super().__init__()
         gemma = architecture in GEMMA_FAMILY
         self.self_attn = Attention(width, num_heads, num_kv_heads, head_dim, architecture in ("qwen3", "gemma3"),
@@ -393,18 +411,31 @@ class DecoderLayer(nn.Module):
                                    query_pre_attn_scalar=query_pre_attn_scalar)
         self.attn_softcap = float(attn_softcap)
         self.mlp = GatedMLP(width, intermediate, "gelu_tanh" if gemma else "silu")
-        self.input_layernorm = RMSNorm(width, eps, gemma)
-        self.post_attention_layernorm = RMSNorm(width, eps, gemma)
-        if architecture in SANDWICH_NORMS:  # Hugging Face's names: the attention output's norm keeps the pre-MLP
-            self.pre_feedforward_layernorm = RMSNorm(width, eps, gemma)  # name of the others
+        self.adaptive = bool(cond_dim)  # pi0.5's expert: both norms adaptive (AdaRMSNorm), gated residuals
+        if self.adaptive:
+            self.input_layernorm = AdaRMSNorm(width, eps, cond_dim)
+            self.post_attention_layernorm = AdaRMSNorm(width, eps, cond_dim)
+        else:
+            self.input_layernorm = RMSNorm(width, eps, gemma)
+            self.post_attention_layernorm = RMSNorm(width, eps, gemma)
+        if architecture in SANDWICH_NORMS and not self.adaptive:
+            # Hugging Face's names: Gemma 2/3's post_attention_layernorm norms the attention output (above), these
+            # the MLP's input and output
+            self.pre_feedforward_layernorm = RMSNorm(width, eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(width, eps, gemma)
         else:
             self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
 
-    def forward(self, x, cos, sin, past_k, past_v, bias, kv_dtype: torch.dtype = torch.float32):
+    def forward(self, x, cos, sin, past_k, past_v, bias, kv_dtype: torch.dtype = torch.float32, cond=None):
         """x [T, W]; past_k/v [KV, S, Dh] f32 (None: no past, the new rows attend among themselves); bias
-        [T, S + T] (:func:`attention_bias`) -> (x, k, v) with k/v [KV, T, Dh] in kv_dtype."""
-        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
+        [T, S + T] (:func:`attention_bias`); ``cond`` [W_c]: an adaptive layer's conditioning -> (x, k, v) with
+        k/v [KV, T, Dh] in kv_dtype."""
+        gate = None
+        if self.adaptive:
+            h, gate = self.input_layernorm(x, cond)
+        else:
+            h = self.input_layernorm(x)
+        q, k, v = self.self_attn.project(h, cos, sin)
         if kv_dtype != torch.float32:
             k, v = k.to(kv_dtype), v.to(kv_dtype)
             k_use, v_use = k.to(torch.float32), v.to(torch.float32)
@@ -417,6 +448,10 @@ class DecoderLayer(nn.Module):
             ctx = attend(q, torch.cat((past_k, k_use), dim=1), torch.cat((past_v, v_use), dim=1), bias, scale, cap)
         else:
             ctx = attend_past_and_new(q, past_k, past_v, k_use, v_use, bias, scale, cap)
+        if self.adaptive:
+            x = x + self.self_attn.output(ctx) * gate
+            h, gate = self.post_attention_layernorm(x, cond)
+            return x + self.mlp(h) * gate, k, v
         if self.pre_feedforward_layernorm is None:
             x = x + self.self_attn.output(ctx)
             return x + self.mlp(self.post_attention_layernorm(x)), k, v

@@ -46,8 +46,9 @@ class FlowMatchingHead(ActionHead):
 
     def denoise(self, kv: DeviceTensor, prefix_len: int, noise: np.ndarray,
                 state: np.ndarray | None = None, rtc: RTCGuidance | None = None) -> np.ndarray:
-        """Denoise ``noise`` [1, horizon, action_dim] conditioned on the prefix (and, with ``action.state_dim``,
-        the robot state [state_dim]) -> [horizon, action_dim]; ``rtc`` steers it towards the previous chunk."""
+        """Denoise ``noise`` [1, horizon, action_dim] conditioned on the prefix (and, with a state token,
+        ``action.state_token_dim``, the robot state [state_dim]) -> [horizon, action_dim]; ``rtc`` steers it
+        towards the previous chunk."""
         bucket = select_bucket(self.buckets, prefix_len)
         graph = f"action_expert_{bucket}"
         guide = vjp = None
@@ -64,7 +65,7 @@ class FlowMatchingHead(ActionHead):
                 vjp = {"target": guide[0], "weights": guide[1]}
         x = noise.astype(np.float32, copy=True)
         feeds = {"noisy_actions": x, "prefix_len": np.array([prefix_len], np.int64), "past_kv": kv}
-        if self.act.state_dim:
+        if self.act.state_token_dim:
             if state is None:
                 raise ValueError("the action expert takes the robot state (action.state_dim), none was given")
             state = np.asarray(state, np.float32).reshape(-1)

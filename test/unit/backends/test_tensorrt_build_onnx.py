@@ -29,7 +29,7 @@ from checkpoints import demo_size  # noqa: E402
 torch.set_num_threads(2)
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
-CONFIGS = ["vla_demo_orin", "vlm_demo", "vla_pi0", "vla_openvla", "vla_pi0+vjp"]
+CONFIGS = ["vla_demo_orin", "vlm_demo", "vla_pi0", "vla_openvla", "vla_pi0+vjp", "vla_pi05"]
 VJP = {"mode": "rtc", "rtc": {"guidance": "vjp"}}  # "+vjp": Real-Time Chunking's vjp guidance (its own graphs)
 
 
@@ -203,8 +203,8 @@ def test_action_expert_equals_static(built):
         for prefix in (7, d):
             feeds = {"noisy_actions": built.rng.standard_normal((1, act.action_horizon, act.action_dim)).astype(np.float32),
                      "time_embedding": time_embedding(0.7, time_embedding_dim(built.cfg)), "prefix_len": i64(prefix), **built.views()}
-            if act.state_dim:  # the robot state token (vla_pi0)
-                feeds["state"] = built.rng.standard_normal((1, act.state_dim)).astype(np.float32)
+            if act.state_token_dim:  # the robot state token (vla_pi0)
+                feeds["state"] = built.rng.standard_normal((1, act.state_token_dim)).astype(np.float32)
             want = built.static[f"action_expert_{d}"].run(None, feeds)[0]
             got = built.prof["action_expert"].run(None, {**feeds, "attention_span": built.span(d)})[0]
             close(got, want, atol=1e-5, what=f"action_expert_{d} at prefix {prefix}")
@@ -222,8 +222,8 @@ def test_action_expert_vjp_equals_static(built):
                      **built.views(), "target": built.rng.standard_normal((1, h, a)).astype(np.float32),
                      "weights": np.linspace(1, 0, h, dtype=np.float32).reshape(1, h, 1),
                      "flow_time": np.array([t], np.float32)}
-            if act.state_dim:
-                feeds["state"] = built.rng.standard_normal((1, act.state_dim)).astype(np.float32)
+            if act.state_token_dim:
+                feeds["state"] = built.rng.standard_normal((1, act.state_token_dim)).astype(np.float32)
             want = built.static[f"action_expert_vjp_{d}"].run(None, feeds)
             got = built.prof["action_expert_vjp"].run(None, {**feeds, "attention_span": built.span(d)})
             assert np.abs(want[1]).max() > 1e-3  # a correction to compare
@@ -258,14 +258,14 @@ def test_other_sizes_match_eager_torch(built):
         expert = ProfiledActionExpert(built.gm.modules[f"action_expert_{built.llm.decode_buckets[0]}"].expert).eval()
         for d, prefix in ((3, 2), (s - 5, s - 9)):
             noisy = built.rng.standard_normal((1, act.action_horizon, act.action_dim)).astype(np.float32)
-            state = built.rng.standard_normal((1, act.state_dim)).astype(np.float32) if act.state_dim else None
+            state = built.rng.standard_normal((1, act.state_token_dim)).astype(np.float32) if act.state_token_dim else None
             with torch.no_grad():
                 emb = time_embedding(0.3, time_embedding_dim(built.cfg))
                 want = expert(torch.from_numpy(noisy), torch.from_numpy(emb), torch.tensor([prefix]), past,
                               torch.zeros(d), None if state is None else torch.from_numpy(state))[0]
             got = built.prof["action_expert"].run(None, {
                 "noisy_actions": noisy, "time_embedding": emb, "prefix_len": i64(prefix),
-                **built.views(), "attention_span": built.span(d), **({"state": state} if act.state_dim else {})})[0]
+                **built.views(), "attention_span": built.span(d), **({"state": state} if act.state_token_dim else {})})[0]
             close(got, want.numpy(), atol=1e-4, what=f"action_expert D={d}")
 
 

@@ -56,6 +56,15 @@ def tiny_gemma():
                           "expert_intermediate_size": 48})
 
 
+def tiny_pi05():
+    """pi0.5-like: tiny_gemma's model with an adaptive-RMSNorm expert and the state in the prompt (no state
+    token)."""
+    return tiny_gemma().with_overrides(
+        action={"time_conditioning": "adarms", "state_input": "prompt", "state_dim": 8,
+                "state_joints": [f"j{i}" for i in range(8)]},
+        tokenizer={"prompt_template": "Task: {instruction}, State: {state};\nAction: "})
+
+
 def tiny_gemma3():
     """Gemma 3 text: sandwich and q/k norms, a sliding window of 5 on layer 0 with its own rope base, Gemma 2's
     soft-caps too (the graphs take both features together), fp16 KV."""
@@ -452,7 +461,7 @@ def test_checkpoint_errors(tmp_path):
 # ==================================================================================== 4. ONNX round trip
 
 ONNX_CONFIGS = {"vla_demo_orin": lambda: cfg_of("vla_demo_orin"), "gemma_tiny": tiny_gemma,
-                "openvla_tiny": tiny_openvla, "gemma3_tiny": tiny_gemma3}
+                "openvla_tiny": tiny_openvla, "gemma3_tiny": tiny_gemma3, "pi05_tiny": tiny_pi05}
 STANDARD_OPS = {"Add", "And", "Cast", "Clip", "Concat", "Constant", "ConstantOfShape", "Conv", "Cos", "Div", "Equal",
                 "Erf", "Expand", "Gather", "Gemm", "Greater", "Identity", "LayerNormalization", "Less", "MatMul", "Mul",
                 "Neg", "Not", "Pow",
@@ -489,6 +498,9 @@ def test_onnx_export_round_trip(name, tmp_path):
             blocks = 4 * cfg.llm.num_layers
             if meta.kind == "decode":
                 assert (len(matmuls), len(gemms)) == (blocks + 1, 0), (meta.name, len(matmuls), len(gemms))
+            elif cfg.action.time_conditioning == "adarms":
+                # plus pi0.5's time MLP and the dense layer of each adaptive norm (two a block, the final one)
+                assert len(matmuls) == blocks + 2 + 2 * cfg.llm.num_layers + 1, (meta.name, len(matmuls))
             else:
                 assert len(matmuls) == blocks, (meta.name, len(matmuls))
         if meta.kind == "prefill" and not any(m.kind == "decode" for m in graph_set(cfg)):

@@ -142,6 +142,72 @@ def test_the_instruction_gets_its_bos_and_is_cut_like_lerobots_tokenizer():
         VLARuntime(demo(tokenizer={"instruction_bos": "<bos>"}))
 
 
+# ------------------------------------------------------------------ pi0.5: the state in the prompt
+
+PI05_PROMPT = "Task: {instruction}, State: {state};\nAction: "
+
+
+def pi05(**sections):
+    """demo() as pi0.5 runs: adaptive-RMSNorm expert, the state (normalised to [-1, 1]) in the prompt."""
+    base = {"action": {"time_conditioning": "adarms", "state_input": "prompt",
+                       "state_norm": {"mode": "bounds", "low": [-2.0] * 3, "high": [2.0] * 3}},
+            "tokenizer": {"prompt_template": PI05_PROMPT}}
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value}
+    return demo(**base)
+
+
+def test_the_state_is_written_as_pi05s_bins():
+    from synflux_ros.model.normalization import state_prompt_text
+    values = np.array([-1.5, -1.0, -0.99, 0.0, 0.5, 0.9921875, 0.999, 1.0, 3.0], np.float32)
+    # LeRobot's Pi05PrepareStateTokenizerProcessorStep: np.digitize over linspace(-1, 1, 257)[:-1], minus one
+    assert state_prompt_text(values) == "-1 0 1 128 192 255 255 255 255"
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1.2, 1.2, 1000).astype(np.float32)
+    edges = -1.0 + 2.0 * np.arange(256) / 256  # the bin edges written out
+    assert state_prompt_text(x).split() == [str(int((v >= edges).sum()) - 1) for v in x]
+
+
+def test_pi05_writes_each_frames_state_into_its_prompt():
+    from synflux_ros.runtimes.vla import VLARuntime
+    rt = VLARuntime(pi05())
+    try:
+        rt.set_instruction("pick_up the\ncup")  # cleaned as LeRobot's pi0.5 step cleans the task
+        assert rt.instruction == "pick up the cup"
+        embedded = []
+        embed = rt.backbone.embed
+        rt.backbone.embed = lambda ids: embedded.append(list(ids)) or embed(ids)
+        image = np.zeros((64, 64, 3), np.uint8)
+        state = np.array([2.0, 0.0, -2.0, 0, 0, 0, 0, 0], np.float32)  # bounds [-2, 2]: 1, 0, -1 normalised
+        frame = rt.infer(image, state=state)
+        text = "Task: pick up the cup, State: 255 128 0 128 128 128 128 128;\nAction: "
+        assert embedded == [rt.tokenizer.encode(text)]
+        assert frame.prefix_len == rt.vision_tokens + len(embedded[0]) and frame.actions.shape[0] > 0
+        rt.infer(image, state=np.array([1.0, 0, 0, 0, 0, 0, 0, 0], np.float32))  # 0.5 normalised: bin 192
+        assert embedded[1] == rt.tokenizer.encode(text.replace("255 128 0", "192 128 128"))
+        with pytest.raises(ValueError, match=r"the prompt takes the robot state \(action.state_input: prompt\)"):
+            rt.infer(image)
+        with pytest.raises(ValueError, match="robot state: expected 8 finite values, got 8 with non-finite ones"):
+            rt.infer(image, state=np.full(8, np.nan, np.float32))
+    finally:
+        rt.close()
+
+
+def test_pi05_config_rules():
+    assert pi05().action.state_token_dim == 0 and demo().action.state_token_dim == 8
+    from synflux_ros.core.contract import graph_set
+    expert = next(g for g in graph_set(pi05()) if g.kind == "action_expert")
+    assert "state" not in {t.name for t in expert.inputs}  # no state token: the state is in the prompt
+    with pytest.raises(ConfigError, match=r"tokenizer.prompt_template: \{state\} places the robot state"):
+        pi05(tokenizer={"prompt_template": "{instruction}\n"})
+    with pytest.raises(ConfigError, match=r"tokenizer.prompt_template: \{state\} places the robot state"):
+        demo(tokenizer={"prompt_template": PI05_PROMPT})
+    with pytest.raises(ConfigError, match="execution.rtc.guidance: vjp has no graph for an adaptive-RMSNorm"):
+        pi05(execution={"mode": "rtc", "rtc": {"guidance": "vjp"}})
+    with pytest.raises(ConfigError, match="action.state_input: prompt writes the robot state into the prompt"):
+        pi05(action={"state_dim": 0, "state_joints": [], "state_norm": None})
+
+
 # ------------------------------------------------------------------ the bidirectional prefix in the graphs
 
 def test_prefill_rows_see_every_valid_row_with_a_bidirectional_prefix_and_only_earlier_ones_when_causal():
