@@ -24,6 +24,16 @@ def reference(*args: str, timeout: float = 600) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def random_frame(seed: int, state_dim: int) -> tuple:
+    """A camera image of the checkpoint's resolution, a joint state (robot units) and that state zero-padded to
+    ``state_dim`` (the runtime's state vector)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    image = rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
+    state = rng.uniform(-1.5, 1.5, len(JOINTS)).astype(np.float32)
+    return image, state, np.r_[state, np.zeros(state_dim - len(JOINTS), np.float32)]
+
+
 def base_config(path: Path, execution: dict | None = None) -> str:
     """The config the import starts from: the joint names (not in a LeRobot checkpoint), buckets, executor, and
     an ``execution`` section when given."""

@@ -30,7 +30,7 @@ from synflux_ros.model.tokenizer import load_tokenizer  # noqa: E402
 from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
 
 from checkpoints import write_tokenizer  # noqa: E402
-from pi0_reference import JOINTS, REF_PY, SIDE, base_config, reference  # noqa: E402
+from pi0_reference import REF_PY, base_config, random_frame, reference  # noqa: E402
 
 INSTRUCTION = "pick up the red block"
 TOLERANCE = 1e-4
@@ -75,10 +75,7 @@ def compare(ckpt: Path, tmp: Path, cases: list, guidance: str) -> dict:
     ids = [tok.special("<bos>")] + tok.encode(INSTRUCTION + "\n")
     dims = cfg.action.output_dim
 
-    rng = np.random.default_rng(11)
-    image = rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
-    state = rng.uniform(-1.5, 1.5, len(JOINTS)).astype(np.float32)
-    padded_state = np.r_[state, np.zeros(cfg.action.state_dim - len(JOINTS), np.float32)]
+    image, state, padded_state = random_frame(11, cfg.action.state_dim)
     rt = VLARuntime(cfg)
     try:
         rt.set_instruction(INSTRUCTION)

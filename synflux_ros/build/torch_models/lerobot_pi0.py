@@ -1,6 +1,10 @@
-"""LeRobot pi0 checkpoints (``synflux-build --from-hf DIR`` on a directory whose config.json says
-``"type": "pi0"``): the model's dimensions, cameras, state/action sizes and normalisation into a
+"""LeRobot pi0 and pi0.5 checkpoints (``synflux-build --from-hf DIR`` on a directory whose config.json says
+``"type": "pi0"`` or ``"pi05"``): the model's dimensions, cameras, state/action sizes and normalisation into a
 :class:`ModelConfig`, and its weights into the graph modules.
+
+pi0.5 differs in the action expert (adaptive RMSNorm conditioned on the flow time by ``time_mlp_in`` /
+``time_mlp_out``; no action-time MLP, no state token) and in its prompt, which holds the discretised state
+(``action.time_conditioning: adarms``, ``action.state_input: prompt``).
 
 SigLIP and its projector become ``vision_encoder``, PaliGemma's Gemma the bidirectional prefill, the Gemma
 action expert with pi0's action projections ``action_expert_<d>``, the normalizer statistics
@@ -33,13 +37,19 @@ _EXPORT_LAYOUT = ("qkv_t", "q_t", "k_t", "v_t", "o_t", "gate_up_t", "gate_t", "u
 """Suffixes of the export-layout tensors (``decoder.fuse_projections``), derived after loading, not loaded."""
 
 
+POLICY_TYPES = ("pi0", "pi05")
+PI05_PROMPT = "Task: {instruction}, State: {state};\nAction: "
+"""pi0.5's prompt (LeRobot's ``Pi05PrepareStateTokenizerProcessorStep``; its PaliGemma tokenizer adds BOS)."""
+
+
 def is_lerobot_pi0(hf_dir: str) -> bool:
-    """Whether ``hf_dir`` holds a LeRobot pi0 checkpoint (config.json with ``"type": "pi0"``)."""
+    """Whether ``hf_dir`` holds a LeRobot pi0 or pi0.5 checkpoint (config.json ``"type"`` in
+    :data:`POLICY_TYPES`)."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         return False
     try:
-        return read_json(path).get("type") == "pi0"
+        return read_json(path).get("type") in POLICY_TYPES
     except ConfigError:
         return False
 
@@ -131,8 +141,9 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
     KV cache); KV dtype, executor and the joint names (``action.state_joints``, which the checkpoint does not
     name) stay from ``base``."""
     path, top = read_config(hf_dir)
-    if top.get("type") != "pi0":
-        raise ConfigError(f"{path}: not a LeRobot pi0 config (type {top.get('type')!r})")
+    if top.get("type") not in POLICY_TYPES:
+        raise ConfigError(f"{path}: not a LeRobot pi0 or pi0.5 config (type {top.get('type')!r})")
+    pi05 = top["type"] == "pi05"
     _, shapes = _shapes(hf_dir)
     emb = _need(shapes, LM_HEAD, hf_dir) if LM_HEAD in shapes else _need(shapes, VLM + "embed_tokens.weight", hf_dir)
     vocab, width = emb
@@ -165,8 +176,11 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
     state_feature = features.get("observation.state") or {}
     state_true = int((state_feature.get("shape") or [0])[0])
     action_true = int((((top.get("output_features") or {}).get("action") or {}).get("shape") or [0])[0])
-    max_state = _need(shapes, "state_proj.weight", hf_dir)[1]
+    # pi0.5's state goes into the prompt, padded to max_state_dim; pi0's state token is state_proj's input
+    max_state = int(top.get("max_state_dim", 32)) if pi05 else _need(shapes, "state_proj.weight", hf_dir)[1]
     max_action = _need(shapes, "action_in_proj.weight", hf_dir)[1]
+    if pi05:
+        _need(shapes, EXPERT + "model.layers.0.input_layernorm.dense.weight", hf_dir)  # adaptive norms
     if not 0 < action_true <= max_action or not 0 < state_true <= max_state:
         raise ConfigError(f"{path}: state ({state_true}) and action ({action_true}) dimensions must lie in "
                           f"1..{max_state} and 1..{max_action}")
@@ -176,7 +190,7 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
                           f"names (sensor_msgs/JointState names, in the training data's order) in the config's "
                           f"action.state_joints (it has {len(joints)})")
     tokens = (res[0] // p_h) ** 2
-    max_instr = int(top.get("tokenizer_max_length", 48))
+    max_instr = int(top.get("tokenizer_max_length", 200 if pi05 else 48))
     # The prefix (cameras and the longest instruction) is the whole context: one prefill bucket, and the action
     # expert's attention span, of its size.
     prefix = tokens * len(cameras) + max_instr
@@ -201,12 +215,13 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
                 "expert_hidden_dim": e_width,
                 "expert_intermediate_size": _need(shapes, EXPERT + "model.layers.0.mlp.gate_proj.weight", hf_dir)[0],
                 "state_dim": max_state, "state_joints": joints,
+                "time_conditioning": "adarms" if pi05 else "action_mlp", "state_input": "prompt" if pi05 else "token",
                 "norm_q01": [], "norm_q99": [], "norm_mask": [],
                 "state_norm": _norm("STATE", "observation.state", hf_dir, "policy_preprocessor",
                                     "normalizer_processor", state_true),
                 "action_norm": _norm("ACTION", "action", hf_dir, "policy_postprocessor", "unnormalizer_processor",
                                      action_true)},
-        tokenizer={"max_instruction_tokens": max_instr, "prompt_template": "{instruction}\n",
+        tokenizer={"max_instruction_tokens": max_instr, "prompt_template": PI05_PROMPT if pi05 else "{instruction}\n",
                    "instruction_bos": "<bos>"},
     )
     return cfg
@@ -226,6 +241,7 @@ def load_lerobot_pi0(hf_dir: str, lm, vision, expert) -> None:
     vision encoder and the action expert, each matched strictly by name and shape."""
     files, _ = _shapes(hf_dir)
     by_name = {_key(k): k for k in files}
+    pi05 = getattr(expert, "adaptive", False)
     targets = {"language model": (lm, {}), "vision encoder": (vision, {}), "action expert": (expert, {})}
     skipped = (EXPERT + "lm_head.", EXPERT + "model.embed_tokens.")  # unused by pi0 at inference
     unexpected = []
@@ -243,13 +259,20 @@ def load_lerobot_pi0(hf_dir: str, lm, vision, expert) -> None:
             targets["vision encoder"][1][key] = "multi_modal_projector." + name[len(PROJECTOR):]
         elif name.startswith(EXPERT + "model."):
             targets["action expert"][1][key] = name[len(EXPERT + "model."):]
+        elif pi05 and name.startswith("state_proj."):
+            continue  # LeRobot's pi0.5 drops a state projection a checkpoint may carry
+        elif pi05 and name.split(".")[0] in ("time_mlp_in", "time_mlp_out", "action_time_mlp_in",
+                                             "action_time_mlp_out"):
+            # pi0.5's time MLP (LeRobot renames action_time_mlp_* to it on load)
+            targets["action expert"][1][key] = re.sub(r"^action_time_mlp_", "time_mlp_", name)
         elif name.split(".")[0] in _PROJECTIONS or name.split(".")[0] in ("time_mlp_in", "time_mlp_out"):
             # older checkpoints name the action-time MLP time_mlp_* (LeRobot renames them on load)
             targets["action expert"][1][key] = re.sub(r"^time_mlp_", "action_time_mlp_", name)
         else:
             unexpected.append(key)
     if unexpected:
-        raise ConfigError(f"{hf_dir}: tensors that are not part of pi0: {sorted(unexpected)[:8]}")
+        raise ConfigError(f"{hf_dir}: tensors that are not part of {'pi0.5' if pi05 else 'pi0'}: "
+                          f"{sorted(unexpected)[:8]}")
     for what, (module, wanted) in targets.items():
         params = dict(module.named_parameters(remove_duplicate=False))
         expected = {n for n in params if not n.startswith(("rope_", "lm_head", "head_t"))

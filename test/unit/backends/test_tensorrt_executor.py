@@ -65,7 +65,8 @@ def fake_device():
         yield trt, cudart
 
 
-@pytest.fixture(scope="module", params=["vla_demo_orin.yaml", "vlm_demo.yaml", "vla_pi0.yaml", "vla_pi0.yaml+vjp"])
+@pytest.fixture(scope="module", params=["vla_demo_orin.yaml", "vlm_demo.yaml", "vla_pi0.yaml", "vla_pi0.yaml+vjp",
+                                               "vla_pi05.yaml"])
 def graphs(request, tmp_path_factory):
     out = graph_set_for(tmp_path_factory, request.param)
     stand_in.write_engines(out, TAG)
