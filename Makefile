@@ -215,8 +215,9 @@ bench: install $(VENV)/.stamp-smollm2 llamacpp pi0ref-venv
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.gguf --work $(abspath $(BUILD))/bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.image_chat --work $(abspath $(BUILD))/bench
-	for size in tiny small; do (cd $(BUILD) && $(PY) -m synflux_ros.bench.pi0 --size $$size --ref-python $(PI0REF_PY) \
-	    --ref-script $(abspath test/reference/lerobot_pi0.py) --work $(abspath $(BUILD))/bench) || exit 1; done
+	for policy in pi0 pi05; do for size in tiny small; do (cd $(BUILD) && $(PY) -m synflux_ros.bench.pi0 --size $$size \
+	    --policy $$policy --ref-python $(PI0REF_PY) --ref-script $(abspath test/reference/lerobot_pi0.py) \
+	    --work $(abspath $(BUILD))/bench) || exit 1; done; done
 
 bench-llm: install $(VENV)/.stamp-smollm2 llamacpp
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench

@@ -1,11 +1,12 @@
-"""π0 action-chunk latency through ``vla_node`` (onnxruntime, CPU here) next to LeRobot 0.4.4 on the same weights.
+"""π0 / π0.5 action-chunk latency through ``vla_node`` (onnxruntime, CPU here) next to LeRobot 0.4.4 on the same
+weights.
 
     python -m synflux_ros.bench.pi0 --ref-python .venv-pi0ref/bin/python --ref-script test/reference/lerobot_pi0.py \\
-        [--work build/bench] [--threads 2] [--chunks 20] [--cameras base,wrist] [--size tiny|small]
+        [--work build/bench] [--threads 2] [--chunks 20] [--cameras base,wrist] [--size tiny|small] [--policy pi05]
 
-A π0 with random weights (:data:`SIZES`) is made and saved by LeRobot itself (``make pi0ref-venv``), imported
-with ``synflux-build --from-hf`` and served by ``vla_node``; frames are sent one at a time, each after the
-previous chunk arrived, so the figures are latencies. LeRobot's time is ``PI0Policy.predict_action_chunk`` on
+A π0 (or π0.5) with random weights (:data:`SIZES`) is made and saved by LeRobot itself (``make pi0ref-venv``),
+imported with ``synflux-build --from-hf`` and served by ``vla_node``; frames are sent one at a time, each after
+the previous chunk arrived, so the figures are latencies. LeRobot's time is ``predict_action_chunk`` on
 the same checkpoint and thread count, from ``test/reference/lerobot_pi0.py run --time`` in its own venv and
 process (:mod:`.peer`): when it fails, its row says why and the target is not judged. Target: receipt-to-publish
 latency <= 0.5x LeRobot's time per chunk, for each thread-pool setting of ``--pools``. More in
@@ -76,8 +77,8 @@ def base_config(path: str, d: dict) -> str:
 
 
 def _stem(args) -> str:
-    """The path prefix of this size's and cameras' files in the work directory."""
-    return os.path.join(args.work, f"pi0-bench-{args.size}-{'-'.join(args.cameras)}")
+    """The path prefix of this policy's, size's and cameras' files in the work directory."""
+    return os.path.join(args.work, f"{args.policy}-bench-{args.size}-{'-'.join(args.cameras)}")
 
 
 def prepare(args) -> tuple[str, str]:
@@ -86,7 +87,7 @@ def prepare(args) -> tuple[str, str]:
     ckpt = stem + "-lerobot"
     if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
         _reference(args, "make-checkpoint", "--out", ckpt, "--cameras", ",".join(args.cameras),
-                   "--options", json.dumps(SIZES[args.size]))
+                   "--options", json.dumps({**SIZES[args.size], "policy": args.policy}))
     graphs = stem + "-graphs"
     # synflux-build brings the graph set up to date: a set built from the same config and sources is kept
     from ..build.export import main as build
@@ -145,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=20)
     ap.add_argument("--cameras", default="base", help="comma-separated camera names (1 or 2)")
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
+    ap.add_argument("--policy", default="pi0", choices=("pi0", "pi05"),
+                    help="pi05: π0.5 (adaptive-RMSNorm expert, the state in the prompt)")
     ap.add_argument("--spinning", action="store_true",
                     help="with a pool per graph, onnxruntime's threads spin between kernels instead of sleeping")
     ap.add_argument("--pools", default=",".join(POOLS),
@@ -164,8 +167,12 @@ def main(argv=None) -> int:
     runs = {pool: synflux_chunks(args, node_config(args, graphs, pool)) for pool in args.pools}
     d = SIZES[args.size]
     rng = np.random.default_rng(0)
-    inputs = os.path.join(args.work, f"pi0-bench-{args.size}-inputs.npz")
-    np.savez(inputs, lang_tokens=np.frombuffer(INSTRUCTION.encode() + b"\n", np.uint8).astype(np.int64),
+    inputs = os.path.join(args.work, f"{args.policy}-bench-{args.size}-inputs.npz")
+    # the byte-level stand-in's ids of the prompt vla_node builds (π0.5: with the state's 32 bins), so that both
+    # run a prefix of the same length
+    prompt = (f"Task: {INSTRUCTION}, State: {' '.join(['128'] * 32)};\nAction: " if args.policy == "pi05"
+              else INSTRUCTION + "\n")
+    np.savez(inputs, lang_tokens=np.frombuffer(prompt.encode(), np.uint8).astype(np.int64),
              state=np.full(len(JOINTS), 0.1, np.float32),
              noise=rng.standard_normal((d["chunk_size"], 32)).astype(np.float32),
              **{f"observation.images.{c}": rng.integers(0, 256, (d["image_size"], d["image_size"], 3), np.uint8)
@@ -177,7 +184,7 @@ def main(argv=None) -> int:
         ref = failed_row("LeRobot predict_action_chunk", exc)
     steps = d["num_inference_steps"]
     side = d["image_size"]
-    print(f"\n[pi0 {args.size}] Gemma {d['vlm_width']}x{d['depth']}, expert {d['expert_width']}, {len(args.cameras)} "
+    print(f"\n[{args.policy} {args.size}] Gemma {d['vlm_width']}x{d['depth']}, expert {d['expert_width']}, {len(args.cameras)} "
           f"camera(s) of {side}x{side} ({(side // 14) ** 2} tokens each), chunk {d['chunk_size']}, {steps} steps; "
           f"{args.threads} threads, median of {args.chunks} chunks (CPU timing, not device timing)")
     if "failed" in ref:
