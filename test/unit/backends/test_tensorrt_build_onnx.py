@@ -29,8 +29,12 @@ from checkpoints import demo_size  # noqa: E402
 torch.set_num_threads(2)
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
-CONFIGS = ["vla_demo_orin", "vlm_demo", "vla_pi0", "vla_openvla", "vla_pi0+vjp", "vla_pi05"]
+CONFIGS = ["vla_demo_orin", "vlm_demo", "vla_pi0", "vla_openvla", "vla_pi0+vjp", "vla_pi05", "vlm_demo+gemma3"]
 VJP = {"mode": "rtc", "rtc": {"guidance": "vjp"}}  # "+vjp": Real-Time Chunking's vjp guidance (its own graphs)
+# "+gemma3": a text-only Gemma 3 decoder with a sliding-window layer of its own rope base, soft-caps, fp16 KV
+GEMMA3 = {"architecture": "gemma3", "kv_dtype": "float16", "sliding_window": 5, "sliding_window_layers": [0],
+          "rope_local_theta": 100.0, "query_pre_attn_scalar": 24.0, "attn_logit_softcapping": 1.5,
+          "final_logit_softcapping": 4.0}
 
 
 def session(model) -> "ort.InferenceSession":
@@ -50,6 +54,9 @@ class Built:
             raw = demo_size(yaml.safe_load(fh))
         if name.endswith("+vjp"):
             raw["execution"] = VJP
+        if name.endswith("+gemma3"):
+            raw["vision"] = None
+            raw["llm"].update(GEMMA3)
         self.cfg = cfg = from_dict(raw)
         self.gm = build_graph_modules(cfg, seed=0)
         self.metas = {m.name: m for m in graph_set(cfg) if m.kind != "vision_encoder"}
