@@ -734,13 +734,22 @@ class ModelConfig:
                 raise ConfigError("tokenizer.prompt_template: {state} places the robot state in the prompt, which "
                                   "goes with action.state_input: prompt" + ("" if in_prompt else " only"))
         if self.action is not None and self.action.time_conditioning == "adarms" and \
-                self.execution.rtc.guidance == "vjp" and self.execution.mode == "rtc":
+                self.execution.rtc.guidance == "vjp" and self.resolved_execution.mode == "rtc":
             raise ConfigError("execution.rtc.guidance: vjp has no graph for an adaptive-RMSNorm expert "
                               "(action.time_conditioning: adarms); use the lerobot guidance")
-        if self.action is not None and self.action.head_type == "flow_matching" and \
-                self.llm.architecture in ("gemma2", "gemma3"):
-            raise ConfigError(f"llm.architecture: {self.llm.architecture}: the action expert of a flow-matching head "
-                              f"is built of the backbone's blocks, which it has for qwen3, qwen2, llama and gemma only")
+        if self.action is not None and self.action.head_type == "flow_matching":
+            if self.llm.architecture in ("gemma2", "gemma3"):
+                raise ConfigError(f"llm.architecture: {self.llm.architecture}: the action expert of a flow-matching "
+                                  f"head is built of the backbone's blocks, which it has for qwen3, qwen2, llama and "
+                                  f"gemma only")
+            decoder_only = [n for n in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                                        "sliding_window") if getattr(self.llm, n)]
+            if decoder_only:
+                raise ConfigError(f"llm.{decoder_only[0]}: a decoder feature the action expert of a flow-matching "
+                                  f"head does not have")
+        if self.llm.sliding_window and self.llm.prefill_attention == "bidirectional":
+            raise ConfigError("llm.sliding_window: the window is causal (keys up to sliding_window back); not with "
+                              "a bidirectional prefill")
         if self.llm.mrope_section:
             if self.mode != "vlm":
                 raise ConfigError("llm.mrope_section: multimodal positions are supported for vlm configs only")

@@ -262,6 +262,13 @@ def test_a_flow_head_refuses_a_backbone_its_expert_cannot_mirror():
     d = raw("vla_demo_orin.yaml")
     d["llm"]["architecture"] = "gemma2"
     assert "llm.architecture: gemma2: the action expert of a flow-matching head" in bad(d)
+    for field, value in (("attn_logit_softcapping", 50.0), ("query_pre_attn_scalar", 256.0)):
+        d = raw("vla_demo_orin.yaml")
+        d["llm"][field] = value
+        assert f"llm.{field}: a decoder feature the action expert of a flow-matching head does not have" in bad(d)
+    d = raw("vla_openvla.yaml")  # action tokens, but a bidirectional prefix: the window is causal only
+    d["llm"].update(sliding_window=8, sliding_window_layers=[0], prefill_attention="bidirectional")
+    assert "llm.sliding_window: the window is causal" in bad(d)
     d = raw("vlm_demo.yaml")
     d["llm"].update(architecture="gemma3", sliding_window=4, sliding_window_layers=[0])
     assert from_dict(d).llm.sliding_window_layers == (0,)
