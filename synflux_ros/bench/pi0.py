@@ -23,6 +23,7 @@ import sys
 import numpy as np
 import yaml
 
+from ..model.normalization import PI05_PROMPT
 from .peer import PeerFailure, failed_row, run_json
 
 SIZES = {
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
     inputs = os.path.join(args.work, f"{args.policy}-bench-{args.size}-inputs.npz")
     # the byte-level stand-in's ids of the prompt vla_node builds (π0.5: with the state's 32 bins), so that both
     # run a prefix of the same length
-    prompt = (f"Task: {INSTRUCTION}, State: {' '.join(['128'] * 32)};\nAction: " if args.policy == "pi05"
+    prompt = (PI05_PROMPT.format(instruction=INSTRUCTION, state=" ".join(["128"] * 32)) if args.policy == "pi05"
               else INSTRUCTION + "\n")
     np.savez(inputs, lang_tokens=np.frombuffer(prompt.encode(), np.uint8).astype(np.int64),
              state=np.full(len(JOINTS), 0.1, np.float32),

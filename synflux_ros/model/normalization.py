@@ -42,8 +42,19 @@ class Normalizer:
         return (y + np.float32(1.0)) * self.span / np.float32(2.0) + self.low
 
 
+def state_vector(state, dim: int) -> np.ndarray:
+    """``state`` as a float32 vector of ``dim`` finite values; ValueError naming what is wrong otherwise."""
+    state = np.asarray(state, np.float32).reshape(-1)
+    if state.shape != (dim,) or not np.isfinite(state).all():
+        raise ValueError(f"robot state: expected {dim} finite values, got "
+                         f"{state.shape[0]}{'' if np.isfinite(state).all() else ' with non-finite ones'}")
+    return state
+
+
 STATE_BINS = 256
 """pi0.5 writes the normalised state into its prompt as bin indices of this many bins over [-1, 1]."""
+PI05_PROMPT = "Task: {instruction}, State: {state};\nAction: "
+"""pi0.5's prompt (``tokenizer.prompt_template``; LeRobot's ``Pi05PrepareStateTokenizerProcessorStep``)."""
 
 
 def state_prompt_text(state: np.ndarray) -> str:

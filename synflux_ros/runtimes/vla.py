@@ -26,7 +26,7 @@ from ..core.executor import Executor
 from ..core.pipeline import Pipeline
 from ..model.heads import action_head
 from ..model.heads.action_tokens import unnormalize
-from ..model.normalization import StateActionMaps, state_prompt_text
+from ..model.normalization import StateActionMaps, state_prompt_text, state_vector
 from ..model.tokenizer import Tokenizer
 from .base import ModelRuntime
 
@@ -134,29 +134,29 @@ class VLARuntime(StagedVLA, ModelRuntime):
 
     def prompt_ids(self, text: str, state: np.ndarray | None = None) -> list[int]:
         """The prompt's token ids for an instruction (and, with ``action.state_input: prompt``, the frame's
-        normalised state, written in as pi0.5's bins), cut to ``tokenizer.max_instruction_tokens``."""
+        normalised state, written in as pi0.5's bins, and the instruction's underscores and newlines made spaces
+        as pi0.5's processor cleans a task), cut to ``tokenizer.max_instruction_tokens``."""
         fields = {"instruction": text}
         if self.state_in_prompt:
-            state = np.asarray(state, np.float32).reshape(-1)
-            if state.shape != (self.cfg.action.state_dim,) or not np.isfinite(state).all():
-                raise ValueError(f"robot state: expected {self.cfg.action.state_dim} finite values, got "
-                                 f"{state.shape[0]}{'' if np.isfinite(state).all() else ' with non-finite ones'}")
-            fields["state"] = state_prompt_text(state)
+            fields["instruction"] = text.replace("_", " ").replace("\n", " ")
+            fields["state"] = state_prompt_text(state_vector(state, self.cfg.action.state_dim))
         ids = self.bos + self.tokenizer.encode(self.cfg.tokenizer.prompt_template.format(**fields))
         if self.max_instruction_tokens:  # cut as LeRobot's tokenizer step does (truncation to its max length)
             ids = ids[:self.max_instruction_tokens]
         return ids
 
     def set_instruction(self, text: str) -> None:
-        """Tokenise and embed a new instruction once; frames after this call use it (with the state in the
-        prompt, the prompt is tokenised per frame; here it is checked with a state of zeros)."""
+        """Tokenise and embed a new instruction once; frames after this call use it. With the state in the
+        prompt, the prompt is tokenised and embedded per frame; here its length is checked with a state of zeros
+        (a frame whose state makes it longer fails with the reason)."""
         text = instruction_text(text)
-        if self.state_in_prompt:  # as pi0.5's processor cleans the task
-            text = text.replace("_", " ").replace("\n", " ")
         ids = self.prompt_ids(text, np.zeros(self.cfg.action.state_dim, np.float32))
         self._check_prompt_length(ids, "instruction")
         with self._instr_lock:
-            embeds = self.backbone.embed(ids) if ids else np.zeros((0, self.cfg.llm.hidden_dim), np.float32)
+            if ids and not self.state_in_prompt:
+                embeds = self.backbone.embed(ids)
+            else:
+                embeds = np.zeros((0, self.cfg.llm.hidden_dim), np.float32)
             self._instruction = _Instruction(text, tuple(ids), embeds)
 
     def _check_prompt_length(self, ids: list[int], what: str) -> None:

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from ...core.config import ModelConfig
 from ...core.contract import time_embedding_dim
 from .decoder import (
-    AdaRMSNorm, DecoderLayer, RMSNorm, _param, attention_bias, layer_kv, rope_inv_freq, rope_lookup, rope_table)
+    GEMMA_FAMILY, AdaRMSNorm, DecoderLayer, RMSNorm, _param, attention_bias, layer_kv, rope_inv_freq, rope_lookup, rope_table)
 
 
 class ActionExpert(nn.Module):
@@ -64,7 +64,7 @@ class ActionExpert(nn.Module):
         for layer in self.layers:
             layer.join_past = True  # a prefix of a few hundred keys, joined with the chunk's own each step
         self.norm = AdaRMSNorm(width, llm.rms_norm_eps, cond) if self.adaptive else \
-            RMSNorm(width, llm.rms_norm_eps, llm.architecture == "gemma")
+            RMSNorm(width, llm.rms_norm_eps, llm.architecture in GEMMA_FAMILY)
         self.action_out_proj = nn.Linear(width, act.action_dim)
         self.state_dim = act.state_token_dim
         self.state_proj = nn.Linear(self.state_dim, width) if self.state_dim else None

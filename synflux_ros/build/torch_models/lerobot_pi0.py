@@ -18,6 +18,7 @@ import os
 import re
 
 from ...core.config import ConfigError, ModelConfig
+from ...model.normalization import PI05_PROMPT
 from .checkpoint import copy_checked, read_config, read_json, read_tensors, tensor_files, tensor_shapes
 
 ROOT = "paligemma_with_expert."
@@ -38,8 +39,6 @@ _EXPORT_LAYOUT = ("qkv_t", "q_t", "k_t", "v_t", "o_t", "gate_up_t", "gate_t", "u
 
 
 POLICY_TYPES = ("pi0", "pi05")
-PI05_PROMPT = "Task: {instruction}, State: {state};\nAction: "
-"""pi0.5's prompt (LeRobot's ``Pi05PrepareStateTokenizerProcessorStep``; its PaliGemma tokenizer adds BOS)."""
 
 
 def is_lerobot_pi0(hf_dir: str) -> bool:

@@ -16,6 +16,7 @@ import numpy as np
 from ...core.config import ModelConfig
 from ...core.executor import DeviceTensor, Executor
 from ...core.contract import select_bucket, time_embedding_dim
+from ..normalization import state_vector
 from ..time_embedding import time_embedding
 from .base import ActionHead
 from .rtc import RTCGuidance, lerobot_velocity, vjp_velocity
@@ -68,11 +69,7 @@ class FlowMatchingHead(ActionHead):
         if self.act.state_token_dim:
             if state is None:
                 raise ValueError("the action expert takes the robot state (action.state_dim), none was given")
-            state = np.asarray(state, np.float32).reshape(-1)
-            if state.shape != (self.act.state_dim,) or not np.isfinite(state).all():
-                raise ValueError(f"robot state: expected {self.act.state_dim} finite values, got "
-                                 f"{state.shape[0]}{'' if np.isfinite(state).all() else ' with non-finite ones'}")
-            feeds["state"] = state[None, :]
+            feeds["state"] = state_vector(state, self.act.state_dim)[None, :]
         if vjp is not None:
             feeds.update(vjp)
         for t, emb in zip(self.times, self.time_embeddings):

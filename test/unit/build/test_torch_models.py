@@ -16,6 +16,7 @@ from synflux_ros.backends.mock.executor import MockExecutor  # noqa: E402
 from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402
 from synflux_ros.core.config import ConfigError, load_config  # noqa: E402
 from synflux_ros.core.contract import graph_set, select_bucket
+from synflux_ros.model.normalization import PI05_PROMPT  # noqa: E402
 from synflux_ros.model.time_embedding import time_embedding  # noqa: E402
 from synflux_ros.model.backbone import LLMBackbone  # noqa: E402
 from synflux_ros.build import export as build_tool  # noqa: E402
@@ -62,7 +63,7 @@ def tiny_pi05():
     return tiny_gemma().with_overrides(
         action={"time_conditioning": "adarms", "state_input": "prompt", "state_dim": 8,
                 "state_joints": [f"j{i}" for i in range(8)]},
-        tokenizer={"prompt_template": "Task: {instruction}, State: {state};\nAction: "})
+        tokenizer={"prompt_template": PI05_PROMPT})
 
 
 def tiny_gemma3():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from synflux_ros.core.config import ConfigError, NormalizationConfig, load_config
-from synflux_ros.model.normalization import Normalizer, StateActionMaps
+from synflux_ros.model.normalization import PI05_PROMPT, Normalizer, StateActionMaps
 from synflux_ros.runtimes.robot_state import CameraImages, NoFreshState
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
@@ -144,9 +144,6 @@ def test_the_instruction_gets_its_bos_and_is_cut_like_lerobots_tokenizer():
 
 # ------------------------------------------------------------------ pi0.5: the state in the prompt
 
-PI05_PROMPT = "Task: {instruction}, State: {state};\nAction: "
-
-
 def pi05(**sections):
     """demo() as pi0.5 runs: adaptive-RMSNorm expert, the state (normalised to [-1, 1]) in the prompt."""
     base = {"action": {"time_conditioning": "adarms", "state_input": "prompt",
@@ -172,8 +169,10 @@ def test_pi05_writes_each_frames_state_into_its_prompt():
     from synflux_ros.runtimes.vla import VLARuntime
     rt = VLARuntime(pi05())
     try:
-        rt.set_instruction("pick_up the\ncup")  # cleaned as LeRobot's pi0.5 step cleans the task
-        assert rt.instruction == "pick up the cup"
+        # kept as given (so a node or server sees it unchanged when it comes again); its prompt is cleaned as
+        # LeRobot's pi0.5 step cleans a task
+        rt.set_instruction("pick_up the\ncup")
+        assert rt.instruction == "pick_up the\ncup" and len(rt._instruction.embeds) == 0  # embedded per frame
         embedded = []
         embed = rt.backbone.embed
         rt.backbone.embed = lambda ids: embedded.append(list(ids)) or embed(ids)
@@ -202,8 +201,9 @@ def test_pi05_config_rules():
         pi05(tokenizer={"prompt_template": "{instruction}\n"})
     with pytest.raises(ConfigError, match=r"tokenizer.prompt_template: \{state\} places the robot state"):
         demo(tokenizer={"prompt_template": PI05_PROMPT})
-    with pytest.raises(ConfigError, match="execution.rtc.guidance: vjp has no graph for an adaptive-RMSNorm"):
-        pi05(execution={"mode": "rtc", "rtc": {"guidance": "vjp"}})
+    for execution in ({"mode": "rtc", "rtc": {"guidance": "vjp"}}, {"rtc": {"guidance": "vjp"}}):  # auto: rtc too
+        with pytest.raises(ConfigError, match="execution.rtc.guidance: vjp has no graph for an adaptive-RMSNorm"):
+            pi05(execution=execution)
     with pytest.raises(ConfigError, match="action.state_input: prompt writes the robot state into the prompt"):
         pi05(action={"state_dim": 0, "state_joints": [], "state_norm": None})
 
