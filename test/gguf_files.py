@@ -76,11 +76,12 @@ def k_quant_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
 
 
 def write_gguf(path, arch: str = "llama", seed: int = 0, types: dict | None = None, template: str = TEMPLATE,
-               tied: bool = False, extra_tensors: dict | None = None, theta: float = 10000.0) -> str:
+               tied: bool = False, extra_tensors: dict | None = None, theta: float = 10000.0,
+               layers: int | None = None) -> str:
     rng = np.random.default_rng(seed)
     s = SHAPES.get(arch, SHAPES["llama"])
     heads, kv, hd = s["heads"], s["kv_heads"], s["head_dim"]
-    layers = s.get("layers", LAYERS)
+    layers = layers or s.get("layers", LAYERS)
     tokens, merges, token_types = vocabulary()
     if arch in ("gemma2", "gemma3"):  # transformers' Gemma tokenizer adds a <mask> token where the vocabulary has none
         tokens, token_types = tokens + ["<mask>"], token_types + [3]

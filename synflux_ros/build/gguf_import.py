@@ -43,13 +43,11 @@ ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen2": "qwen2", "gemma2":
                  "phi3": "phi3"}
 """GGUF ``general.architecture`` -> Hugging Face ``model_type`` of the checkpoint written."""
 _GEMMAS = ("gemma2", "gemma3")
-_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
-"""Gemma 2/3: every n-th layer global, the others through the sliding window (llama.cpp's fixed patterns)."""
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 """The 27B models scale scores by hidden / heads rather than head_dim (their query_pre_attn_scalar), which GGUF
-does not store: llama.cpp tells them by their layer count, and so does this import."""
-_GEMMA3_LOCAL_ROPE = 10000.0
-"""Gemma 3's sliding-window layers' rope base, which GGUF does not store either (llama.cpp's constant)."""
+does not store: llama.cpp tells them by their layer count, and so does this import. The rest GGUF leaves out
+(Gemma 2's alternating layers, Gemma 3's five sliding layers to a global one and their rope base 10000, soft-caps
+a file omits) are the defaults the --from-hf path takes for a config without them, which are llama.cpp's too."""
 
 UNSUPPORTED = {
     "qwen2moe": "mixture-of-experts layers",
@@ -384,13 +382,10 @@ def inspect_gguf(path: str) -> GGUFModel:
     if window is not None:
         config["sliding_window"] = int(window)
     if arch in _GEMMAS:
-        pattern = _SLIDING_PATTERN[arch]
-        config["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
         config["query_pre_attn_scalar"] = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
-        config["attn_logit_softcapping"] = _meta(reader, f"{arch}.attn_logit_softcapping")
-        config["final_logit_softcapping"] = _meta(reader, f"{arch}.final_logit_softcapping")
-        if arch == "gemma3":
-            config["rope_local_base_freq"] = _GEMMA3_LOCAL_ROPE
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if (cap := _meta(reader, f"{arch}.{key}")) is not None:
+                config[key] = float(cap)
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
         if (idx := _meta(reader, f"tokenizer.ggml.{key}")) is not None:

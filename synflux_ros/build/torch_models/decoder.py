@@ -697,6 +697,14 @@ _TIED_DEFAULT = {"qwen3": False, "qwen2": False, "llama": False, "mistral": Fals
 _SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 """Every n-th layer attends globally, the others through the sliding window, where a config lists no
 layer_types (Gemma 2 and 3 before transformers wrote them)."""
+_GEMMA_DEFAULTS = {
+    "gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "sliding_window": 4096, "rope_theta": 10000.0},
+    "gemma3_text": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                    "sliding_window": 4096, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0},
+}
+"""What transformers' Gemma2Config / Gemma3TextConfig take for a key a config.json leaves out (an explicit null
+is kept: no soft-cap)."""
 _FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                         "self_attn.v_proj.weight"),
           "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
@@ -732,10 +740,11 @@ def _gemma_fields(model_type: str, text: dict, where: str) -> tuple[dict, float,
     """Gemma 2/3's LLMConfig fields (score scale, soft-capping, sliding-window layers, the local rope base), the
     global layers' rope theta and rope parameters."""
     layers = int(text["num_hidden_layers"])
+    text = {**_GEMMA_DEFAULTS[model_type], **text}
     types = text.get("layer_types")
-    if not types:
-        n = int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern")
-                or _SLIDING_PATTERN[model_type])
+    if not types:  # Gemma 2 always alternates (transformers ignores a pattern key there)
+        n = _SLIDING_PATTERN[model_type] if model_type == "gemma2" else \
+            int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or _SLIDING_PATTERN[model_type])
         types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
     unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
     if unknown or len(types) != layers:

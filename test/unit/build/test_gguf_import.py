@@ -118,6 +118,16 @@ def test_gemma_attention_comes_through_as_llama_cpp_runs_it(imported):
         assert (llm.attn_logit_softcapping, llm.final_logit_softcapping) == (0.0, 0.0)
 
 
+@pytest.mark.parametrize("arch,layers", [("gemma2", 46), ("gemma3", 62)])
+def test_gemma_27b_scales_scores_by_hidden_over_heads(tmp_path, arch, layers):
+    """GGUF holds no query_pre_attn_scalar: llama.cpp tells the 27B models (hidden / heads) by their layer count,
+    every other size scales by head_dim."""
+    hidden, heads = HIDDEN, SHAPES[arch]["heads"]
+    big = gguf_import.inspect_gguf(write_gguf(tmp_path / "big.gguf", arch, types={}, layers=layers)).config
+    small = gguf_import.inspect_gguf(write_gguf(tmp_path / "small.gguf", arch, types={}, layers=4)).config
+    assert (big["query_pre_attn_scalar"], small["query_pre_attn_scalar"]) == (hidden // heads, SHAPES[arch]["head_dim"])
+
+
 def test_chat_template_and_special_tokens_come_through(imported):
     arch, path, out = imported
     d, name = os.path.split(path)
