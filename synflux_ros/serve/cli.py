@@ -115,13 +115,13 @@ def ray_temp_dir(requested: str) -> tuple[str, str]:
     """The temp dir a local Ray gets, and why where it is not the one asked for (or Ray's default): Ray fails
     to start where its socket paths exceed the AF_UNIX limit, as under a deep $TMPDIR."""
     if requested:
-        if len(os.path.abspath(requested)) + _RAY_SOCKET_TAIL > _UNIX_PATH_MAX:
+        if len(os.fsencode(os.path.abspath(requested))) + _RAY_SOCKET_TAIL > _UNIX_PATH_MAX:
             raise ConfigError(f"--temp-dir {requested!r} is too long for Ray's socket paths: at most "
                               f"{_UNIX_PATH_MAX - _RAY_SOCKET_TAIL} characters")
         return os.path.abspath(requested), ""
     root = os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if sys.platform.startswith("linux") else "")
     default = os.path.join(root or "/tmp", "ray")
-    if len(default) + _RAY_SOCKET_TAIL <= _UNIX_PATH_MAX:
+    if len(os.fsencode(default)) + _RAY_SOCKET_TAIL <= _UNIX_PATH_MAX:
         return default, ""
     short = f"/tmp/ray-{os.getuid()}"
     return short, (f"Ray's temp dir {default} makes socket paths longer than {_UNIX_PATH_MAX} bytes; "
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     from .app import application  # Ray and FastAPI load only once the arguments hold
     try:
+        if a.address and a.temp_dir:
+            raise ConfigError("--temp-dir is for a local Ray; a cluster joined with --address keeps its own")
         temp_dir, why = ray_temp_dir(a.temp_dir) if not a.address else ("", "")
         config = serve_config(a)
         app_cfg = config["applications"][0]

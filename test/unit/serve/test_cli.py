@@ -41,6 +41,7 @@ def test_dry_run_writes_a_serve_config_file_ray_accepts(tmp_path, capsys):
     (["--config", VLA, "--max-ongoing-requests", "0"], "--max-ongoing-requests: 0 (at least 1)"),
     (["--config", VLA, "--backend", "tpu"], "unknown backend 'tpu'"),
     (["--config", VLA, "--temp-dir", "/tmp/" + "d" * 40], "is too long for Ray's socket paths: at most 43"),
+    (["--config", VLA, "--temp-dir", "/tmp/r", "--address", "auto"], "--temp-dir is for a local Ray"),
 ])
 def test_bad_arguments_exit_2_naming_the_fault(argv, needle, capsys):
     assert cli.main(argv + ["--dry-run"]) == 2
@@ -78,7 +79,7 @@ def test_a_local_ray_gets_a_temp_dir_its_socket_paths_fit_in(monkeypatch):
     monkeypatch.delenv("RAY_TMPDIR", raising=False)
     monkeypatch.setenv("TMPDIR", "/tmp/build")
     assert cli.ray_temp_dir("") == ("/tmp/build/ray", "")
-    deep = "/check/work/main/build/pytest-simulators/tmp"
+    deep = "/home/builder/" + "x" * 40 + "/build/tmp"
     monkeypatch.setenv("TMPDIR", deep)
     where, why = cli.ray_temp_dir("")
     assert len(where + "/session_2026-11-26_09-42-17_864114_2730700/sockets/plasma_store") <= 107
