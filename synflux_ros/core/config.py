@@ -733,10 +733,6 @@ class ModelConfig:
             if ("{state}" in self.tokenizer.prompt_template) != in_prompt:
                 raise ConfigError("tokenizer.prompt_template: {state} places the robot state in the prompt, which "
                                   "goes with action.state_input: prompt" + ("" if in_prompt else " only"))
-        if self.action is not None and self.action.time_conditioning == "adarms" and \
-                self.execution.rtc.guidance == "vjp" and self.resolved_execution.mode == "rtc":
-            raise ConfigError("execution.rtc.guidance: vjp has no graph for an adaptive-RMSNorm expert "
-                              "(action.time_conditioning: adarms); use the lerobot guidance")
         if self.action is not None and self.action.head_type == "flow_matching":
             if self.llm.architecture in ("gemma2", "gemma3"):
                 raise ConfigError(f"llm.architecture: {self.llm.architecture}: the action expert of a flow-matching "

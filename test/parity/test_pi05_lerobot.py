@@ -142,10 +142,20 @@ def test_actions_and_prompt_equal_lerobot(served, case):
     assert np.abs(other["actions"] - want["actions"]).max() > 100 * TOLERANCE
 
 
-def test_real_time_chunking_equals_lerobots(imported):
-    """The lerobot guidance on π0.5: a previous chunk's leftover (normalised model actions) steers the next chunk
-    as LeRobot's RTC does, for two schedules and delays; the guided chunks differ from the plain one."""
+@pytest.mark.parametrize("guidance", ["lerobot", "vjp"])
+def test_real_time_chunking_equals_lerobots(imported, guidance):
+    """RTC on π0.5: a previous chunk's leftover (normalised model actions) steers the next chunk as LeRobot's RTC
+    does, for two schedules and delays: the lerobot guidance, and the vjp guidance (its action_expert_vjp graphs,
+    through the adaptive norms) against the same step with torch autograd through LeRobot's π0.5; the guided
+    chunks differ from the plain one."""
     s, cfg = imported, imported["cfg"]
+    if guidance == "vjp":
+        out = s["tmp"] / "graphs-vjp"
+        assert build_tool.main(["--config", base_config(s["tmp"] / "base-vjp.yaml", {"rtc": {"guidance": "vjp"}}),
+                                "--out", str(out), "--from-hf", str(s["ckpt"]), "--backend", "onnxruntime"]) == 0
+        cfg = load_config(str(out / "config.yaml"))
+        names = [m["name"] for m in json.loads((out / "manifest.json").read_text())["graphs"]]
+        assert any(n.startswith("action_expert_vjp_") for n in names), names  # execution.mode auto: rtc
     image, state, padded = random_frame(21, cfg.action.state_dim)
     rt = VLARuntime(cfg)
     try:
@@ -154,14 +164,14 @@ def test_real_time_chunking_equals_lerobots(imported):
         plain = rt.infer(image, seq=5, state=padded)
         guided = [rt.infer(image, seq=5, state=padded, rtc=RTCGuidance(
             leftover, inference_delay=d, execution_horizon=h, schedule=sch, max_guidance_weight=w,
-            flavour="lerobot")) for sch, d, h, w in RTC_CASES]
+            flavour=guidance)) for sch, d, h, w in RTC_CASES]
     finally:
         rt.close()
     noise = np.random.default_rng(cfg.action.seed + 5).standard_normal(
         (cfg.action.action_horizon, cfg.action.action_dim)).astype(np.float32)
     cases = [{"prev_chunk": "prev_chunk", "inference_delay": d, "execution_horizon": h, "schedule": sch.upper(),
-              "max_guidance_weight": w, "guidance": "lerobot"} for sch, d, h, w in RTC_CASES]
-    _, want = lerobot(s, "rtc", image, state, prompt(s, state)[1], noise, rtc=cases, prev=leftover)
+              "max_guidance_weight": w, "guidance": guidance} for sch, d, h, w in RTC_CASES]
+    _, want = lerobot(s, f"rtc-{guidance}", image, state, prompt(s, state)[1], noise, rtc=cases, prev=leftover)
     np.testing.assert_allclose(plain.actions, want["actions"], atol=TOLERANCE * max(1.0, np.abs(want["actions"]).max()))
     for i, frame in enumerate(guided):
         ref = want[f"actions_rtc_{i}"]

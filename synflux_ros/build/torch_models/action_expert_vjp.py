@@ -47,6 +47,22 @@ def _rms(x, norm):
     return x * (r * gain), (x, r, gain)
 
 
+def _ada_rms(x, norm, cond):
+    """AdaRMSNorm forward (:class:`decoder.AdaRMSNorm`'s value), what :func:`_rms_back` needs (its gain is
+    ``1 + scale``; the shift and gate do not depend on x) and the gate of the residual it feeds."""
+    m, dim = norm.dense(cond), norm.dim
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    gain = 1.0 + m[..., :dim]
+    return x * (r * gain) + m[..., dim:2 * dim], (x, r, gain), m[..., 2 * dim:]
+
+
+def _norm(x, norm, cond):
+    """A layer's norm, plain or adaptive: (value, saved for the backward pass, residual gate or None)."""
+    if cond is None:
+        return (*_rms(x, norm), None)
+    return _ada_rms(x, norm, cond)
+
+
 def _rms_back(d, saved):
     x, r, gain = saved
     xhat = x * r
@@ -104,7 +120,7 @@ def _project_back(d, mats):
 class _Layer:
     """One expert layer's forward pass with its saved activations, and its input gradient."""
 
-    def __init__(self, layer, x, cos, sin, past_k, past_v, bias):
+    def __init__(self, layer, x, cos, sin, past_k, past_v, bias, cond=None):
         att, mlp = layer.self_attn, layer.mlp
         self.cos, self.sin = cos, sin
         n, nh, kvh, dh = x.shape[0], att.num_heads, att.num_kv_heads, att.head_dim
@@ -113,7 +129,7 @@ class _Layer:
         self.gate_up = _matrices(mlp, "gate_up_t", ("gate_t", "up_t"), ("gate_proj", "up_proj"))
         self.o = att.o_t if att.o_t is not None else att.o_proj.weight.t()
         self.down = mlp.down_t if mlp.down_t is not None else mlp.down_proj.weight.t()
-        h1, self.n1 = _rms(x, layer.input_layernorm)
+        h1, self.n1, self.gate1 = _norm(x, layer.input_layernorm, cond)
         qkv = _project(h1, self.qkv)
         if att.qkv_b is not None or att.q_proj.bias is not None:  # Qwen2's biases: no part of the input gradient
             qkv = qkv + (att.qkv_b if att.qkv_b is not None else
@@ -136,23 +152,25 @@ class _Layer:
         # the scale on q: rknn-toolkit2 fuses (q @ kᵀ) * scale + bias -> softmax -> @ v and drops the probabilities
         self.probs = torch.softmax(torch.matmul(self.qg * att.scale, self.keys.transpose(-1, -2)) + bias, dim=-1)
         self.ctx = torch.matmul(self.probs, self.values)  # [KV, G, n, Dh]
-        x = x + torch.matmul(self.ctx.reshape(nh, n, dh).transpose(0, 1).reshape(n, nh * dh), self.o)
-        h2, self.n2 = _rms(x, layer.post_attention_layernorm)
+        attn = torch.matmul(self.ctx.reshape(nh, n, dh).transpose(0, 1).reshape(n, nh * dh), self.o)
+        x = x + (attn if self.gate1 is None else attn * self.gate1)  # pi0.5: gated residuals
+        h2, self.n2, self.gate2 = _norm(x, layer.post_attention_layernorm, cond)
         gu = _project(h2, self.gate_up)
         inter = gu.shape[-1] // 2
         self.g, self.u = gu[:, :inter], gu[:, inter:]
         self.act = mlp.act
         self.a = _act(self.g, mlp.act)
-        self.out = x + torch.matmul(self.a * self.u, self.down)
+        out = torch.matmul(self.a * self.u, self.down)
+        self.out = x + (out if self.gate2 is None else out * self.gate2)
 
     def backward(self, d):
         """d: the gradient of the layer's output [n, W] -> the gradient of its input."""
         n, nh, kvh, dh = self.shape
-        dh_mlp = _times_t(d, self.down)
+        dh_mlp = _times_t(d if self.gate2 is None else d * self.gate2, self.down)
         dg = dh_mlp * self.u * _act_grad(self.g, self.act)
         du = dh_mlp * self.a
         d = d + _rms_back(_project_back(torch.cat((dg, du), dim=-1), self.gate_up), self.n2)
-        dctx = _times_t(d, self.o).reshape(n, nh, dh).transpose(0, 1).reshape(kvh, nh // kvh, n, dh)
+        dctx = _times_t(d if self.gate1 is None else d * self.gate1, self.o).reshape(n, nh, dh).transpose(0, 1).reshape(kvh, nh // kvh, n, dh)
         dprobs = torch.matmul(dctx, self.values.transpose(-1, -2))
         dscores = self.probs * (dprobs - (dctx * self.ctx).sum(-1, keepdim=True)) * self.scale
         dq = torch.matmul(dscores, self.keys).reshape(nh, n, dh)
@@ -191,16 +209,19 @@ class ActionExpertVJPGraph(nn.Module):
 
         def embed(actions, temb):
             """The expert's action embedding; its output product with the weight on the left (``_linear_back``)."""
+            if e.adaptive:  # pi0.5: the actions' projection alone
+                return e.action_in_proj(actions)
             saved.append(e.action_mlp_in(actions, temb))
             out = e.action_time_mlp_out
             return torch.matmul(out.weight, F.silu(saved[0]).t()).t() + out.bias
 
         x, n, cos, sin, bias = e.tokens(noisy_actions, time_embedding, prefix_len, span, state, embed)
+        cond = e.time_condition(time_embedding)  # pi0.5's conditioning of the norms (no function of x)
         layers = []
         for i, layer in enumerate(e.layers):
-            layers.append(_Layer(layer, x, cos, sin, *layer_kv(past_kv, i, span), bias))
+            layers.append(_Layer(layer, x, cos, sin, *layer_kv(past_kv, i, span), bias, cond))
             x = layers[-1].out
-        final, norm_saved = _rms(x[n - h:], e.norm)
+        final, norm_saved, _ = _norm(x[n - h:], e.norm, cond)
         velocity = e.action_out_proj(final).unsqueeze(0)
         error = (target - (noisy_actions - flow_time * velocity)) * weights
         # the gradient of the velocity's inner product with the error, down to the action rows' inputs
@@ -209,6 +230,8 @@ class ActionExpertVJPGraph(nn.Module):
             d = torch.cat((torch.zeros(n - h, d.shape[1], dtype=d.dtype), d), dim=0)
         for layer in reversed(layers):
             d = layer.backward(d)
+        if e.adaptive:
+            return velocity, error - flow_time * _linear_back(d[n - h:], e.action_in_proj).unsqueeze(0)
         (z,) = saved
         d = _linear_back(d[n - h:], e.action_time_mlp_out) * _act_grad(z, "silu")
         d = _linear_back(d, e.action_time_mlp_in)[:, :e.width]

@@ -330,13 +330,19 @@ def test_registry_entry(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ RTC vjp graphs
-@pytest.fixture(scope="module")
-def vjp_graphs(tmp_path_factory):
-    """vla_demo_orin with the vjp guidance of Real-Time Chunking (adds the action_expert_vjp graphs)."""
+@pytest.fixture(scope="module", params=["pi0", "pi05"])
+def vjp_graphs(request, tmp_path_factory):
+    """vla_demo_orin with the vjp guidance of Real-Time Chunking (adds the action_expert_vjp graphs); as π0.5
+    (adaptive norms, the state in the prompt) too."""
     from synflux_ros.build.export import build
     from synflux_ros.core.config import load_config
+    from synflux_ros.model.normalization import PI05_PROMPT
     cfg = load_config(str(REPO / "config" / "vla_demo_orin.yaml")).with_overrides(
         execution={"mode": "rtc", "rtc": {"guidance": "vjp"}})
+    if request.param == "pi05":
+        cfg = cfg.with_overrides(action={"time_conditioning": "adarms", "state_input": "prompt", "state_dim": 8,
+                                         "state_joints": [f"j{i}" for i in range(6)]},
+                                 tokenizer={"prompt_template": PI05_PROMPT})
     out = tmp_path_factory.mktemp("vjp_graphs")
     build(cfg, str(out))
     return out

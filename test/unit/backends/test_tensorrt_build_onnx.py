@@ -29,7 +29,8 @@ from checkpoints import demo_size  # noqa: E402
 torch.set_num_threads(2)
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
-CONFIGS = ["vla_demo_orin", "vlm_demo", "vla_pi0", "vla_openvla", "vla_pi0+vjp", "vla_pi05", "vlm_demo+gemma3"]
+CONFIGS = ["vla_demo_orin", "vlm_demo", "vla_pi0", "vla_openvla", "vla_pi0+vjp", "vla_pi05", "vla_pi05+vjp",
+           "vlm_demo+gemma3"]
 VJP = {"mode": "rtc", "rtc": {"guidance": "vjp"}}  # "+vjp": Real-Time Chunking's vjp guidance (its own graphs)
 # "+gemma3": a text-only Gemma 3 decoder with a sliding-window layer of its own rope base, soft-caps, fp16 KV
 GEMMA3 = {"architecture": "gemma3", "kv_dtype": "float16", "sliding_window": 5, "sliding_window_layers": [0],

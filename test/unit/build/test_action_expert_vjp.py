@@ -18,14 +18,18 @@ from synflux_ros.build.torch_models import build_graph_modules  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.core.contract import graph_set  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
+from synflux_ros.model.normalization import PI05_PROMPT  # noqa: E402
 from synflux_ros.model.time_embedding import time_embedding  # noqa: E402
 
 torch.set_num_threads(2)
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
 
 
-def tiny_pi0(guidance="vjp", kv_dtype="float16", architecture="gemma", state_dim=10, kv_heads=1):
+def tiny_pi0(guidance="vjp", kv_dtype="float16", architecture="gemma", state_dim=10, kv_heads=1, adarms=False):
     cfg = load_config(str(CONFIG_DIR / "vla_pi0.yaml"))
+    if adarms:  # pi0.5: adaptive norms, the state in the prompt
+        cfg = cfg.with_overrides(action={"time_conditioning": "adarms", "state_input": "prompt"},
+                                 tokenizer={"prompt_template": PI05_PROMPT})
     return cfg.with_overrides(
         llm={"num_layers": 2, "hidden_dim": 64, "num_heads": 4, "num_kv_heads": kv_heads, "head_dim": 16,
              "vocab_size": 512, "intermediate_size": 128, "prefill_buckets": [32], "decode_buckets": [48, 64],
@@ -75,15 +79,17 @@ def test_the_vjp_graphs_come_with_the_vjp_guidance_only():
     assert [t.name for t in vjp.outputs] == ["velocity", "correction"]
 
 
-@pytest.mark.parametrize("kv_dtype,architecture,state_dim,kv_heads", [
-    ("float16", "gemma", 10, 1),  # pi0: unit-offset norms, tanh GELU, the state token
-    ("float32", "qwen3", 0, 2),  # q/k norms, SiLU, grouped heads, no state token
-    ("float32", "llama", 10, 4),
-    ("float32", "qwen2", 10, 2),  # q/k/v biases
+@pytest.mark.parametrize("kv_dtype,architecture,state_dim,kv_heads,adarms", [
+    ("float16", "gemma", 10, 1, False),  # pi0: unit-offset norms, tanh GELU, the state token
+    ("float32", "qwen3", 0, 2, False),  # q/k norms, SiLU, grouped heads, no state token
+    ("float32", "llama", 10, 4, False),
+    ("float32", "qwen2", 10, 2, False),  # q/k/v biases
+    ("float16", "gemma", 10, 1, True),  # pi0.5: adaptive norms and gated residuals, the state in the prompt
 ])
 def test_vjp_graph_is_autograd_through_the_expert_in_torch_and_onnx(kv_dtype, architecture, state_dim, kv_heads,
-                                                                    tmp_path):
-    cfg = tiny_pi0(kv_dtype=kv_dtype, architecture=architecture, state_dim=state_dim, kv_heads=kv_heads)
+                                                                    adarms, tmp_path):
+    cfg = tiny_pi0(kv_dtype=kv_dtype, architecture=architecture, state_dim=state_dim, kv_heads=kv_heads,
+                   adarms=adarms)
     gm = build_graph_modules(cfg, seed=3)
     metas = {m.name: m for m in graph_set(cfg)}
     rng = np.random.default_rng(0)
@@ -95,6 +101,9 @@ def test_vjp_graph_is_autograd_through_the_expert_in_torch_and_onnx(kv_dtype, ar
         for layer in expert.expert.layers:  # Qwen2's biases are zero at init: make them count
             if layer.self_attn.qkv_b is not None:
                 layer.self_attn.qkv_b.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+        for m in expert.expert.modules():  # pi0.5's norm modulations: biases away from zero, so gates count
+            if hasattr(m, "dense"):
+                m.dense.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(2))
     model = build_tool.export_graph(module, meta, str(tmp_path))
     plain = build_tool.export_graph(expert, metas["action_expert_48"], str(tmp_path))
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
