@@ -248,7 +248,6 @@ class VLARuntime(StagedVLA, ModelRuntime):
         return [("vision", self.stage_vision), ("backbone", self.stage_backbone), ("head", self.stage_head)]
 
 
-
 class VLAPipeline:
     """The VLA runtime's stages in a threaded :class:`Pipeline`."""
 

@@ -34,7 +34,8 @@ from torch.nn import functional as F
 from ...core.config import ModelConfig
 from ...core.contract import time_embedding_dim
 from .decoder import (
-    GEMMA_FAMILY, AdaRMSNorm, DecoderLayer, RMSNorm, _param, attention_bias, layer_kv, rope_inv_freq, rope_lookup, rope_table)
+    GEMMA_FAMILY, AdaRMSNorm, DecoderLayer, RMSNorm, _param, attention_bias, layer_kv, rope_inv_freq, rope_lookup,
+    rope_table)
 
 
 class ActionExpert(nn.Module):

@@ -50,10 +50,10 @@ def _rms(x, norm):
 def _ada_rms(x, norm, cond):
     """AdaRMSNorm forward (:class:`decoder.AdaRMSNorm`'s value), what :func:`_rms_back` needs (its gain is
     ``1 + scale``; the shift and gate do not depend on x) and the gate of the residual it feeds."""
-    m, dim = norm.dense(cond), norm.dim
+    scale, shift, gate = norm.modulation(cond)
     r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
-    gain = 1.0 + m[..., :dim]
-    return x * (r * gain) + m[..., dim:2 * dim], (x, r, gain), m[..., 2 * dim:]
+    gain = 1.0 + scale
+    return x * (r * gain) + shift, (x, r, gain), gate
 
 
 def _norm(x, norm, cond):
@@ -170,7 +170,8 @@ class _Layer:
         dg = dh_mlp * self.u * _act_grad(self.g, self.act)
         du = dh_mlp * self.a
         d = d + _rms_back(_project_back(torch.cat((dg, du), dim=-1), self.gate_up), self.n2)
-        dctx = _times_t(d if self.gate1 is None else d * self.gate1, self.o).reshape(n, nh, dh).transpose(0, 1).reshape(kvh, nh // kvh, n, dh)
+        dctx = _times_t(d if self.gate1 is None else d * self.gate1, self.o)
+        dctx = dctx.reshape(n, nh, dh).transpose(0, 1).reshape(kvh, nh // kvh, n, dh)
         dprobs = torch.matmul(dctx, self.values.transpose(-1, -2))
         dscores = self.probs * (dprobs - (dctx * self.ctx).sum(-1, keepdim=True)) * self.scale
         dq = torch.matmul(dscores, self.keys).reshape(nh, n, dh)

@@ -172,9 +172,14 @@ class AdaRMSNorm(nn.Module):
         self.eps, self.dim = float(eps), dim
         self.dense = nn.Linear(cond_dim, 3 * dim)
 
+    def modulation(self, cond: torch.Tensor):
+        """(scale, shift, gate) of ``cond``: static slices of ``dense(cond)`` (a chunk would export its sizes
+        as Shape ops)."""
+        m, d = self.dense(cond), self.dim
+        return m[..., :d], m[..., d:2 * d], m[..., 2 * d:]
+
     def forward(self, x: torch.Tensor, cond: torch.Tensor):
-        m, d = self.dense(cond), self.dim  # static slices (a chunk would export its sizes as Shape ops)
-        scale, shift, gate = m[..., :d], m[..., d:2 * d], m[..., 2 * d:]
+        scale, shift, gate = self.modulation(cond)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x * (1.0 + scale) + shift, gate
 
@@ -797,7 +802,7 @@ def hf_llm_fields(hf_dir: str) -> tuple[str, dict, dict]:
     if text.get("use_sliding_window"):
         raise ConfigError(f"{where}: use_sliding_window: true is not supported")
     extra: dict = {}
-    if model_type in _SLIDING_PATTERN:
+    if model_type in _GEMMA_DEFAULTS:
         extra, theta, rope = _gemma_fields(model_type, text, where)
     else:
         theta, rope = hf_rope(text)
