@@ -22,10 +22,11 @@ TIMEOUT = 60.0  # a safety net against a hang, not a speed requirement (the test
 class Harness:
     """Client side of one vla_node under namespace ``ns``."""
 
-    def __init__(self, node, ns: str, compressed: bool = False, state_joints=(), camera: str = ""):
+    def __init__(self, node, ns: str, compressed: bool = False, state_joints=(), camera: str = "", others=()):
         """``state_joints``: the node takes the robot state; each published frame is preceded by a JointState
         of these joints with the frame's stamp (positions from :meth:`state_of`). ``camera``: frames go to
-        ``<camera>/image`` (the first camera of a model with several) instead of ``image``."""
+        ``<camera>/image`` (the first camera of a model with several) instead of ``image``; ``others``: the
+        model's other cameras, each of which gets the frame's image (stamped 1 ms earlier) before it."""
         self.node = node
         self.state_joints = list(state_joints)
         self.state_pub = node.create_publisher(JointState, f"{ns}/joint_states", 50) if state_joints else None
@@ -33,6 +34,8 @@ class Harness:
         cam = f"{ns}/{camera}" if camera else ns
         kind, topic = (CompressedImage, f"{cam}/image/compressed") if compressed else (Image, f"{cam}/image")
         self.image_pub = node.create_publisher(kind, topic, qos_profile_sensor_data)
+        self.other_pubs = [node.create_publisher(kind, f"{ns}/{name}/image{'/compressed' if compressed else ''}",
+                                                 qos_profile_sensor_data) for name in others]
         self.instr_pub = node.create_publisher(String, f"{ns}/instruction", LATCHED)
         node.create_subscription(ActionChunk, f"{ns}/action_chunk", self.chunks.append, 50)
         node.create_subscription(JointTrajectory, f"{ns}/joint_trajectory", self.trajs.append, 50)
@@ -47,6 +50,8 @@ class Harness:
     def wait_connected(self, timeout=20.0):
         assert spin_until(self.node, lambda: self.image_pub.get_subscription_count() > 0, timeout), \
             "vla_node never subscribed to the image topic"
+        assert spin_until(self.node, lambda: all(p.get_subscription_count() for p in self.other_pubs), timeout), \
+            "vla_node never subscribed to every camera's image topic"
         if self.state_pub is not None:
             assert spin_until(self.node, lambda: self.state_pub.get_subscription_count() > 0, timeout), \
                 "vla_node never subscribed to the joint_states topic"
@@ -68,6 +73,8 @@ class Harness:
             stamp = 1_000_000_000 * (100 + seq) + 12345
             if self.state_pub is not None:
                 self.publish_state(stamp - 5_000_000, self.state_of(seq)[:len(self.state_joints)])
+            for pub in self.other_pubs:
+                pub.publish(make_msg(seq, stamp - 1_000_000))
             self.image_pub.publish(make_msg(seq, stamp))
             stamps.append(stamp)
             seq += 1

@@ -174,7 +174,9 @@ def compare_model(cfg: ModelConfig, rt, rt_ref, passes, min_agreement: float) ->
         rows += [_agreement(f"turn {t + 1}: cache reuse against recompute", a, b, min_agreement)
                  for t, (a, b) in enumerate(zip(got, recomputed)) if t > 0]
         return rows
-    frames = [np.random.default_rng([7, i]).integers(0, 256, (240, 320, 3), np.uint8) for i in range(FRAMES)]
+    cams = rt.cfg.vision.num_cameras
+    frames = [[np.random.default_rng([7, i, c]).integers(0, 256, (240, 320, 3), np.uint8) for c in range(cams)]
+              for i in range(FRAMES)]
     rows = []
     state_dim = rt.cfg.action.state_dim
     for i, frame in enumerate(frames):

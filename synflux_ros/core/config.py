@@ -60,8 +60,10 @@ class PreprocessSpec:
         tile_size: ``(th, tw)``; must divide ``resolution`` exactly.  The
             frame is cut into ``(H/th) * (W/tw)`` tiles in row-major order.
         resize: ``"letterbox"`` keeps the aspect ratio and centres the frame,
-            filling the border with ``pad_value``; ``"stretch"`` scales each
-            axis independently.
+            filling the border with ``pad_value``; ``"letterbox_bottom_right"``
+            puts it in the bottom-right corner, its sizes truncated (LeRobot
+            SmolVLA's ``resize_with_pad``); ``"stretch"`` scales each axis
+            independently.
         pad_value: border pixel value (0..255, before normalisation).
         mean, std: per-channel RGB normalisation, applied as
             ``(x / 255 - mean) / std``.
@@ -79,7 +81,7 @@ class PreprocessSpec:
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     interpolation: str = "bilinear"
 
-    RESIZE_MODES: ClassVar[tuple[str, ...]] = ("letterbox", "stretch")
+    RESIZE_MODES: ClassVar[tuple[str, ...]] = ("letterbox", "letterbox_bottom_right", "stretch")
     INTERPOLATIONS: ClassVar[tuple[str, ...]] = ("bilinear", "nearest")
 
     def __post_init__(self) -> None:
@@ -150,6 +152,14 @@ class VisionConfig:
     # Architecture of the vision tower (what synflux-build exports; the mock ignores it).
     architecture: str = _spec("vit", choices=("vit", "qwen3_vl"),
                               doc="vit: patch ViT pooled to tokens_per_tile; qwen3_vl: Qwen3-VL vision tower")
+    token_merge: str = _spec("average", choices=("average", "pixel_shuffle"),
+                             doc="vit: how the patch grid becomes tokens_per_tile tokens. average: mean of each "
+                                 "block of patches; pixel_shuffle (SmolVLM's connector): each block's patches "
+                                 "concatenated, row-major, into one token s*s times wider")
+    projector_bias: bool = _spec(True, doc="vit: the projector to the LLM width has a bias (SmolVLM's has none)")
+    output_scale: float = _spec(1.0, min=0.0, doc="vit: the vision tokens are multiplied by it (SmolVLA: "
+                                                  "sqrt(llm.hidden_dim))")
+    layer_norm_eps: float = _spec(1e-6, min=0.0, doc="vit: epsilon of the transformer's LayerNorms")
     patch_size: int = _spec(0, min=0, doc="0 = tile side / sqrt(tokens_per_tile) (vit)")
     hidden_dim: int = _spec(0, min=0, doc="vision transformer width (0 = llm.hidden_dim)")
     num_layers: int = _spec(2, min=1)
@@ -168,6 +178,13 @@ class VisionConfig:
                                                       "lie from the first camera's frame (by header stamps)")
 
     def __post_init__(self):
+        if self.architecture != "vit":
+            vit_only = [n for n, default in (("token_merge", "average"), ("projector_bias", True),
+                                             ("output_scale", 1.0), ("layer_norm_eps", 1e-6))
+                        if getattr(self, n) != default]
+            if vit_only:
+                raise ConfigError(f"vision.{vit_only[0]}: a vit option; {self.architecture} takes its own from the "
+                                  f"checkpoint")
         for i, axis in enumerate(("height", "width")):
             if self.resolution[i] % self.tile_size[i]:
                 raise ConfigError(
@@ -223,6 +240,8 @@ class LLMConfig:
     token_id_dtype: str = _spec("int64", choices=TOKEN_ID_DTYPES,
                                 doc="dtype of the graphs' input_ids (the embedding's Gather indices); int32 for "
                                     "the qnn backend")
+    embed_scale: float = _spec(0.0, min=0.0, doc="token embeddings multiplied by it; 0 = the architecture's "
+                                                 "(sqrt(hidden_dim) for the Gemma family, else 1)")
     # Architecture details used by synflux-build (the mock ignores them).
     architecture: str = _spec("qwen3", choices=("qwen3", "qwen2", "llama", "gemma", "gemma2", "gemma3"),
                               doc="qwen3: q/k RMSNorm; qwen2: q/k/v biases; llama: plain; gemma: (1+w) norms, GELU, "
@@ -368,14 +387,38 @@ class ActionConfig:
             "by action_time_mlp; adarms (pi0.5): a time MLP whose output scales, shifts and gates every norm of the "
             "expert (adaptive RMSNorm)")
     state_input: str = _spec(
-        "token", choices=("token", "prompt"),
+        "token", choices=("token", "prompt", "prefix"),
         doc="flow matching, with state_dim: token (pi0): the normalised state is the expert's state token; prompt "
             "(pi0.5): it is cut into 256 bins over [-1, 1] and written into the prompt, tokenizer.prompt_template's "
-            "{state}")
+            "{state}; prefix (SmolVLA): the prefill graphs project it (state_proj) into the prefix's last row, "
+            "which sees the whole prefix and which no other prefix row sees")
+    expert_attention: str = _spec(
+        "joint", choices=("joint", "cross_attn"),
+        doc="flow matching: joint (pi0): every expert layer attends to its backbone layer's prefix keys/values and "
+            "to the action tokens; cross_attn (SmolVLA): only layers l with l % self_attn_every_n_layers == 0 do, "
+            "the others attend to the prefix alone, through keys/values their own k/v projections make of the "
+            "cached ones")
+    self_attn_every_n_layers: int = _spec(2, min=0, doc="flow matching, expert_attention cross_attn: every n-th "
+                                                        "expert layer attends jointly (0: none)")
+    action_attention: str = _spec(
+        "bidirectional", choices=("bidirectional", "causal"),
+        doc="flow matching: how the action tokens see each other (pi0: bidirectional; SmolVLA: causal)")
 
     def __post_init__(self):
-        if self.head_type != "flow_matching" and (self.time_conditioning, self.state_input) != ("action_mlp", "token"):
-            raise ConfigError("action.time_conditioning / action.state_input: for flow_matching heads only")
+        flow_fields = (self.time_conditioning, self.state_input, self.expert_attention, self.action_attention)
+        if self.head_type != "flow_matching" and flow_fields != ("action_mlp", "token", "joint", "bidirectional"):
+            raise ConfigError("action.time_conditioning / state_input / expert_attention / action_attention: for "
+                              "flow_matching heads only")
+        if self.state_input == "prefix" and not self.state_dim:
+            raise ConfigError("action.state_input: prefix projects the robot state into the prefix; set state_dim")
+        if self.expert_attention == "cross_attn" and self.time_conditioning != "action_mlp":
+            raise ConfigError("action.expert_attention: cross_attn goes with time_conditioning action_mlp (SmolVLA)")
+        if self.expert_attention == "cross_attn" and self.state_token_dim:
+            raise ConfigError("action.expert_attention: cross_attn layers take the action tokens alone: not with a "
+                              "state token (state_input: token)")
+        if self.action_attention == "causal" and self.state_token_dim:
+            raise ConfigError("action.action_attention: causal action tokens with a state token (state_input: "
+                              "token) are not supported")
         if self.state_input == "prompt" and not self.state_dim:
             raise ConfigError("action.state_input: prompt writes the robot state into the prompt; set state_dim")
         if self.state_dim:
@@ -422,6 +465,16 @@ class ActionConfig:
         """Length of the action expert's state input (pi0's state token); 0 when the state is not one."""
         return self.state_dim if self.state_input == "token" else 0
 
+    @property
+    def prefix_state_dim(self) -> int:
+        """Length of the prefill graphs' state input (SmolVLA's state row); 0 when the state is not one."""
+        return self.state_dim if self.state_input == "prefix" else 0
+
+    def cross_attention_layer(self, layer: int) -> bool:
+        """Whether expert layer ``layer`` attends to the prefix alone (``expert_attention: cross_attn``)."""
+        n = self.self_attn_every_n_layers
+        return self.expert_attention == "cross_attn" and not (n > 0 and layer % n == 0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TextConfig:
@@ -443,6 +496,9 @@ class TokenizerConfig:
                                          "PaliGemma tokenizer adds '<bos>'); empty = none")
     max_instruction_tokens: int = _spec(0, min=0, doc="VLA: the instruction's tokens are cut to this many (LeRobot "
                                                       "pi0: tokenizer_max_length, 48); 0 = no cut")
+    prompt_special_tokens: bool = _spec(False, doc="VLA: the prompt gets the special tokens tokenizer.json's "
+                                                   "post-processor adds (transformers' tokenizer(text), as LeRobot's "
+                                                   "SmolVLA tokenises)")
     chat_template: str = _spec("", doc="VLM: a chat template (.jinja file); empty = the checkpoint's (beside the "
                                        "tokenizer), else plain text completion for a text-only model's "
                                        "tokenizer without one (a base model), else the built-in ChatML")
@@ -743,6 +799,12 @@ class ModelConfig:
             if decoder_only:
                 raise ConfigError(f"llm.{decoder_only[0]}: a decoder feature the action expert of a flow-matching "
                                   f"head does not have")
+            if self.action.expert_attention == "cross_attn" and self.llm.architecture not in ("llama", "gemma"):
+                raise ConfigError(f"action.expert_attention: cross_attn layers are built for llama and gemma "
+                                  f"backbones (no q/k norms, no biases), not {self.llm.architecture}")
+            if self.action.state_input == "prefix" and self.llm.prefill_attention != "bidirectional":
+                raise ConfigError("action.state_input: prefix puts the state in the last row of the prefix, which "
+                                  "is prefilled in one call: set llm.prefill_attention: bidirectional")
         if self.llm.sliding_window and self.llm.prefill_attention == "bidirectional":
             raise ConfigError("llm.sliding_window: the window is causal (keys up to sliding_window back); not with "
                               "a bidirectional prefill")

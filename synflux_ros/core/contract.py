@@ -83,6 +83,9 @@ class GraphMeta:
                 return t
         raise KeyError(f"graph {self.name!r} has no output {name!r}")
 
+    def has_input(self, name: str) -> bool:
+        return any(t.name == name for t in self.inputs)
+
     def has_output(self, name: str) -> bool:
         return any(t.name == name for t in self.outputs)
 
@@ -165,6 +168,9 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
             (TensorSpec("pixel_values", (vis.num_tiles, 3, *vis.tile_size), F32),),
             (TensorSpec("vision_embeds", (vis.num_tokens, H), F32), *deepstack_out),
             file="vision_encoder.onnx"))
+    act = cfg.action
+    prefix_state = (TensorSpec("state", (1, act.prefix_state_dim), F32),) \
+        if cfg.mode == "vla" and act is not None and act.prefix_state_dim else ()
     for p in llm.prefill_buckets:
         graphs.append(GraphMeta(
             f"embed_{p}", "embed", (TensorSpec("input_ids", (1, p), ids),),
@@ -175,7 +181,7 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
             (TensorSpec("inputs_embeds", (1, p, H), F32), TensorSpec("num_tokens", (1,), I64),
              TensorSpec("cache_position", (1,), I64), kv,
              *((TensorSpec("position_ids", (3, p), I64),) if mrope else ()),
-             *((TensorSpec("deepstack_embeds", (K, p, H), F32),) if K else ())),
+             *((TensorSpec("deepstack_embeds", (K, p, H), F32),) if K else ()), *prefix_state),
             (*logits, TensorSpec("new_kv", (L, 2, KV, p, Dh), llm.kv_dtype)),
             group="prefill", file=f"prefill_{p}.onnx", attrs={"bucket": p}))
     for d in (llm.decode_buckets if text_head else ()):
@@ -185,7 +191,6 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
              *((TensorSpec("position_ids", (3, 1), I64),) if mrope else ())),
             (TensorSpec("logits", (1, V), F32), TensorSpec("new_kv", (L, 2, KV, 1, Dh), llm.kv_dtype)),
             group="decode", file=f"decode_{d}.onnx", attrs={"bucket": d, "hidden_dim": H}))
-    act = cfg.action
     if cfg.mode == "vla" and act.head_type == "flow_matching":
         for d in llm.decode_buckets:
             graphs.append(GraphMeta(

@@ -31,6 +31,7 @@ class LLMBackbone:
         self.mrope = bool(cfg.llm.mrope_section)
         self.bidirectional = cfg.llm.prefill_attention == "bidirectional"
         self.num_deepstack = cfg.vision.num_deepstack if cfg.vision is not None else 0
+        self.prefix_state_dim = cfg.action.prefix_state_dim if cfg.mode == "vla" and cfg.action is not None else 0
         # Token ids are fed in the dtype the graphs declare (llm.token_id_dtype: int64 or int32).
         self.id_dtype = np.dtype(self._id_dtype(executor, cfg))
         # (decode graph, slot) -> (the graph bound to the slot, whether it appends to the slot itself)
@@ -65,13 +66,18 @@ class LLMBackbone:
         return out
 
     def prefill(self, slot: DeviceTensor, start: int, embeds: np.ndarray, positions: np.ndarray | None = None,
-                deepstack: np.ndarray | None = None) -> np.ndarray | None:
+                deepstack: np.ndarray | None = None, state: np.ndarray | None = None) -> np.ndarray | None:
         """Append ``embeds`` [n, H] at cache position ``start``; return the last token's logits [V] (None for
         a model whose prefill computes none, a flow-matching VLA: ``core.contract.reads_logits``).
         Multimodal-rope models take the tokens' rotary ``positions`` [3, n] (default: text positions, the
         cache positions on every axis) and, with DeepStack, the maps ``deepstack`` [K, n, H] (default: zeros,
-        as for text tokens)."""
+        as for text tokens). With ``action.state_input: prefix`` the normalised robot ``state`` [state_dim] is
+        required: the graph projects it into the last row (whose embedding here is a placeholder)."""
         n = embeds.shape[0]
+        if self.prefix_state_dim and (state is None or np.shape(state) != (self.prefix_state_dim,)):
+            raise ValueError(f"the prefix ends with the robot state (action.state_input: prefix): a vector of "
+                             f"{self.prefix_state_dim} values is needed, got "
+                             f"{'none' if state is None else f'shape {np.shape(state)}'}")
         if n < 1:
             raise ValueError("prefill needs at least one token")
         if start + n > self.max_seq:
@@ -106,6 +112,8 @@ class LLMBackbone:
                 ds = np.zeros((deepstack.shape[0], b, self.hidden), np.float32)
                 ds[:, :m] = deepstack[:, off:off + m]
                 feeds["deepstack_embeds"] = ds
+            if self.prefix_state_dim:  # one call (a bidirectional prefix): its last row is the state's
+                feeds["state"] = np.asarray(state, np.float32).reshape(1, -1)
             out = self.ex.run(f"prefill_{b}", feeds)
             self.ex.write(slot, np.s_[:, :, :, pos:pos + m], out["new_kv"][:, :, :, :m])
             logits = out["logits"][0] if "logits" in out else None

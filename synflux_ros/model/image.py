@@ -344,6 +344,11 @@ class Preprocessor:
         if h <= 0 or w <= 0:
             raise ImageError(f"zero-size image (width {w}, height {h})")
         height, width = self._spec.resolution
+        if self._spec.resize == "letterbox_bottom_right":
+            # LeRobot SmolVLA's resize_with_pad: sizes truncated, the padding above and to the left
+            ratio = max(w / width, h / height)
+            new_h, new_w = min(height, max(1, int(h / ratio))), min(width, max(1, int(w / ratio)))
+            return 1.0 / ratio, height - new_h, width - new_w, new_h, new_w
         scale = min(height / h, width / w)
         new_h = min(height, max(1, round(h * scale)))
         new_w = min(width, max(1, round(w * scale)))
@@ -352,7 +357,7 @@ class Preprocessor:
     def _plan(self, h: int, w: int) -> _Plan:
         plan = self._plans.get((h, w))
         if plan is None:
-            if self._spec.resize == "letterbox":
+            if self._spec.resize in ("letterbox", "letterbox_bottom_right"):
                 _, top, left, new_h, new_w = self.letterbox_params(h, w)
             else:
                 (new_h, new_w), top, left = self._spec.resolution, 0, 0

@@ -4,8 +4,9 @@ Stages (each may run on its own device and in its own pipeline thread):
 
 1. ``vision``    per camera (``vision.cameras``, in config order): resize/letterbox, normalise, tile, vision
                  encoder graph
-2. ``backbone``  LLM prefill of [camera 1 tokens | camera 2 tokens | ... | instruction tokens] into a KV-cache
-                 slot (in one prefill call with ``llm.prefill_attention: bidirectional``, pi0's prefix)
+2. ``backbone``  LLM prefill of [camera 1 tokens | camera 2 tokens | ... | instruction tokens (| state row)]
+                 into a KV-cache slot (in one prefill call with ``llm.prefill_attention: bidirectional``, pi0's
+                 prefix; SmolVLA's ends with the robot state, ``action.state_input: prefix``)
 3. ``head``      the action head (flow matching: Euler steps of the action expert on the normalised robot
                  state, see :mod:`synflux_ros.model.normalization`; or autoregressive action tokens), then
                  un-normalisation; the slot is released
@@ -116,6 +117,7 @@ class VLARuntime(StagedVLA, ModelRuntime):
         self.vision_tokens = cfg.prefix_vision_tokens
         self.max_instruction_tokens = cfg.tokenizer.max_instruction_tokens
         self.state_in_prompt = cfg.action.head_type == "flow_matching" and cfg.action.state_input == "prompt"
+        self.state_in_prefix = bool(cfg.action.prefix_state_dim)  # SmolVLA: the prefix's last row
         self.bos: list[int] = []
         if cfg.tokenizer.instruction_bos:
             try:
@@ -140,7 +142,8 @@ class VLARuntime(StagedVLA, ModelRuntime):
         if self.state_in_prompt:
             fields["instruction"] = text.replace("_", " ").replace("\n", " ")
             fields["state"] = state_prompt_text(state_vector(state, self.cfg.action.state_dim))
-        ids = self.bos + self.tokenizer.encode(self.cfg.tokenizer.prompt_template.format(**fields))
+        encode = self.tokenizer.encode_prompt if self.cfg.tokenizer.prompt_special_tokens else self.tokenizer.encode
+        ids = self.bos + encode(self.cfg.tokenizer.prompt_template.format(**fields))
         if self.max_instruction_tokens:  # cut as LeRobot's tokenizer step does (truncation to its max length)
             ids = ids[:self.max_instruction_tokens]
         return ids
@@ -162,12 +165,14 @@ class VLARuntime(StagedVLA, ModelRuntime):
     def _check_prompt_length(self, ids: list[int], what: str) -> None:
         """ValueError when the prompt's tokens do not fit beside the vision (and action) tokens."""
         extra = self.head.context_tokens
+        vision = self.vision_tokens + (1 if self.state_in_prefix else 0)  # the state row follows the prompt
         limit, room = self.cfg.llm.max_seq_len, "the context of {}"
         if self.cfg.llm.prefill_attention == "bidirectional":
             limit = min(limit, self.cfg.llm.prefill_buckets[-1])
             room = "the largest prefill bucket, {} (a bidirectional prefix is prefilled in one call)"
-        if self.vision_tokens + len(ids) + extra > limit:
+        if vision + len(ids) + extra > limit:
             raise ValueError(f"{what} needs {len(ids)} tokens; with {self.vision_tokens} vision tokens"
+                             f"{' and the state row' if self.state_in_prefix else ''}"
                              f"{f' and {extra} action tokens' if extra else ''}"
                              f" that exceeds {room.format(limit)}")
 
@@ -191,10 +196,17 @@ class VLARuntime(StagedVLA, ModelRuntime):
             ids = self.prompt_ids(instr.text, self.maps.state_in(frame.state))
             self._check_prompt_length(ids, "the prompt with this frame's state")
             embeds = self.backbone.embed(ids)
+        parts, state = [frame.vision_embeds, embeds], None
+        if self.state_in_prefix:  # SmolVLA: the prefill graph projects the state into this placeholder row
+            if frame.state is None:
+                raise ValueError("the prefix ends with the robot state (action.state_input: prefix), none was given")
+            dim = self.cfg.action.state_dim
+            state = state_vector(self.maps.state_in(state_vector(frame.state, dim)), dim)
+            parts.append(np.zeros((1, self.cfg.llm.hidden_dim), np.float32))
         slot = self.kv_pool.acquire()
         try:
-            prefix = np.concatenate([frame.vision_embeds, embeds], axis=0)
-            frame.logits = self.backbone.prefill(self.kv_pool.tensor(slot), 0, prefix)
+            prefix = np.concatenate(parts, axis=0)
+            frame.logits = self.backbone.prefill(self.kv_pool.tensor(slot), 0, prefix, state=state)
         except BaseException:
             self.kv_pool.release(slot)
             raise
@@ -205,7 +217,8 @@ class VLARuntime(StagedVLA, ModelRuntime):
 
     def stage_head(self, frame: Frame) -> Frame:
         t0 = time.perf_counter()
-        state = frame.state if not self.state_in_prompt else None  # pi0.5's is in the prompt
+        # pi0.5's state is in the prompt, SmolVLA's in the prefix
+        state = frame.state if not (self.state_in_prompt or self.state_in_prefix) else None
         try:
             if state is not None and self.maps is not None:
                 state = self.maps.state_in(state)

@@ -116,11 +116,12 @@ def test_config_builds_and_runs_on_its_node(name, backend, built, start_node, cl
     wait = 240.0 if backend in SIMULATORS else 60.0
     if cfg.mode == "vla":
         start_node("vla_node", {"config": str(out / "config.yaml"), "executor": backend}, namespace=ns)
-        h = Harness(client, ns, state_joints=cfg.action.state_joints)
+        cams = cfg.vision.cameras
+        h = Harness(client, ns, state_joints=cfg.action.state_joints, camera=cams[0] if cams else "", others=cams[1:])
         h.wait_connected(timeout=wait)
         h.publish_until_chunks(1, lambda s, t: rgb_image(480, 640, s, t), timeout=wait, period=0.5)
         c = h.chunks[-1]
-        assert (c.horizon, c.action_dim) == (cfg.action.action_horizon, cfg.action.action_dim)
+        assert (c.horizon, c.action_dim) == (cfg.action.action_horizon, cfg.action.published_dim)
         assert c.vision_device.startswith(backend) and c.backbone_device.startswith(backend) \
             and c.head_device.startswith(backend)
         actions = np.array(c.actions)

@@ -201,7 +201,11 @@ def _run_prefill(ex: MockExecutor, meta, ins, outs):
         raise ValueError(f"{meta.name}: num_tokens {n} outside [1, {b}]")
     if cp < 0 or cp + n > past.shape[3]:
         raise ValueError(f"{meta.name}: cache_position {cp} + {n} tokens exceeds the cache ({past.shape[3]})")
-    new = ex._kv_entries(ins["inputs_embeds"][0, :n], np.arange(cp, cp + n), past.shape, past.dtype)
+    rows = ins["inputs_embeds"][0, :n]
+    if "state" in ins:  # SmolVLA's prefix: the last row stands for the robot state (a stand-in for state_proj)
+        rows = rows.copy()
+        rows[-1] += np.float32(np.tanh(ins["state"].astype(np.float64).sum()))
+    new = ex._kv_entries(rows, np.arange(cp, cp + n), past.shape, past.dtype)
     outs["new_kv"][...] = 0
     outs["new_kv"][:, :, :, :n] = new
     if "logits" in outs:  # a flow-matching VLA's prefill returns new_kv alone

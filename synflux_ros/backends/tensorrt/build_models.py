@@ -13,7 +13,7 @@ input shapes instead of Python ints, so a trace exports them as dynamic dims:
 ::
 
     ProfiledEmbed(lm)(input_ids [1,T])                               == embed_<T>
-    ProfiledLLM(lm, kv_dtype)(embeds [1,T,H], num_tokens, cache_position, past_kv, span [S])  == prefill_<T>
+    ProfiledLLM(lm, kv_dtype)(embeds [1,T,H], num_tokens, cache_position, past_kv, span [S] (, state)) == prefill_<T>
     ProfiledLLM(lm, kv_dtype)(embed(ids) [1,1,H], 1, cache_position, past_kv, span [d])       == decode_<d>
     ProfiledActionExpert(expert)(noisy_actions, time_embedding, prefix_len, past_kv, span [d] (, state))
                                                                                               == action_expert_<d>
@@ -28,7 +28,7 @@ from torch import nn
 
 from ...build.torch_models.action_expert import ActionExpert
 from ...build.torch_models.action_expert_vjp import ActionExpertVJPGraph
-from ...build.torch_models.decoder import CausalLM, torch_dtype
+from ...build.torch_models.decoder import CausalLM, state_row, torch_dtype
 
 
 def _arange(n) -> torch.Tensor:
@@ -56,23 +56,27 @@ class ProfiledLLM(nn.Module):
     bidirectional``); logits of row num_tokens - 1; new_kv rows >= num_tokens are zero. (T = p, D = S) is ``prefill_<p>``; (T = 1, D = d, num_tokens = 1) on the
     embedded token is ``decode_<d>``. With ``logits=False`` (a flow-matching VLA) it returns new_kv alone."""
 
-    def __init__(self, lm: CausalLM, kv_dtype: str, logits: bool = True):
+    def __init__(self, lm: CausalLM, kv_dtype: str, logits: bool = True, state_proj: nn.Module | None = None):
         super().__init__()
         self.lm = lm
         self.kv_dtype = torch_dtype(kv_dtype)
         self.bidirectional = lm.llm.prefill_attention == "bidirectional"
         self.logits = logits
+        self.state_proj = state_proj
 
-    def forward(self, inputs_embeds, num_tokens, cache_position, past_kv, attention_span):
+    def forward(self, inputs_embeds, num_tokens, cache_position, past_kv, attention_span, state=None):
         t, d = inputs_embeds.shape[1], attention_span.shape[0]
         rows = _arange(t)
         past_ok = (_arange(d)[None, :] < cache_position).expand(t, d)
-        if self.bidirectional:
+        x = inputs_embeds[0]
+        if self.state_proj is not None:  # SmolVLA: the prefix's last row is the robot state's
+            x, new_ok = state_row(x, rows, num_tokens, self.state_proj, state)
+        elif self.bidirectional:
             new_ok = (rows[None, :] < num_tokens).expand(t, t)
         else:
             new_ok = rows[None, :] <= rows[:, None]
         allowed = torch.cat((past_ok, new_ok), dim=1)
-        h, new_kv = self.lm.run(inputs_embeds[0], cache_position + rows, past_kv, allowed, self.kv_dtype, span=d)
+        h, new_kv = self.lm.run(x, cache_position + rows, past_kv, allowed, self.kv_dtype, span=d)
         return self.lm.prefill_outputs(h, new_kv, rows, num_tokens, self.logits)
 
 

@@ -53,8 +53,10 @@ def profiled_io(cfg: ModelConfig, kind: str) -> tuple[list[tuple[str, tuple, str
     if kind == "embed":
         return [("input_ids", (1, "T"), llm.token_id_dtype)], [("inputs_embeds", (1, "T", H), "float32")]
     if kind == "llm":
+        state = act.prefix_state_dim if cfg.mode == "vla" and act is not None else 0
         ins = [("inputs_embeds", (1, "T", H), "float32"), ("num_tokens", (1,), "int64"),
-               ("cache_position", (1,), "int64"), *_kv_views(cfg), span]
+               ("cache_position", (1,), "int64"), *_kv_views(cfg), span,
+               *([("state", (1, state), "float32")] if state else [])]
         logits = [("logits", (1, V), "float32")] if reads_logits(cfg) else []
         return ins, [*logits, ("new_kv", (L, 2, KV, "T", Dh), llm.kv_dtype)]
     if kind == "action_expert":
@@ -106,7 +108,12 @@ def _module(cfg: ModelConfig, kind: str, modules):
     if kind == "embed":
         return ProfiledEmbed(lm).eval()
     if kind == "llm":
-        return FlatViews(ProfiledLLM(lm, cfg.llm.kv_dtype, logits=reads_logits(cfg)), 3, L).eval()
+        state_proj = next((m.state_proj for m in mods.values() if getattr(m, "state_proj", None) is not None), None)
+        if cfg.mode == "vla" and cfg.action is not None and cfg.action.prefix_state_dim and state_proj is None:
+            raise BuildError("no prefill module with the state projection (action.state_input: prefix) to build the "
+                             "llm graph from")
+        return FlatViews(ProfiledLLM(lm, cfg.llm.kv_dtype, logits=reads_logits(cfg), state_proj=state_proj), 3,
+                         L).eval()
     expert = next((m.expert for m in mods.values() if hasattr(m, "expert")), None)
     if expert is None:
         raise BuildError(f"no action_expert module to take the action expert of the {kind!r} graph from")

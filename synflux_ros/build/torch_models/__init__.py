@@ -33,6 +33,7 @@ from .decoder import (
     CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, fuse_projections, hf_llm_fields, init_random, load_hf_weights,
     materialize, read_hf_config)
 from .lerobot_pi0 import config_from_lerobot_pi0, is_lerobot_pi0, load_lerobot_pi0
+from .lerobot_smolvla import config_from_lerobot_smolvla, is_lerobot_smolvla, load_lerobot_smolvla
 from .qwen3_vl_vision import build_qwen3_vl_vision, vision_config_from_hf
 from .vision import VitVisionEncoder
 
@@ -40,7 +41,7 @@ __all__ = ["GraphModules", "build_graph_modules", "config_from_hf"]
 
 # Independent random streams per component, so that e.g. changing the vision tower leaves the decoder's
 # weights unchanged.
-_STREAM = {"decoder": 0, "vision": 1, "action_expert": 2}
+_STREAM = {"decoder": 0, "vision": 1, "action_expert": 2, "state_proj": 3}
 
 
 @dataclass
@@ -73,6 +74,8 @@ def config_from_hf(hf_dir: str, base: ModelConfig) -> ModelConfig:
     Raises ConfigError for an unsupported checkpoint."""
     if is_lerobot_pi0(hf_dir):
         return config_from_lerobot_pi0(hf_dir, base)
+    if is_lerobot_smolvla(hf_dir):
+        return config_from_lerobot_smolvla(hf_dir, base)
     model_type, fields, _ = hf_llm_fields(hf_dir)
     cfg = base.with_overrides(llm=fields)
     window = read_hf_config(hf_dir)[1].get("sliding_window") if model_type in ("phi3", "mistral") else None
@@ -93,14 +96,26 @@ def _check_matches_checkpoint(cfg: ModelConfig, fields: dict, hf_dir: str) -> No
                           f"use config_from_hf to take the dimensions from it")
 
 
-def _load_pi0(cfg: ModelConfig, hf_dir: str) -> dict:
-    """The language model, vision encoder and action expert of a LeRobot pi0 checkpoint (``cfg`` must be
-    :func:`config_from_hf` of it), weights loaded; the expert's projections fused for export."""
+def _state_proj(cfg: ModelConfig) -> nn.Module:
+    """The prefill graphs' projection of the robot state into the prefix (``action.state_input: prefix``)."""
+    return nn.Linear(cfg.action.prefix_state_dim, cfg.llm.hidden_dim)
+
+
+def _load_lerobot(cfg: ModelConfig, hf_dir: str) -> dict:
+    """The language model, vision encoder and action expert (and SmolVLA's state projection) of a LeRobot
+    pi0 / pi0.5 / SmolVLA checkpoint (``cfg`` must be :func:`config_from_hf` of it), weights loaded; the
+    expert's projections fused for export."""
+    smolvla = is_lerobot_smolvla(hf_dir)
     with torch.device("meta"):
         parts = {"lm": CausalLM(cfg.llm), "vision": VitVisionEncoder(cfg), "expert": ActionExpert(cfg)}
+        if smolvla:
+            parts["state_proj"] = _state_proj(cfg)
     for module in parts.values():
         materialize(module)
-    load_lerobot_pi0(hf_dir, parts["lm"], parts["vision"], parts["expert"])
+    if smolvla:
+        load_lerobot_smolvla(hf_dir, parts["lm"], parts["vision"], parts["expert"], parts["state_proj"])
+    else:
+        load_lerobot_pi0(hf_dir, parts["lm"], parts["vision"], parts["expert"])
     fuse_projections(parts["expert"])
     return {name: module.eval() for name, module in parts.items()}
 
@@ -111,10 +126,10 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
     rope = None
     model_type = None
     pi0 = None
-    if hf_dir and is_lerobot_pi0(hf_dir):
-        pi0 = _load_pi0(cfg, hf_dir)
+    if hf_dir and (is_lerobot_pi0(hf_dir) or is_lerobot_smolvla(hf_dir)):
+        pi0 = _load_lerobot(cfg, hf_dir)
         lm = pi0["lm"]
-        model_type = "lerobot_pi0"
+        model_type = "lerobot_smolvla" if "state_proj" in pi0 else "lerobot_pi0"
     elif hf_dir:
         model_type, fields, rope = hf_llm_fields(hf_dir)
         _check_matches_checkpoint(cfg, fields, hf_dir)
@@ -130,7 +145,7 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
     lm.finalize_weights(join=any(m.kind == "decode" for m in metas))
     modules: dict[str, nn.Module] = {}
     missing: list[str] = []
-    expert = None
+    expert = state_proj = None
     random_parts: list[str] = []
     for meta in metas:
         bucket = meta.attrs.get("bucket")
@@ -147,8 +162,13 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
         elif meta.kind == "embed":
             modules[meta.name] = EmbedGraph(lm, bucket).eval()
         elif meta.kind == "prefill":
+            if meta.has_input("state") and state_proj is None:
+                state_proj = pi0["state_proj"] if pi0 is not None else _random(lambda: _state_proj(cfg), seed,
+                                                                               "state_proj")
             modules[meta.name] = PrefillGraph(lm, bucket, llm.max_seq_len, llm.kv_dtype,
-                                              logits=meta.has_output("logits")).eval()
+                                              logits=meta.has_output("logits"),
+                                              deepstack=meta.has_input("deepstack_embeds"),
+                                              state_proj=state_proj if meta.has_input("state") else None).eval()
         elif meta.kind == "decode":
             modules[meta.name] = DecodeGraph(lm, bucket, llm.kv_dtype).eval()
         elif meta.kind in ("action_expert", "action_expert_vjp"):

@@ -18,6 +18,11 @@ With a state token (``action.state_dim`` and ``state_input: token``) the robot s
 ``prefix_len + 1 + i`` for the actions); the state token attends to the prefix and itself, the action tokens
 to the prefix, the state token and each other, and the velocity is read from the action tokens.
 
+With ``action.expert_attention: cross_attn`` (SmolVLA) the layers l with ``action.cross_attention_layer(l)``
+attend to the prefix alone: their k/v projections (KV * Dh wide) re-project the cached keys (after RoPE) and
+values of backbone layer l, and their queries take RoPE at positions ``i``. ``action.action_attention: causal``
+lets action token i see tokens <= i only.
+
 With ``action.time_conditioning: adarms`` (pi0.5) the action tokens are ``action_in_proj(noisy_actions)``
 alone, and the time embedding passes a two-layer MLP with SiLU after each layer (``time_mlp_in`` /
 ``time_mlp_out``) whose output conditions every norm of the expert (:class:`~.decoder.AdaRMSNorm`: scale,
@@ -34,8 +39,50 @@ from torch.nn import functional as F
 from ...core.config import ModelConfig
 from ...core.contract import time_embedding_dim
 from .decoder import (
-    GEMMA_FAMILY, AdaRMSNorm, DecoderLayer, RMSNorm, _param, attention_bias, layer_kv, rope_inv_freq, rope_lookup,
-    rope_table)
+    GEMMA_FAMILY, AdaRMSNorm, Attention, DecoderLayer, RMSNorm, _param, apply_rope, attend, attention_bias, layer_kv,
+    rope_inv_freq, rope_lookup, rope_table)
+
+
+class CrossAttention(Attention):
+    """SmolVLA's cross-attention: queries from the action tokens, keys and values re-projected from a backbone
+    layer's cached keys and values ([KV, S, Dh] each, flattened per position head-major to KV * Dh)."""
+
+    def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool, eps: float,
+                 unit_offset: bool):
+        super().__init__(width, num_heads, num_kv_heads, head_dim, qk_norm, eps, unit_offset)
+        kv = num_kv_heads * head_dim
+        self.k_proj = nn.Linear(kv, kv, bias=False)
+        self.v_proj = nn.Linear(kv, kv, bias=False)
+
+    def fuse(self, join: bool = True) -> None:
+        """q and o as [in, out] matrices; k and v per pair of heads, [KV_out, KV_in, Dh, Dh], so that the cache is
+        re-projected head by head as it lies ([KV, S, Dh]), with no transpose of it."""
+        kv, dh = self.num_kv_heads, self.head_dim
+
+        def per_heads(w):
+            return _param(w.t().reshape(kv, dh, kv, dh).permute(2, 0, 1, 3))
+
+        self.q_t, self.o_t = _param(self.q_proj.weight.t()), _param(self.o_proj.weight.t())
+        self.k_t, self.v_t = per_heads(self.k_proj.weight), per_heads(self.v_proj.weight)
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, W] -> q [nh, T, Dh] after RoPE."""
+        q = (torch.matmul(x, self.q_t) if self.q_t is not None else self.q_proj(x))
+        q = q.reshape(x.shape[0], self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q.transpose(0, 1), cos, sin)
+
+    def keys_values(self, past_k: torch.Tensor, past_v: torch.Tensor):
+        """Cached keys/values [KV, S, Dh] -> this layer's keys/values [KV, S, Dh] (no RoPE)."""
+        kv, span, dh = past_k.shape
+
+        def proj(t, w, linear):
+            if w is not None:  # sum over the input heads of [S, Dh] @ [Dh, Dh] products
+                return torch.matmul(t.unsqueeze(0), w).sum(1)
+            return linear(t.transpose(0, 1).reshape(span, kv * dh)).reshape(span, kv, dh).transpose(0, 1)
+
+        return proj(past_k, self.k_t, self.k_proj), proj(past_v, self.v_t, self.v_proj)
 
 
 class ActionExpert(nn.Module):
@@ -62,8 +109,14 @@ class ActionExpert(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(width, inter, llm.num_heads, llm.num_kv_heads, llm.head_dim, llm.architecture,
                          llm.rms_norm_eps, cond_dim=cond) for _ in range(llm.num_layers))
-        for layer in self.layers:
+        self.cross = [act.cross_attention_layer(i) for i in range(llm.num_layers)]
+        for i, layer in enumerate(self.layers):
             layer.join_past = True  # a prefix of a few hundred keys, joined with the chunk's own each step
+            if self.cross[i]:
+                layer.self_attn = CrossAttention(width, llm.num_heads, llm.num_kv_heads, llm.head_dim,
+                                                 layer.self_attn.q_norm is not None, llm.rms_norm_eps,
+                                                 llm.architecture in GEMMA_FAMILY)
+        self.causal = act.action_attention == "causal"
         self.norm = AdaRMSNorm(width, llm.rms_norm_eps, cond) if self.adaptive else \
             RMSNorm(width, llm.rms_norm_eps, llm.architecture in GEMMA_FAMILY)
         self.action_out_proj = nn.Linear(width, act.action_dim)
@@ -88,7 +141,11 @@ class ActionExpert(nn.Module):
         h = self.horizon
         x = (embed or self.action_embed)(noisy_actions[0], time_embedding)  # [h, W]
         n = h
-        own = torch.ones(h, h, dtype=torch.bool)  # the action tokens see each other
+        if self.causal:
+            rows = torch.arange(h, dtype=torch.int64)
+            own = rows[None, :] <= rows[:, None]
+        else:
+            own = torch.ones(h, h, dtype=torch.bool)  # the action tokens see each other
         if self.state_proj is not None:
             x = torch.cat((self.state_proj(state), x), dim=0)  # [1 + h, W]: the state token first
             n = h + 1
@@ -117,10 +174,31 @@ class ActionExpert(nn.Module):
             return None
         return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_embedding[0]))))
 
+    def cross_inputs(self, prefix_len, span: int):
+        """What the cross-attention layers share: rotary cos/sin [h, Dh] of positions 0 .. h-1 and the bias
+        [h, span] of the prefix positions < prefix_len (None without such layers)."""
+        if not any(self.cross):
+            return None
+        cos, sin = self.rope_cos[:self.horizon], self.rope_sin[:self.horizon]
+        ok = (torch.arange(span, dtype=torch.int64)[None, :] < prefix_len).expand(self.horizon, span)
+        return cos, sin, attention_bias(ok)
+
+    def cross_layer(self, layer: DecoderLayer, x, past_k, past_v, cross):
+        """A cross-attention layer (pre-norm, residuals) on the action tokens x [h, W]."""
+        cos, sin, bias = cross
+        attn = layer.self_attn
+        q = attn.query(layer.input_layernorm(x), cos, sin)
+        x = x + attn.output(attend(q, *attn.keys_values(past_k, past_v), bias, attn.scale))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
     def velocity(self, noisy_actions, time_embedding, prefix_len, past_kv, span: int, state=None):
         x, n, cos, sin, bias = self.tokens(noisy_actions, time_embedding, prefix_len, span, state)
         cond = self.time_condition(time_embedding)
+        cross = self.cross_inputs(prefix_len, span)
         for i, layer in enumerate(self.layers):
+            if self.cross[i]:
+                x = self.cross_layer(layer, x, *layer_kv(past_kv, i, span), cross)
+                continue
             x, _, _ = layer(x, cos, sin, *layer_kv(past_kv, i, span), bias, cond=cond)
         out = x[n - self.horizon:]
         out = self.norm(out, cond)[0] if self.adaptive else self.norm(out)

@@ -125,29 +125,13 @@ class _Layer:
         self.cos, self.sin = cos, sin
         n, nh, kvh, dh = x.shape[0], att.num_heads, att.num_kv_heads, att.head_dim
         self.shape = (n, nh, kvh, dh)
-        self.qkv = _matrices(att, "qkv_t", ("q_t", "k_t", "v_t"), ("q_proj", "k_proj", "v_proj"))
         self.gate_up = _matrices(mlp, "gate_up_t", ("gate_t", "up_t"), ("gate_proj", "up_proj"))
         self.o = att.o_t if att.o_t is not None else att.o_proj.weight.t()
         self.down = mlp.down_t if mlp.down_t is not None else mlp.down_proj.weight.t()
         h1, self.n1, self.gate1 = _norm(x, layer.input_layernorm, cond)
-        qkv = _project(h1, self.qkv)
-        if att.qkv_b is not None or att.q_proj.bias is not None:  # Qwen2's biases: no part of the input gradient
-            qkv = qkv + (att.qkv_b if att.qkv_b is not None else
-                         torch.cat((att.q_proj.bias, att.k_proj.bias, att.v_proj.bias)))
-        q = qkv[:, :nh * dh].reshape(n, nh, dh)
-        k = qkv[:, nh * dh:(nh + kvh) * dh].reshape(n, kvh, dh)
-        v = qkv[:, (nh + kvh) * dh:].reshape(n, kvh, dh).transpose(0, 1)
-        self.qn = self.kn = None
-        if att.q_norm is not None:  # per head, on [rows * heads, Dh]: QNN's HTP computes this chain wrong in 3-D
-            q, self.qn = _rms(q.reshape(n * nh, dh), att.q_norm)
-            k, self.kn = _rms(k.reshape(n * kvh, dh), att.k_norm)
-            q, k = q.reshape(n, nh, dh), k.reshape(n, kvh, dh)
-        q = apply_rope(q.transpose(0, 1), cos, sin)
-        k = apply_rope(k.transpose(0, 1), cos, sin)
-        self.span = past_k.shape[1]
-        self.keys = torch.cat((past_k, k), dim=1).unsqueeze(1)  # [KV, 1, S, Dh]
-        self.values = torch.cat((past_v, v), dim=1).unsqueeze(1)
-        self.qg = q.reshape(kvh, nh // kvh, n, dh)
+        qg, keys, values = self._queries_keys_values(att, h1, past_k, past_v)
+        self.keys, self.values = keys.unsqueeze(1), values.unsqueeze(1)  # [KV, 1, S, Dh]
+        self.qg = qg
         self.scale = att.scale
         # the scale on q: rknn-toolkit2 fuses (q @ kᵀ) * scale + bias -> softmax -> @ v and drops the probabilities
         self.probs = torch.softmax(torch.matmul(self.qg * att.scale, self.keys.transpose(-1, -2)) + bias, dim=-1)
@@ -163,17 +147,31 @@ class _Layer:
         out = torch.matmul(self.a * self.u, self.down)
         self.out = x + (out if self.gate2 is None else out * self.gate2)
 
-    def backward(self, d):
-        """d: the gradient of the layer's output [n, W] -> the gradient of its input."""
+    def _queries_keys_values(self, att, h1, past_k, past_v):
+        """The grouped queries [KV, G, n, Dh] and the keys and values [KV, S + n, Dh]: the prefix's, then the
+        layer's own."""
         n, nh, kvh, dh = self.shape
-        dh_mlp = _times_t(d if self.gate2 is None else d * self.gate2, self.down)
-        dg = dh_mlp * self.u * _act_grad(self.g, self.act)
-        du = dh_mlp * self.a
-        d = d + _rms_back(_project_back(torch.cat((dg, du), dim=-1), self.gate_up), self.n2)
-        dctx = _times_t(d if self.gate1 is None else d * self.gate1, self.o)
-        dctx = dctx.reshape(n, nh, dh).transpose(0, 1).reshape(kvh, nh // kvh, n, dh)
-        dprobs = torch.matmul(dctx, self.values.transpose(-1, -2))
-        dscores = self.probs * (dprobs - (dctx * self.ctx).sum(-1, keepdim=True)) * self.scale
+        self.qkv = _matrices(att, "qkv_t", ("q_t", "k_t", "v_t"), ("q_proj", "k_proj", "v_proj"))
+        qkv = _project(h1, self.qkv)
+        if att.qkv_b is not None or att.q_proj.bias is not None:  # Qwen2's biases: no part of the input gradient
+            qkv = qkv + (att.qkv_b if att.qkv_b is not None else
+                         torch.cat((att.q_proj.bias, att.k_proj.bias, att.v_proj.bias)))
+        q = qkv[:, :nh * dh].reshape(n, nh, dh)
+        k = qkv[:, nh * dh:(nh + kvh) * dh].reshape(n, kvh, dh)
+        v = qkv[:, (nh + kvh) * dh:].reshape(n, kvh, dh).transpose(0, 1)
+        self.qn = self.kn = None
+        if att.q_norm is not None:  # per head, on [rows * heads, Dh]: QNN's HTP computes this chain wrong in 3-D
+            q, self.qn = _rms(q.reshape(n * nh, dh), att.q_norm)
+            k, self.kn = _rms(k.reshape(n * kvh, dh), att.k_norm)
+            q, k = q.reshape(n, nh, dh), k.reshape(n, kvh, dh)
+        q = apply_rope(q.transpose(0, 1), self.cos, self.sin)
+        k = apply_rope(k.transpose(0, 1), self.cos, self.sin)
+        self.span = past_k.shape[1]
+        return q.reshape(kvh, nh // kvh, n, dh), torch.cat((past_k, k), dim=1), torch.cat((past_v, v), dim=1)
+
+    def _attention_back(self, dctx, dscores):
+        """The gradient of the normed input h1 [n, W] from those of the context and the scores."""
+        n, nh, kvh, dh = self.shape
         dq = torch.matmul(dscores, self.keys).reshape(nh, n, dh)
         own = dscores[..., self.span:]  # the layer's own keys; the prefix's do not depend on x
         dk = torch.matmul(own.transpose(-1, -2), self.qg).sum(1)  # [KV, n, Dh]
@@ -185,7 +183,37 @@ class _Layer:
             dk = _rms_back(dk.reshape(n * kvh, dh), self.kn).reshape(n, kvh, dh)
         dqkv = torch.cat((dq.reshape(n, nh * dh), dk.reshape(n, kvh * dh), dv.transpose(0, 1).reshape(n, kvh * dh)),
                          dim=-1)
-        return d + _rms_back(_project_back(dqkv, self.qkv), self.n1)
+        return _project_back(dqkv, self.qkv)
+
+    def backward(self, d):
+        """d: the gradient of the layer's output [n, W] -> the gradient of its input."""
+        n, nh, kvh, dh = self.shape
+        dh_mlp = _times_t(d if self.gate2 is None else d * self.gate2, self.down)
+        dg = dh_mlp * self.u * _act_grad(self.g, self.act)
+        du = dh_mlp * self.a
+        d = d + _rms_back(_project_back(torch.cat((dg, du), dim=-1), self.gate_up), self.n2)
+        dctx = _times_t(d if self.gate1 is None else d * self.gate1, self.o)
+        dctx = dctx.reshape(n, nh, dh).transpose(0, 1).reshape(kvh, nh // kvh, n, dh)
+        dprobs = torch.matmul(dctx, self.values.transpose(-1, -2))
+        dscores = self.probs * (dprobs - (dctx * self.ctx).sum(-1, keepdim=True)) * self.scale
+        return d + _rms_back(self._attention_back(dctx, dscores), self.n1)
+
+
+class _CrossLayer(_Layer):
+    """A cross-attention layer (SmolVLA): the keys and values are the layer's projections of the cached ones, no
+    function of x; only the queries carry the gradient."""
+
+    def _queries_keys_values(self, att, h1, past_k, past_v):
+        n, nh, kvh, dh = self.shape
+        self.q = att.q_t if att.q_t is not None else att.q_proj.weight.t()
+        q = att.query(h1, self.cos, self.sin)  # no q norm: cross_attn is for llama and gemma backbones
+        keys, values = att.keys_values(past_k, past_v)
+        return q.reshape(kvh, nh // kvh, n, dh), keys, values
+
+    def _attention_back(self, dctx, dscores):
+        n, nh, kvh, dh = self.shape
+        dq = _rope_back(torch.matmul(dscores, self.keys).reshape(nh, n, dh), self.cos, self.sin)
+        return _times_t(dq.transpose(0, 1).reshape(n, nh * dh), self.q)
 
 
 class ActionExpertVJPGraph(nn.Module):
@@ -218,9 +246,13 @@ class ActionExpertVJPGraph(nn.Module):
 
         x, n, cos, sin, bias = e.tokens(noisy_actions, time_embedding, prefix_len, span, state, embed)
         cond = e.time_condition(time_embedding)  # pi0.5's conditioning of the norms (no function of x)
+        cross = e.cross_inputs(prefix_len, span)  # SmolVLA's cross-attention layers: positions 0 .. h-1
         layers = []
         for i, layer in enumerate(e.layers):
-            layers.append(_Layer(layer, x, cos, sin, *layer_kv(past_kv, i, span), bias, cond))
+            if e.cross[i]:
+                layers.append(_CrossLayer(layer, x, cross[0], cross[1], *layer_kv(past_kv, i, span), cross[2]))
+            else:
+                layers.append(_Layer(layer, x, cos, sin, *layer_kv(past_kv, i, span), bias, cond))
             x = layers[-1].out
         final, norm_saved, _ = _norm(x[n - h:], e.norm, cond)
         velocity = e.action_out_proj(final).unsqueeze(0)

@@ -488,7 +488,9 @@ class CausalLM(nn.Module):
         self.rope = dict(rope or {})
         self.model = TextModel(llm)
         self.lm_head = nn.Linear(llm.hidden_dim, llm.vocab_size, bias=False)
-        self.embed_scale = math.sqrt(llm.hidden_dim) if llm.architecture in GEMMA_FAMILY else None
+        self.embed_scale = llm.embed_scale or (math.sqrt(llm.hidden_dim) if llm.architecture in GEMMA_FAMILY else None)
+        if self.embed_scale == 1.0:
+            self.embed_scale = None
         self.tie()
         self.register_buffer("inv_freq", torch.empty(llm.head_dim // 2), persistent=False)
         self.head_t: nn.Parameter | None = None
@@ -604,6 +606,15 @@ class EmbedGraph(nn.Module):
         return (self.lm.embed(input_ids[0]).unsqueeze(0),)
 
 
+def state_row(x, rows, num_tokens, state_proj: nn.Module, state):
+    """SmolVLA's prefix (``action.state_input: prefix``): row ``num_tokens - 1`` of x [T, H] replaced by
+    ``state_proj(state)`` ([1, s]), and which new rows each valid row sees [T, T]: every valid one, except that
+    only the state row sees itself."""
+    last = rows == num_tokens - 1
+    x = torch.where(last[:, None], state_proj(state), x)
+    return x, (rows[None, :] < num_tokens) & (~last[None, :] | last[:, None])
+
+
 class PrefillGraph(nn.Module):
     """prefill_<p>: rows i < num_tokens at positions cache_position + i attend to the cache below
     cache_position and to new rows i' <= i (``llm.prefill_attention: bidirectional``: to every valid new
@@ -614,25 +625,37 @@ class PrefillGraph(nn.Module):
     (i >= num_tokens) are seen by no valid row, give no logits and their new_kv rows are zero; their
     positions may pass the end of the cache (clamped in the rotary lookup)."""
 
-    def __init__(self, lm: CausalLM, bucket: int, max_seq_len: int, kv_dtype: str, logits: bool = True):
+    def __init__(self, lm: CausalLM, bucket: int, max_seq_len: int, kv_dtype: str, logits: bool = True,
+                 deepstack: bool = False, state_proj: nn.Module | None = None):
         super().__init__()
         self.lm, self.bucket, self.max_seq_len = lm, bucket, max_seq_len
         self.kv_dtype = torch_dtype(kv_dtype)
         self.bidirectional = lm.llm.prefill_attention == "bidirectional"
         self.logits = logits
+        self.mrope, self.deepstack = bool(lm.llm.mrope_section), deepstack
+        self.state_proj = state_proj
 
-    def forward(self, inputs_embeds, num_tokens, cache_position, past_kv, position_ids=None, deepstack_embeds=None):
+    def forward(self, inputs_embeds, num_tokens, cache_position, past_kv, *extra):
+        """The contract's inputs in order; after past_kv: position_ids (multimodal rope), deepstack_embeds
+        (DeepStack) and state (SmolVLA's state row, ``action.state_input: prefix``), each where the graph has it."""
+        extra = list(extra)
+        position_ids = extra.pop(0) if self.mrope else None
+        deepstack_embeds = extra.pop(0) if self.deepstack else None
         p, s = self.bucket, self.max_seq_len
         rows = torch.arange(p, dtype=torch.int64)
         positions = cache_position + rows if position_ids is None else position_ids
-        if self.bidirectional:  # every valid new row, no cache entry (span 0)
+        x = inputs_embeds[0]
+        if self.state_proj is not None:
+            x, new_ok = state_row(x, rows, num_tokens, self.state_proj, extra.pop(0))
+            h, new_kv = self.lm.run(x, positions, past_kv, new_ok, self.kv_dtype, span=0, deepstack=deepstack_embeds)
+        elif self.bidirectional:  # every valid new row, no cache entry (span 0)
             new_ok = (rows[None, :] < num_tokens).expand(p, p)
-            h, new_kv = self.lm.run(inputs_embeds[0], positions, past_kv, new_ok, self.kv_dtype, span=0,
+            h, new_kv = self.lm.run(x, positions, past_kv, new_ok, self.kv_dtype, span=0,
                                     deepstack=deepstack_embeds)
         else:
             past_ok = (torch.arange(s, dtype=torch.int64)[None, :] < cache_position).expand(p, s)
             allowed = torch.cat((past_ok, rows[None, :] <= rows[:, None]), dim=1)
-            h, new_kv = self.lm.run(inputs_embeds[0], positions, past_kv, allowed, self.kv_dtype,
+            h, new_kv = self.lm.run(x, positions, past_kv, allowed, self.kv_dtype,
                                     deepstack=deepstack_embeds)
         return self.lm.prefill_outputs(h, new_kv, rows, num_tokens, self.logits)
 

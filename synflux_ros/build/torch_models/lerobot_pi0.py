@@ -41,16 +41,21 @@ _EXPORT_LAYOUT = ("qkv_t", "q_t", "k_t", "v_t", "o_t", "gate_up_t", "gate_t", "u
 POLICY_TYPES = ("pi0", "pi05")
 
 
+def lerobot_policy_type(hf_dir: str) -> str | None:
+    """The ``"type"`` config.json names in ``hf_dir`` (a LeRobot policy's), None without a readable one."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        return read_json(path).get("type")
+    except ConfigError:
+        return None
+
+
 def is_lerobot_pi0(hf_dir: str) -> bool:
     """Whether ``hf_dir`` holds a LeRobot pi0 or pi0.5 checkpoint (config.json ``"type"`` in
     :data:`POLICY_TYPES`)."""
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        return False
-    try:
-        return read_json(path).get("type") in POLICY_TYPES
-    except ConfigError:
-        return False
+    return lerobot_policy_type(hf_dir) in POLICY_TYPES
 
 
 def _key(name: str) -> str:

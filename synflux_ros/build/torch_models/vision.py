@@ -1,9 +1,11 @@
 """Patch ViT vision encoder (``vision.architecture: vit``), random weights.
 
 pixel_values [T, 3, th, tw] (already normalised) -> patch embedding (a strided convolution) + learned
-position embeddings -> ``vision.num_layers`` pre-norm transformer blocks -> final LayerNorm -> average
-pooling of the patch grid down to ``tokens_per_tile`` tokens per tile -> linear projector to the LLM
-width -> vision_embeds [T * tokens_per_tile, H]. Parameter names follow SigLIP's layout.
+position embeddings -> ``vision.num_layers`` pre-norm transformer blocks -> final LayerNorm -> the patch grid
+merged down to ``tokens_per_tile`` tokens per tile (``vision.token_merge``: the mean of each block of patches,
+or SmolVLM's pixel shuffle, each block's patches side by side in one token) -> linear projector to the LLM
+width (times ``vision.output_scale``) -> vision_embeds [T * tokens_per_tile, H]. Parameter names follow
+SigLIP's layout.
 """
 from __future__ import annotations
 
@@ -41,7 +43,12 @@ def vit_geometry(cfg: ModelConfig) -> dict:
                               f"patch grid (patch_size {ph}, tile {th}x{tw})")
         target = grid_h / grid_w
         gh, gw = min(pairs, key=lambda ab: (abs(math.log(ab[0] / ab[1] / target)), ab))
+        if vis.token_merge == "pixel_shuffle" and grid_h // gh != grid_w // gw:
+            raise ConfigError(f"vision.tokens_per_tile: pixel_shuffle merges square blocks of patches; {n} tokens "
+                              f"from a {grid_h}x{grid_w} patch grid would take {grid_h // gh}x{grid_w // gw} blocks")
     else:
+        if vis.token_merge == "pixel_shuffle":
+            raise ConfigError("vision.token_merge: pixel_shuffle merges blocks of patches; set vision.patch_size")
         pairs = [(a, b) for a, b in _factor_pairs(n) if th % a == 0 and tw % b == 0]
         if not pairs:
             raise ConfigError(f"vision.tokens_per_tile: {n} tokens do not tile a {th}x{tw} tile into whole "
@@ -85,11 +92,11 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, width: int, heads: int, intermediate: int, tiles: int, patches: int):
+    def __init__(self, width: int, heads: int, intermediate: int, tiles: int, patches: int, eps: float = 1e-6):
         super().__init__()
-        self.layer_norm1 = nn.LayerNorm(width, eps=1e-6)
+        self.layer_norm1 = nn.LayerNorm(width, eps=eps)
         self.self_attn = VisionAttention(width, heads, tiles, patches)
-        self.layer_norm2 = nn.LayerNorm(width, eps=1e-6)
+        self.layer_norm2 = nn.LayerNorm(width, eps=eps)
         self.mlp = VisionMLP(width, intermediate)
 
     def forward(self, x):
@@ -129,11 +136,15 @@ class VitVisionEncoder(nn.Module):
         self.num_tiles, self.width = vis.num_tiles, width
         patches = self.grid[0] * self.grid[1]
         self.embeddings = PatchEmbeddings(width, geo["patch"], self.num_tiles, patches)
+        eps = vis.layer_norm_eps
         self.encoder = nn.ModuleList(
-            VisionBlock(width, vis.num_heads, vis.intermediate_size or 4 * width, self.num_tiles, patches)
+            VisionBlock(width, vis.num_heads, vis.intermediate_size or 4 * width, self.num_tiles, patches, eps)
             for _ in range(vis.num_layers))
-        self.post_layernorm = nn.LayerNorm(width, eps=1e-6)
-        self.multi_modal_projector = nn.Linear(width, cfg.llm.hidden_dim)
+        self.post_layernorm = nn.LayerNorm(width, eps=eps)
+        self.shuffle = vis.token_merge == "pixel_shuffle"
+        block = (self.grid[0] // self.tokens[0]) * (self.grid[1] // self.tokens[1]) if self.shuffle else 1
+        self.multi_modal_projector = nn.Linear(width * block, cfg.llm.hidden_dim, bias=vis.projector_bias)
+        self.output_scale = vis.output_scale if vis.output_scale != 1.0 else None
 
     def forward(self, pixel_values):
         # The blocks run on [T * patches, W] rows: a [T, patches, W] activation makes ONNX Runtime wrap each of
@@ -143,7 +154,13 @@ class VitVisionEncoder(nn.Module):
             x = block(x)
         x = self.post_layernorm(x)
         (grid_h, grid_w), (gh, gw) = self.grid, self.tokens
-        if (grid_h, grid_w) != (gh, gw):
-            x = x.reshape(self.num_tiles, gh, grid_h // gh, gw, grid_w // gw, self.width).mean(dim=(2, 4))
-        x = x.reshape(self.num_tiles * gh * gw, self.width)
-        return (self.multi_modal_projector(x),)
+        if self.shuffle:  # token (I, J) = patches (I s + r, J s + c) side by side, feature (r s + c) W + d
+            s = grid_h // gh
+            x = x.reshape(self.num_tiles, gh, s, gw, s, self.width).permute(0, 1, 3, 2, 4, 5)
+            x = x.reshape(self.num_tiles * gh * gw, s * s * self.width)
+        else:
+            if (grid_h, grid_w) != (gh, gw):
+                x = x.reshape(self.num_tiles, gh, grid_h // gh, gw, grid_w // gw, self.width).mean(dim=(2, 4))
+            x = x.reshape(self.num_tiles * gh * gw, self.width)
+        x = self.multi_modal_projector(x)
+        return (x * self.output_scale if self.output_scale is not None else x,)

@@ -30,7 +30,7 @@ torch.set_num_threads(2)
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
 CONFIGS = ["vla_demo_orin", "vlm_demo", "vla_pi0", "vla_openvla", "vla_pi0+vjp", "vla_pi05", "vla_pi05+vjp",
-           "vlm_demo+gemma3"]
+           "vla_smolvla+vjp", "vlm_demo+gemma3"]
 VJP = {"mode": "rtc", "rtc": {"guidance": "vjp"}}  # "+vjp": Real-Time Chunking's vjp guidance (its own graphs)
 # "+gemma3": a text-only Gemma 3 decoder with a sliding-window layer of its own rope base, soft-caps, fp16 KV
 GEMMA3 = {"architecture": "gemma3", "kv_dtype": "float16", "sliding_window": 5, "sliding_window_layers": [0],
@@ -173,6 +173,8 @@ def test_llm_at_full_span_equals_prefill(built):
         emb = built.rng.standard_normal((1, p, built.llm.hidden_dim)).astype(np.float32)
         start = 0 if built.llm.prefill_attention == "bidirectional" else 5  # a bidirectional prefix starts the cache
         feeds = {"inputs_embeds": emb, "num_tokens": i64(p - 3), "cache_position": i64(start), **built.views()}
+        if built.cfg.action is not None and built.cfg.action.prefix_state_dim:  # SmolVLA: the state's row
+            feeds["state"] = built.rng.standard_normal((1, built.cfg.action.prefix_state_dim)).astype(np.float32)
         want = built.static[f"prefill_{p}"].run(None, feeds)
         got = built.prof["llm"].run(None, {**feeds, "attention_span": built.span(s)})
         # a flow-matching VLA's prefill returns new_kv alone (reads_logits), in both forms
@@ -243,18 +245,22 @@ def test_other_sizes_match_eager_torch(built):
     """Sizes no bucket has (and unlike the trace's example sizes) agree with the torch modules run eagerly:
     nothing was frozen to the example."""
     from synflux_ros.backends.tensorrt.build_models import ProfiledActionExpert, ProfiledLLM
-    lm = built.gm.modules[f"prefill_{built.llm.prefill_buckets[0]}"].lm
-    ref = ProfiledLLM(lm, built.llm.kv_dtype, logits=reads_logits(built.cfg)).eval()
+    prefill = built.gm.modules[f"prefill_{built.llm.prefill_buckets[0]}"]
+    ref = ProfiledLLM(prefill.lm, built.llm.kv_dtype, logits=reads_logits(built.cfg),
+                      state_proj=prefill.state_proj).eval()
+    state_dim = built.cfg.action.prefix_state_dim if built.cfg.action is not None else 0
     kv = torch.from_numpy(built.kv)
     past = [(kv[l, 0], kv[l, 1]) for l in range(built.llm.num_layers)]
     s = built.llm.max_seq_len
     for t, d, n, pos in ((5, 7, 4, 9), (2, s - 3, 2, 11), (1, 2, 1, 1), (6, s, 6, s - 6)):
         emb = built.rng.standard_normal((1, t, built.llm.hidden_dim)).astype(np.float32)
+        state = {"state": built.rng.standard_normal((1, state_dim)).astype(np.float32)} if state_dim else {}
         with torch.no_grad():
-            want = ref(torch.from_numpy(emb), torch.tensor([n]), torch.tensor([pos]), past, torch.zeros(d))
+            want = ref(torch.from_numpy(emb), torch.tensor([n]), torch.tensor([pos]), past, torch.zeros(d),
+                       *(torch.from_numpy(v) for v in state.values()))
         got = built.prof["llm"].run(None, {
             "inputs_embeds": emb, "num_tokens": i64(n), "cache_position": i64(pos), **built.views(),
-            "attention_span": built.span(d)})
+            "attention_span": built.span(d), **state})
         assert len(got) == len(want)
         new_kv = got[-1]
         assert new_kv.shape == (built.llm.num_layers, 2, built.llm.num_kv_heads, t, built.llm.head_dim)

@@ -66,7 +66,7 @@ def fake_device():
 
 
 @pytest.fixture(scope="module", params=["vla_demo_orin.yaml", "vlm_demo.yaml", "vla_pi0.yaml", "vla_pi0.yaml+vjp",
-                                               "vla_pi05.yaml"])
+                                               "vla_pi05.yaml", "vla_smolvla.yaml"])
 def graphs(request, tmp_path_factory):
     out = graph_set_for(tmp_path_factory, request.param)
     stand_in.write_engines(out, TAG)

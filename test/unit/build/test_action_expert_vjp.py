@@ -25,11 +25,14 @@ torch.set_num_threads(2)
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
 
 
-def tiny_pi0(guidance="vjp", kv_dtype="float16", architecture="gemma", state_dim=10, kv_heads=1, adarms=False):
+def tiny_pi0(guidance="vjp", kv_dtype="float16", architecture="gemma", state_dim=10, kv_heads=1, variant="pi0"):
     cfg = load_config(str(CONFIG_DIR / "vla_pi0.yaml"))
-    if adarms:  # pi0.5: adaptive norms, the state in the prompt
+    if variant == "pi05":  # pi0.5: adaptive norms, the state in the prompt
         cfg = cfg.with_overrides(action={"time_conditioning": "adarms", "state_input": "prompt"},
                                  tokenizer={"prompt_template": PI05_PROMPT})
+    elif variant == "smolvla":  # cross-attention layers, causal action tokens, the state in the prefix
+        cfg = cfg.with_overrides(action={"state_input": "prefix", "expert_attention": "cross_attn",
+                                         "action_attention": "causal"})
     return cfg.with_overrides(
         llm={"num_layers": 2, "hidden_dim": 64, "num_heads": 4, "num_kv_heads": kv_heads, "head_dim": 16,
              "vocab_size": 512, "intermediate_size": 128, "prefill_buckets": [32], "decode_buckets": [48, 64],
@@ -79,17 +82,18 @@ def test_the_vjp_graphs_come_with_the_vjp_guidance_only():
     assert [t.name for t in vjp.outputs] == ["velocity", "correction"]
 
 
-@pytest.mark.parametrize("kv_dtype,architecture,state_dim,kv_heads,adarms", [
-    ("float16", "gemma", 10, 1, False),  # pi0: unit-offset norms, tanh GELU, the state token
-    ("float32", "qwen3", 0, 2, False),  # q/k norms, SiLU, grouped heads, no state token
-    ("float32", "llama", 10, 4, False),
-    ("float32", "qwen2", 10, 2, False),  # q/k/v biases
-    ("float16", "gemma", 10, 1, True),  # pi0.5: adaptive norms and gated residuals, the state in the prompt
+@pytest.mark.parametrize("kv_dtype,architecture,state_dim,kv_heads,variant", [
+    ("float16", "gemma", 10, 1, "pi0"),  # pi0: unit-offset norms, tanh GELU, the state token
+    ("float32", "qwen3", 0, 2, "pi0"),  # q/k norms, SiLU, grouped heads, no state token
+    ("float32", "llama", 10, 4, "pi0"),
+    ("float32", "qwen2", 10, 2, "pi0"),  # q/k/v biases
+    ("float16", "gemma", 10, 1, "pi05"),  # pi0.5: adaptive norms and gated residuals, the state in the prompt
+    ("float32", "llama", 10, 2, "smolvla"),  # cross-attention layers (no gradient through their keys), causal
 ])
 def test_vjp_graph_is_autograd_through_the_expert_in_torch_and_onnx(kv_dtype, architecture, state_dim, kv_heads,
-                                                                    adarms, tmp_path):
+                                                                    variant, tmp_path):
     cfg = tiny_pi0(kv_dtype=kv_dtype, architecture=architecture, state_dim=state_dim, kv_heads=kv_heads,
-                   adarms=adarms)
+                   variant=variant)
     gm = build_graph_modules(cfg, seed=3)
     metas = {m.name: m for m in graph_set(cfg)}
     rng = np.random.default_rng(0)

@@ -354,6 +354,28 @@ def test_letterbox_tall_image_pads_left_and_right():
     np.testing.assert_allclose(canvas[:, 56:392], 200 / 255.0, atol=1e-6)
 
 
+@pytest.mark.parametrize("h,w,want", [
+    (480, 640, (128, 0, 384, 512)),   # wide: padded above only
+    (640, 480, (0, 128, 512, 384)),   # tall: padded on the left only
+    (333, 500, (172, 0, 340, 512)),   # int(333 / (500 / 512)) = 340 (truncated, not rounded: 341)
+    (512, 512, (0, 0, 512, 512)),
+])
+def test_letterbox_bottom_right_is_lerobot_smolvlas_resize_with_pad(h, w, want):
+    """SmolVLA's ``resize_with_pad``: ratio max(w / W, h / H), sizes int(h / ratio) (truncated), the padding
+    above and to the left, so the frame sits in the bottom-right corner."""
+    spec = PreprocessSpec((512, 512), (512, 512), resize="letterbox_bottom_right", pad_value=0, mean=(0, 0, 0),
+                          std=(1, 1, 1))
+    pre = Preprocessor(spec)
+    ratio = max(w / 512, h / 512)
+    assert pre.letterbox_params(h, w)[1:] == want
+    assert want[2:] == (int(h / ratio), int(w / ratio))
+    canvas = _untile(pre(np.full((h, w, 3), 200, np.uint8)), spec)
+    top, left = want[:2]
+    np.testing.assert_allclose(canvas[:top], 0.0)
+    np.testing.assert_allclose(canvas[:, :left], 0.0)
+    np.testing.assert_allclose(canvas[top:, left:], 200 / 255.0, atol=1e-6)
+
+
 def test_letterbox_params_640x480():
     pre = Preprocessor(PreprocessSpec((448, 448), (224, 224)))
     scale, top, left, new_h, new_w = pre.letterbox_params(480, 640)

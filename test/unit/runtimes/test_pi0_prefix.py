@@ -264,3 +264,110 @@ def test_a_bidirectional_prefix_starts_the_cache(tmp_path):
     views = [n for n, _, _ in build_tool.onnx_inputs(meta) if n.startswith("past_kv.")]
     assert views and [i.name for i in model.graph.input if i.name.startswith("past_kv.")] == views
     assert not {i for node in model.graph.node for i in node.input} & set(views)
+
+
+# ------------------------------------------------------------------ SmolVLA: the state as the prefix's last row
+
+def smolvla(**sections):
+    """demo() as SmolVLA runs: the state projected into the prefix's last row, cross-attention expert layers,
+    causal action tokens, mean/std state normalisation."""
+    base = {"llm": {"architecture": "llama"},
+            "action": {"state_input": "prefix", "expert_attention": "cross_attn", "action_attention": "causal",
+                       "state_norm": {"mode": "mean_std", "mean": [1.0] * 3, "std": [2.0] * 3}}}
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value}
+    return demo(**base)
+
+
+def test_smolvla_config_rules():
+    from synflux_ros.core.contract import graph_set
+    cfg = smolvla()
+    assert (cfg.action.prefix_state_dim, cfg.action.state_token_dim) == (8, 0)
+    metas = graph_set(cfg)
+    prefill = next(m for m in metas if m.kind == "prefill")
+    expert = next(m for m in metas if m.kind == "action_expert")
+    assert prefill.inputs[-1].name == "state" and prefill.inputs[-1].shape == (1, 8)
+    assert "state" not in {t.name for t in expert.inputs}
+    assert [cfg.action.cross_attention_layer(i) for i in range(4)] == [False, True, False, True]
+    assert not any(demo().action.cross_attention_layer(i) for i in range(4))
+    assert not any(smolvla(action={"self_attn_every_n_layers": 1}).action.cross_attention_layer(i) for i in range(4))
+    assert all(smolvla(action={"self_attn_every_n_layers": 0}).action.cross_attention_layer(i) for i in range(4))
+    assert len({smolvla().graph_hash(), demo().graph_hash(),
+                smolvla(action={"action_attention": "bidirectional"}).graph_hash()}) == 3
+    with pytest.raises(ConfigError, match="action.state_input: prefix projects the robot state into the prefix"):
+        smolvla(action={"state_dim": 0, "state_joints": [], "state_norm": None})
+    with pytest.raises(ConfigError, match="set llm.prefill_attention: bidirectional"):
+        smolvla(llm={"prefill_attention": "causal"})
+    with pytest.raises(ConfigError, match="cross_attn goes with time_conditioning action_mlp"):
+        smolvla(action={"time_conditioning": "adarms"})
+    with pytest.raises(ConfigError, match="causal action tokens with a state token"):
+        demo(action={"action_attention": "causal"})
+    with pytest.raises(ConfigError, match="cross_attn layers take the action tokens alone: not with a state token"):
+        demo(action={"expert_attention": "cross_attn"})
+    with pytest.raises(ConfigError, match="cross_attn layers are built for llama and gemma backbones .* not qwen3"):
+        smolvla(llm={"architecture": "qwen3"})
+    with pytest.raises(ConfigError, match="vision.token_merge: a vit option; qwen3_vl takes its own"):
+        load_config(str(CONFIG_DIR / "vlm_qwen3.yaml")).with_overrides(vision={"token_merge": "pixel_shuffle"})
+    with pytest.raises(ConfigError, match="for flow_matching heads only"):
+        load_config(str(CONFIG_DIR / "vla_openvla.yaml")).with_overrides(action={"expert_attention": "cross_attn"})
+
+
+def test_smolvla_prefix_ends_with_the_normalised_state():
+    from synflux_ros.runtimes.vla import VLARuntime
+    rt = VLARuntime(smolvla())
+    try:
+        rt.set_instruction("pick up the cube")
+        calls = []
+        prefill = rt.backbone.prefill
+        rt.backbone.prefill = lambda slot, start, embeds, **kw: calls.append((embeds.copy(), kw)) or prefill(
+            slot, start, embeds, **kw)
+        image = np.zeros((64, 64, 3), np.uint8)
+        frame = rt.infer(image, state=np.array([3.0, 1.0, -1.0, 0, 0, 0, 0, 0], np.float32))
+        embeds, kw = calls[0]
+        n_prompt = len(rt._instruction.ids)
+        assert frame.prefix_len == embeds.shape[0] == rt.vision_tokens + n_prompt + 1
+        assert not embeds[-1].any()  # the state's row: a placeholder the prefill graph fills
+        np.testing.assert_allclose(kw["state"], [1.0, 0.0, -1.0, 0, 0, 0, 0, 0])  # (x - 1) / 2, padded with zeros
+        with pytest.raises(ValueError, match=r"the prefix ends with the robot state \(action.state_input: prefix\)"):
+            rt.infer(image)
+        with pytest.raises(ValueError, match="robot state: expected 8 finite values, got 3"):
+            rt.infer(image, state=np.ones(3, np.float32))
+        slot = rt.kv_pool.acquire()
+        with pytest.raises(ValueError, match="a vector of 8 values is needed, got none"):
+            rt.backbone.prefill(rt.kv_pool.tensor(slot), 0, embeds)
+        rt.kv_pool.release(slot)
+        again = rt.infer(image, state=np.zeros(8, np.float32))  # still serving; the state reaches the (mock) model
+        assert np.abs(again.actions - frame.actions).max() > 1e-6
+    finally:
+        rt.close()
+
+
+def test_smolvla_prefill_graph_projects_the_state_into_a_row_only_it_sees():
+    """The prefill graph's last valid row is state_proj(state); it attends to the whole prefix, while no other
+    row attends to it: the state changes its own keys/values alone, and a prompt row changes the state row's."""
+    torch = pytest.importorskip("torch")
+    from synflux_ros.build.torch_models import build_graph_modules
+    from synflux_ros.core.contract import graph_set
+    cfg = smolvla()
+    meta = next(m for m in graph_set(cfg) if m.kind == "prefill")
+    module = build_graph_modules(cfg, seed=0).modules[meta.name]
+    p, n = meta.attrs["bucket"], 6
+    gen = torch.Generator().manual_seed(0)
+    x = torch.zeros(1, p, cfg.llm.hidden_dim)
+    x[0, :n - 1] = torch.randn(n - 1, cfg.llm.hidden_dim, generator=gen) * 0.05
+    state = torch.randn(1, 8, generator=gen)
+
+    def kv(x, state):
+        with torch.no_grad():
+            return module(x, torch.tensor([n]), torch.tensor([0]), torch.zeros(cfg.llm.kv_shape), state)[-1]
+    base = kv(x, state)
+    other_state = kv(x, state + 1.0)
+    torch.testing.assert_close(base[:, :, :, :n - 1], other_state[:, :, :, :n - 1])  # nobody sees the state
+    assert (base[:, :, :, n - 1] - other_state[:, :, :, n - 1]).abs().max() > 1e-3
+    with torch.no_grad():  # layer 0's key of the state row: its projection, whatever the placeholder held
+        x_junk = x.clone()
+        x_junk[0, n - 1] = 7.0
+    torch.testing.assert_close(kv(x_junk, state), base)
+    x2 = x.clone()
+    x2[0, 2] += 0.5  # a prompt row changes: the state row (which sees it) changes from layer 1 on
+    assert (kv(x2, state)[1:, :, :, n - 1] - base[1:, :, :, n - 1]).abs().max() > 1e-4
