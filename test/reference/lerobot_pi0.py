@@ -616,9 +616,9 @@ NORM_MODES = ("MEAN_STD", "MIN_MAX", "QUANTILES", "QUANTILE10", "IDENTITY")
 POLICY_NORMS = {"pi0": "MEAN_STD", "pi05": "QUANTILES"}
 
 
-def checkpoint_options(args) -> dict:
-    """Defaults, then the --options JSON (inline or @file), then explicit flags."""
-    opts = dict(CHECKPOINT_DEFAULTS)
+def gather_options(args, defaults: dict) -> dict:
+    """``defaults``, then the --options JSON (inline or @file), then explicit flags; cameras split at commas."""
+    opts = dict(defaults)
     if args.options:
         text = Path(args.options[1:]).read_text() if args.options.startswith("@") else args.options
         given = json.loads(text)
@@ -626,12 +626,18 @@ def checkpoint_options(args) -> dict:
         if unknown:
             raise SystemExit(f"unknown options: {', '.join(unknown)}")
         opts.update(given)
-    for key in CHECKPOINT_DEFAULTS:
+    for key in defaults:
         value = getattr(args, key, None)
         if value is not None:
             opts[key] = value
-    if isinstance(opts["cameras"], str):
+    if isinstance(opts.get("cameras"), str):
         opts["cameras"] = [c for c in opts["cameras"].split(",") if c]
+    return opts
+
+
+def checkpoint_options(args) -> dict:
+    """Defaults, then the --options JSON (inline or @file), then explicit flags."""
+    opts = gather_options(args, CHECKPOINT_DEFAULTS)
     if opts["n_action_steps"] is None:
         opts["n_action_steps"] = opts["chunk_size"]
     for key in ("state_norm", "action_norm"):
@@ -704,19 +710,36 @@ def dims_from_options(o: dict) -> dict:
     return dims
 
 
-def randomize_weights(policy, seed: int) -> None:
+def pi0_weight_value(module, module_name: str, param_name: str, param, noise):
+    """The random value of one π0/π0.5 parameter given its standard normal draw (see randomize_weights)."""
+    from torch import nn
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    if isinstance(module, GemmaRMSNorm):
+        return 0.3 * noise
+    if isinstance(module, nn.LayerNorm):
+        return 1.0 + 0.3 * noise if param_name == "weight" else 0.1 * noise
+    if param_name == "bias":
+        return 0.1 * noise
+    if isinstance(module, nn.Embedding) and "position_embedding" in module_name:
+        return 0.5 * noise
+    if isinstance(module, nn.Embedding):
+        return noise / param.shape[1] ** 0.5  # π0 multiplies language embeddings by sqrt(width)
+    return noise / (param[0].numel() ** 0.5)  # Linear and Conv2d weights: [out, in, ...]
+
+
+def randomize_weights(policy, seed: int, rule=pi0_weight_value) -> None:
     """Overwrite every parameter with seeded random values that keep activations of order one.
 
     Each tensor draws from its own generator, seeded from the seed and the parameter's name, so the weights do not
-    depend on module construction order or on the transformers build. Norm weights are random too: Gemma's RMSNorm
-    scales by (1 + w), which zero weights would not exercise; biases are nonzero. π0.5's adaptive norms (their
-    ``dense``, which LeRobot initialises to zero) and its time MLP are Linear layers and get the same draw as the
-    others, std 1/sqrt(fan_in) and biases of std 0.1: scale, shift and gate come out of order 0.1, enough for the
-    time condition to matter without swamping the activations.
+    depend on module construction order or on the transformers build; ``rule(module, module_name, param_name,
+    param, noise)`` turns the standard normal draw into the value. π0's rule: norm weights are random too (Gemma's
+    RMSNorm scales by (1 + w), which zero weights would not exercise); biases are nonzero. π0.5's adaptive norms
+    (their ``dense``, which LeRobot initialises to zero) and its time MLP are Linear layers and get the same draw as
+    the others, std 1/sqrt(fan_in) and biases of std 0.1: scale, shift and gate come out of order 0.1, enough for
+    the time condition to matter without swamping the activations.
     """
     import torch
-    from torch import nn
-    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
     done = set()
     for module_name, module in policy.named_modules():
@@ -727,18 +750,7 @@ def randomize_weights(policy, seed: int) -> None:
             name = f"{module_name}.{param_name}"
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-            if isinstance(module, GemmaRMSNorm):
-                value = 0.3 * noise
-            elif isinstance(module, nn.LayerNorm):
-                value = 1.0 + 0.3 * noise if param_name == "weight" else 0.1 * noise
-            elif param_name == "bias":
-                value = 0.1 * noise
-            elif isinstance(module, nn.Embedding) and "position_embedding" in module_name:
-                value = 0.5 * noise
-            elif isinstance(module, nn.Embedding):
-                value = noise / param.shape[1] ** 0.5  # π0 multiplies language embeddings by sqrt(width)
-            else:  # Linear and Conv2d weights: [out, in, ...]
-                value = noise / (param[0].numel() ** 0.5)
+            value = rule(module, module_name, param_name, param, noise)
             with torch.no_grad():
                 param.copy_(value.to(param.dtype))
 
@@ -871,12 +883,14 @@ class PretokenizedPrompt:
     """A tokenizer for TokenizerProcessorStep that returns ids tokenised beforehand.
 
     The PaliGemma tokenizer is on the Hub and the project tokenises prompts itself, so the run inputs carry the
-    ids; this object pads them the way LeRobot's call to the tokenizer asks for (padding="max_length", right
-    side, pad id 0, truncation), which is the only thing LeRobot does with the tokenizer's output.
+    ids; this object pads them the way LeRobot's call to the tokenizer asks for (π0: padding="max_length", right
+    side, pad id 0, truncation), which is the only thing LeRobot does with the tokenizer's output. With
+    padding="longest" (SmolVLA's default) every prompt of the batch is the given ids, so nothing is padded.
     """
 
-    def __init__(self, ids: np.ndarray):
+    def __init__(self, ids: np.ndarray, pad_id: int = PAD_TOKEN_ID):
         self.ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+        self.pad_id = pad_id
         self.texts = None  # the prompts LeRobot asked to tokenise last (π0.5's carry the state)
 
     def __call__(self, text, max_length, truncation=True, padding="max_length", padding_side="right", **_):
@@ -885,9 +899,11 @@ class PretokenizedPrompt:
         texts = [text] if isinstance(text, str) else list(text)
         self.texts = texts
         ids = self.ids[:max_length] if truncation else self.ids
-        if padding != "max_length" or len(ids) > max_length:
-            raise ValueError("π0 pads prompts to max_length; the given ids do not fit")
-        pad = [PAD_TOKEN_ID] * (max_length - len(ids))
+        if padding == "longest":
+            max_length = len(ids)
+        if padding not in ("max_length", "longest") or len(ids) > max_length:
+            raise ValueError(f"cannot pad the given ids as padding={padding!r}, max_length={max_length} asks")
+        pad = [self.pad_id] * (max_length - len(ids))
         mask = [1] * len(ids)
         if padding_side == "right":
             row, row_mask = ids + pad, mask + [0] * len(pad)
@@ -907,13 +923,6 @@ def load_reference(checkpoint: Path, lang_tokens: np.ndarray, policy_type: str =
     stays in place but is handed PretokenizedPrompt instead of loading the PaliGemma tokenizer.
     """
     import torch
-    from lerobot.processor import PolicyProcessorPipeline
-    from lerobot.processor.converters import (
-        batch_to_transition,
-        policy_action_to_transition,
-        transition_to_batch,
-        transition_to_policy_action,
-    )
     from safetensors.torch import load_file
 
     dims = read_dims(checkpoint)
@@ -925,9 +934,25 @@ def load_reference(checkpoint: Path, lang_tokens: np.ndarray, policy_type: str =
     policy.eval()
     verify_weights(policy, load_file(checkpoint / "model.safetensors"))
 
+    tokenizer = PretokenizedPrompt(lang_tokens)
+    preprocessor, postprocessor = load_processors(checkpoint, tokenizer)
+    torch.set_grad_enabled(False)
+    return policy, preprocessor, postprocessor, tokenizer
+
+
+def load_processors(checkpoint: Path, tokenizer):
+    """The checkpoint's pre and post processors as LeRobot rebuilds them from policy_preprocessor.json and
+    policy_postprocessor.json (with their saved normaliser state), the tokenizer step handed ``tokenizer``."""
+    from lerobot.processor import PolicyProcessorPipeline
+    from lerobot.processor.converters import (
+        batch_to_transition,
+        policy_action_to_transition,
+        transition_to_batch,
+        transition_to_policy_action,
+    )
+
     steps = json.loads((checkpoint / "policy_preprocessor.json").read_text())["steps"]
     overrides = {}
-    tokenizer = PretokenizedPrompt(lang_tokens)
     if any(step.get("registry_name") == TOKENIZER_STEP for step in steps):
         overrides[TOKENIZER_STEP] = {"tokenizer": tokenizer}
     preprocessor = PolicyProcessorPipeline.from_pretrained(
@@ -943,8 +968,7 @@ def load_reference(checkpoint: Path, lang_tokens: np.ndarray, policy_type: str =
         to_transition=policy_action_to_transition,
         to_output=transition_to_policy_action,
     )
-    torch.set_grad_enabled(False)
-    return policy, preprocessor, postprocessor, tokenizer
+    return preprocessor, postprocessor
 
 
 def verify_weights(policy, saved: dict) -> None:
@@ -1073,8 +1097,8 @@ def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     semantics = prepare_lerobot(args.transformers_shim)
+    importlib.import_module("lerobot.policies")  # registers the policies' config classes with PreTrainedConfig
     from lerobot.configs.policies import PreTrainedConfig
-    from lerobot.policies.utils import prepare_observation_for_inference
 
     checkpoint = Path(args.checkpoint)
     config = PreTrainedConfig.from_pretrained(checkpoint)
@@ -1085,6 +1109,26 @@ def run(args) -> dict:
     policy, preprocessor, postprocessor, tokenizer = load_reference(checkpoint, inputs["lang_tokens"], config.type)
     # π0 tokenises the task alone (the given ids stand for it); π0.5's preprocessor writes the state into it.
     task = getattr(args, "task", DEFAULT_TASK) if config.type == "pi05" else ""
+    batch, normalized, actions, guided, timing = compute_chunks(policy, preprocessor, postprocessor, inputs,
+                                                                rtc_cases, task, args.time)
+
+    result = {"semantics": semantics, "actions_shape": list(actions.shape[1:])}
+    if config.type == "pi05":
+        result.update(policy="pi05", **pi05_prompt(batch, tokenizer, preprocessor))
+    if args.out:
+        write_outputs(args.out, batch, normalized, actions, guided)
+        result["out"] = str(args.out)
+    if timing:
+        result.update(timing)
+    return result
+
+
+def compute_chunks(policy, preprocessor, postprocessor, inputs: dict, rtc_cases: list, task: str, time_calls: int):
+    """The preprocessed batch, LeRobot's predict_action_chunk on it (normalised) and the postprocessor's actions,
+    the (normalised, actions) pair of each RTC case and, when ``time_calls``, the timing of that many calls (and of
+    the first RTC case's guided chunk); ``inputs`` as read_inputs returns them."""
+    import torch
+    from lerobot.policies.utils import prepare_observation_for_inference
 
     # What lerobot-record / predict_action do with a robot observation: uint8 HWC -> float [0,1] CHW with a batch
     # dimension, then the preprocessor (batching, the normaliser, for π0.5 the state prompt, the tokenizer step).
@@ -1103,14 +1147,14 @@ def run(args) -> dict:
             guided.append((chunk, postprocessor(chunk.clone())))
 
         timing = None
-        if args.time:
+        if time_calls:
             times = []
-            for _ in range(args.time):
+            for _ in range(time_calls):
                 start = time.perf_counter()
                 policy.predict_action_chunk(batch, noise=noise.clone())
                 times.append((time.perf_counter() - start) * 1e3)
             timing = {
-                "calls": args.time,
+                "calls": time_calls,
                 "threads": torch.get_num_threads(),
                 "median_ms": statistics.median(times),
                 "min_ms": min(times),
@@ -1119,30 +1163,26 @@ def run(args) -> dict:
             if rtc_cases:  # the first case's guided chunk, timed the same way
                 case = rtc_cases[0]
                 times = []
-                for _ in range(args.time):
+                for _ in range(time_calls):
                     start = time.perf_counter()
                     rtc_chunk(policy, batch, noise, inputs["prev"][case["prev_chunk"]], case)
                     times.append((time.perf_counter() - start) * 1e3)
                 timing.update(rtc_median_ms=statistics.median(times), rtc_min_ms=min(times), rtc_max_ms=max(times))
+    return batch, normalized, actions, guided, timing
 
-    result = {"semantics": semantics, "actions_shape": list(actions.shape[1:])}
-    if config.type == "pi05":
-        result.update(policy="pi05", **pi05_prompt(batch, tokenizer, preprocessor))
-    if args.out:
-        np.savez(
-            args.out,
-            actions=actions[0].numpy().astype(np.float32),
-            actions_normalized=normalized[0].numpy().astype(np.float32),
-            state_normalized=batch["observation.state"][0].numpy().astype(np.float32),
-            lang_tokens=batch["observation.language.tokens"][0].numpy(),
-            lang_mask=batch["observation.language.attention_mask"][0].numpy(),
-            **{f"actions_rtc_{i}": a[0].numpy().astype(np.float32) for i, (_, a) in enumerate(guided)},
-            **{f"actions_normalized_rtc_{i}": n[0].numpy().astype(np.float32) for i, (n, _) in enumerate(guided)},
-        )
-        result["out"] = str(args.out)
-    if timing:
-        result.update(timing)
-    return result
+
+def write_outputs(path, batch: dict, normalized, actions, guided: list) -> None:
+    """run's --out .npz: the first batch row of compute_chunks' results."""
+    np.savez(
+        path,
+        actions=actions[0].numpy().astype(np.float32),
+        actions_normalized=normalized[0].numpy().astype(np.float32),
+        state_normalized=batch["observation.state"][0].numpy().astype(np.float32),
+        lang_tokens=batch["observation.language.tokens"][0].numpy(),
+        lang_mask=batch["observation.language.attention_mask"][0].numpy(),
+        **{f"actions_rtc_{i}": a[0].numpy().astype(np.float32) for i, (_, a) in enumerate(guided)},
+        **{f"actions_normalized_rtc_{i}": n[0].numpy().astype(np.float32) for i, (n, _) in enumerate(guided)},
+    )
 
 
 def pi05_prompt(batch: dict, tokenizer: PretokenizedPrompt, preprocessor) -> dict:
@@ -1255,12 +1295,7 @@ def main(argv=None) -> None:
         "action_norm": f"one of {', '.join(NORM_MODES)}; default {policy_norms}",
         "dtype": "float32 or bfloat16",
     }
-    for name, kind in flags.items():
-        default = CHECKPOINT_DEFAULTS[name]
-        shown = ",".join(default) if isinstance(default, list) else default
-        text = f"default {shown}" if default is not None else ""
-        text = "; ".join(t for t in (text, notes.get(name, "")) if t)
-        mk.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+    add_option_flags(mk, CHECKPOINT_DEFAULTS, flags, notes)
 
     rn = sub.add_parser("run", parents=[common], help="compute one action chunk with LeRobot's π0 or π0.5")
     rn.add_argument("--checkpoint", required=True, help="LeRobot π0 or π0.5 checkpoint directory")
@@ -1280,7 +1315,21 @@ def main(argv=None) -> None:
     rn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 
     args = parser.parse_args(argv)
-    command = {"check": check, "make-checkpoint": make_checkpoint, "run": run}[args.command]
+    print_result({"check": check, "make-checkpoint": make_checkpoint, "run": run}[args.command], args)
+
+
+def add_option_flags(parser, defaults: dict, flags: dict, notes: dict) -> None:
+    """One --name flag per entry of ``flags`` (name: type), its help the default and the note."""
+    for name, kind in flags.items():
+        default = defaults[name]
+        shown = ",".join(default) if isinstance(default, list) else default
+        text = f"default {shown}" if default is not None else ""
+        text = "; ".join(t for t in (text, notes.get(name, "")) if t)
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+
+
+def print_result(command, args) -> None:
+    """Run ``command(args)`` with stdout sent to stderr and print its result as one JSON line on stdout."""
     # LeRobot prints progress to stdout; the script's stdout carries only its result, one JSON line.
     results = sys.stdout
     with contextlib.redirect_stdout(sys.stderr):
