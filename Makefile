@@ -64,7 +64,8 @@ $(RKNN_VENV)/.stamp-rknn: requirements-rknn.txt
 # (test/reference/lerobot_pi0.py). It needs transformers 4.53.2 (the project's .venv has 5) and lerobot 0.4.4
 # declares torch < 2.11 and a GitHub-only patched transformers, so, as for RKNN: the lerobot line of
 # requirements-pi0ref.txt is installed with --no-deps and every other line with the whole file as constraints
-# (the CPU torch 2.13 stays). The reference script patches the branch's π0 semantics into stock transformers.
+# (the CPU torch 2.13 stays). The reference script patches the branch's π0 semantics into stock transformers;
+# SmolVLA's runs on stock transformers, its SmolVLM config and processor stood in offline.
 PI0REF_VENV := .venv-pi0ref
 PI0REF_PY := $(abspath $(PI0REF_VENV))/bin/python
 pi0ref-venv: $(PI0REF_VENV)/.stamp-pi0ref
@@ -76,6 +77,7 @@ $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
 	$(PI0REF_PY) -m pip install --quiet -c $(PI0REF_VENV)/deps.txt -r $(PI0REF_VENV)/deps.txt
 	$(PI0REF_PY) -m pip install --quiet --no-deps $$(grep -E '^lerobot' requirements-pi0ref.txt)
 	$(PI0REF_PY) test/reference/lerobot_pi0.py check 2> $(PI0REF_VENV)/check.log || { cat $(PI0REF_VENV)/check.log; exit 1; }
+	$(PI0REF_PY) test/reference/lerobot_smolvla.py check 2>> $(PI0REF_VENV)/check.log || { cat $(PI0REF_VENV)/check.log; exit 1; }
 	touch $@
 
 # The tests import the installed package (with its generated messages), not the source tree.
@@ -215,9 +217,10 @@ bench: install $(VENV)/.stamp-smollm2 llamacpp pi0ref-venv
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.gguf --work $(abspath $(BUILD))/bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.image_chat --work $(abspath $(BUILD))/bench
-	for policy in pi0 pi05; do for size in tiny small; do (cd $(BUILD) && $(PY) -m synflux_ros.bench.pi0 --size $$size \
-	    --policy $$policy --ref-python $(PI0REF_PY) --ref-script $(abspath test/reference/lerobot_pi0.py) \
-	    --work $(abspath $(BUILD))/bench) || exit 1; done; done
+	for policy in pi0 pi05 smolvla; do for size in tiny small; do (cd $(BUILD) && $(PY) -m synflux_ros.bench.pi0 \
+	    --size $$size --policy $$policy --ref-python $(PI0REF_PY) --work $(abspath $(BUILD))/bench \
+	    --ref-script $(abspath test/reference/lerobot_$$([ $$policy = smolvla ] && echo smolvla || echo pi0).py)) \
+	    || exit 1; done; done
 
 bench-llm: install $(VENV)/.stamp-smollm2 llamacpp
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench

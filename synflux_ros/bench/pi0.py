@@ -1,10 +1,11 @@
-"""π0 / π0.5 action-chunk latency through ``vla_node`` (onnxruntime, CPU here) next to LeRobot 0.4.4 on the same
-weights.
+"""π0 / π0.5 / SmolVLA action-chunk latency through ``vla_node`` (onnxruntime, CPU here) next to LeRobot 0.4.4 on
+the same weights.
 
     python -m synflux_ros.bench.pi0 --ref-python .venv-pi0ref/bin/python --ref-script test/reference/lerobot_pi0.py \\
         [--work build/bench] [--threads 2] [--chunks 20] [--cameras base,wrist] [--size tiny|small] [--policy pi05]
+    python -m synflux_ros.bench.pi0 --policy smolvla --ref-script test/reference/lerobot_smolvla.py ...
 
-A π0 (or π0.5) with random weights (:data:`SIZES`) is made and saved by LeRobot itself (``make pi0ref-venv``),
+A π0 (or π0.5, or SmolVLA) with random weights (:data:`SIZES`) is made and saved by LeRobot itself (``make pi0ref-venv``),
 imported with ``synflux-build --from-hf`` and served by ``vla_node``; frames are sent one at a time, each after
 the previous chunk arrived, so the figures are latencies. LeRobot's time is ``predict_action_chunk`` on
 the same checkpoint and thread count, from ``test/reference/lerobot_pi0.py run --time`` in its own venv and
@@ -38,6 +39,20 @@ SIZES = {
              "vision_heads": 4, "vision_mlp_dim": 64, "image_size": 56, "state_dim": 8, "action_dim": 7,
              "chunk_size": 50, "num_inference_steps": 10, "seed": 0},
 }
+SMOLVLA_SIZES = {
+    # 256x256 images, 16 px patches shuffled by 2 (64 tokens per camera, as SmolVLA's 512 px by 4), a
+    # SmolVLM-shaped Llama 256 wide (4 heads of 64, 2 KV heads) and an expert 0.75 its width
+    "small": {"vlm_width": 256, "num_vlm_layers": 8, "vlm_mlp_dim": 1024, "num_heads": 4, "num_kv_heads": 2,
+              "head_dim": 64, "vocab_size": 1024, "vision_width": 192, "vision_depth": 4, "vision_heads": 4,
+              "vision_mlp_dim": 768, "image_size": 256, "patch_size": 16, "scale_factor": 2, "state_dim": 8,
+              "action_dim": 7, "chunk_size": 50, "num_steps": 10, "seed": 0},
+    # the parity test's model (48x48 images, 9 tokens; Llama 48 wide, 4 layers): per-call overhead dominates
+    "tiny": {"vlm_width": 48, "num_vlm_layers": 4, "vlm_mlp_dim": 96, "num_heads": 4, "num_kv_heads": 2,
+             "head_dim": 16, "vocab_size": 512, "vision_width": 32, "vision_depth": 2, "vision_heads": 4,
+             "vision_mlp_dim": 64, "image_size": 48, "patch_size": 8, "scale_factor": 2, "state_dim": 8,
+             "action_dim": 7, "chunk_size": 50, "num_steps": 10, "seed": 0},
+}
+"""SmolVLA's sizes (``lerobot_smolvla.py make-checkpoint`` options)."""
 JOINTS = [f"joint_{i}" for i in range(8)]
 INSTRUCTION = "pick up the red block and put it in the bowl"
 TARGET = 0.5
@@ -56,6 +71,38 @@ def _reference(args, *argv: str) -> dict:
     """``lerobot_pi0.py`` in the LeRobot venv, its JSON answer; :class:`PeerFailure` when it fails."""
     return run_json([args.ref_python, args.ref_script, *argv], f"LeRobot {argv[0]}", timeout=3600,
                     env={"OMP_NUM_THREADS": str(args.threads)})
+
+
+def sizes(args) -> dict:
+    return (SMOLVLA_SIZES if args.policy == "smolvla" else SIZES)[args.size]
+
+
+def tokens_per_camera(args) -> int:
+    d = sizes(args)
+    if args.policy == "smolvla":
+        return (d["image_size"] // d["patch_size"] // d["scale_factor"]) ** 2
+    return (d["image_size"] // 14) ** 2
+
+
+def smolvla_base_config(path: str, d: dict) -> str:
+    """SmolVLA's: the joint names, the executor, and what SmolVLM's config fixes that the shapes do not (heads,
+    epsilons), at these sizes."""
+    side = d["image_size"]
+    raw = {"name": "smolvla-bench", "mode": "vla",
+           "vision": {"resolution": [side, side], "tile_size": [side, side], "patch_size": d["patch_size"],
+                      "tokens_per_tile": (side // d["patch_size"] // d["scale_factor"]) ** 2,
+                      "hidden_dim": d["vision_width"], "num_layers": d["vision_depth"],
+                      "num_heads": d["vision_heads"], "intermediate_size": d["vision_mlp_dim"]},
+           "llm": {"num_layers": d["num_vlm_layers"], "hidden_dim": d["vlm_width"], "num_heads": d["num_heads"],
+                   "num_kv_heads": d["num_kv_heads"], "head_dim": d["head_dim"], "vocab_size": d["vocab_size"],
+                   "rms_norm_eps": 1e-5, "prefill_buckets": [512], "decode_buckets": [1024], "max_seq_len": 1024,
+                   "architecture": "llama"},
+           "action": {"head_type": "flow_matching", "action_dim": 32, "action_horizon": d["chunk_size"],
+                      "state_dim": 32, "state_joints": JOINTS, "state_max_age": 0.5},
+           "executor": {"backend": "onnxruntime"}}
+    with open(path, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(raw, fh)
+    return path
 
 
 def base_config(path: str, d: dict) -> str:
@@ -86,13 +133,16 @@ def prepare(args) -> tuple[str, str]:
     """(checkpoint dir, graph set dir): the LeRobot checkpoint and its synflux graph set, made once."""
     stem = _stem(args)
     ckpt = stem + "-lerobot"
+    smolvla = args.policy == "smolvla"
     if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
+        options = sizes(args) if smolvla else {**SIZES[args.size], "policy": args.policy}
         _reference(args, "make-checkpoint", "--out", ckpt, "--cameras", ",".join(args.cameras),
-                   "--options", json.dumps({**SIZES[args.size], "policy": args.policy}))
+                   "--options", json.dumps(options))
     graphs = stem + "-graphs"
     # synflux-build brings the graph set up to date: a set built from the same config and sources is kept
     from ..build.export import main as build
-    if build(["--config", base_config(stem + "-base.yaml", SIZES[args.size]), "--out", graphs, "--from-hf", ckpt]):
+    base = (smolvla_base_config if smolvla else base_config)(stem + "-base.yaml", sizes(args))
+    if build(["--config", base, "--out", graphs, "--from-hf", ckpt]):
         raise RuntimeError("synflux-build failed")
     return ckpt, graphs
 
@@ -128,7 +178,7 @@ def synflux_chunks(args, node_cfg: str) -> list:
 
     env = ros_env()
     rng = np.random.default_rng(0)
-    side = SIZES[args.size]["image_size"]
+    side = sizes(args)["image_size"]
     images = {c: rng.integers(0, 256, (side, side, 3), np.uint8) for c in args.cameras}
     with client_node("bench_pi0", env) as node, \
             NodeProcess("vla_node", {"config": node_cfg, "default_instruction": INSTRUCTION}, env=env,
@@ -141,14 +191,15 @@ def synflux_chunks(args, node_cfg: str) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ref-python", required=True, help="python of the LeRobot reference venv (make pi0ref-venv)")
-    ap.add_argument("--ref-script", required=True, help="test/reference/lerobot_pi0.py")
+    ap.add_argument("--ref-script", required=True, help="test/reference/lerobot_pi0.py (lerobot_smolvla.py for "
+                                                        "--policy smolvla)")
     ap.add_argument("--work", default="build/bench")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunks", type=int, default=20)
     ap.add_argument("--cameras", default="base", help="comma-separated camera names (1 or 2)")
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
-    ap.add_argument("--policy", default="pi0", choices=("pi0", "pi05"),
-                    help="pi05: π0.5 (adaptive-RMSNorm expert, the state in the prompt)")
+    ap.add_argument("--policy", default="pi0", choices=("pi0", "pi05", "smolvla"),
+                    help="pi05: π0.5 (adaptive-RMSNorm expert, the state in the prompt); smolvla: SmolVLA")
     ap.add_argument("--spinning", action="store_true",
                     help="with a pool per graph, onnxruntime's threads spin between kernels instead of sleeping")
     ap.add_argument("--pools", default=",".join(POOLS),
@@ -161,12 +212,15 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.ref_python):
         print(f"[pi0] skipped: {args.ref_python} not found (make pi0ref-venv)", file=sys.stderr)
         return 1
+    script = "lerobot_smolvla.py" if args.policy == "smolvla" else "lerobot_pi0.py"
+    if os.path.basename(args.ref_script) != script:
+        ap.error(f"--ref-script: --policy {args.policy} is compared with test/reference/{script}")
     args.pools = [p for p in args.pools.split(",") if p]
     if not args.pools or set(args.pools) - set(POOLS):
         ap.error(f"--pools: choose from {', '.join(POOLS)}")
     ckpt, graphs = prepare(args)
     runs = {pool: synflux_chunks(args, node_config(args, graphs, pool)) for pool in args.pools}
-    d = SIZES[args.size]
+    d = sizes(args)
     rng = np.random.default_rng(0)
     inputs = os.path.join(args.work, f"{args.policy}-bench-{args.size}-inputs.npz")
     # the byte-level stand-in's ids of the prompt vla_node builds (π0.5: with the state's 32 bins), so that both
@@ -183,10 +237,12 @@ def main(argv=None) -> int:
                          "--threads", str(args.threads))
     except PeerFailure as exc:
         ref = failed_row("LeRobot predict_action_chunk", exc)
-    steps = d["num_inference_steps"]
+    steps = d.get("num_inference_steps") or d["num_steps"]
     side = d["image_size"]
-    print(f"\n[{args.policy} {args.size}] Gemma {d['vlm_width']}x{d['depth']}, expert {d['expert_width']}, {len(args.cameras)} "
-          f"camera(s) of {side}x{side} ({(side // 14) ** 2} tokens each), chunk {d['chunk_size']}, {steps} steps; "
+    model = (f"Llama {d['vlm_width']}x{d['num_vlm_layers']}, expert {int(d['vlm_width'] * 0.75)}"
+             if args.policy == "smolvla" else f"Gemma {d['vlm_width']}x{d['depth']}, expert {d['expert_width']}")
+    print(f"\n[{args.policy} {args.size}] {model}, {len(args.cameras)} "
+          f"camera(s) of {side}x{side} ({tokens_per_camera(args)} tokens each), chunk {d['chunk_size']}, {steps} steps; "
           f"{args.threads} threads, median of {args.chunks} chunks (CPU timing, not device timing)")
     if "failed" in ref:
         lerobot = None
