@@ -56,13 +56,15 @@ class ProfiledLLM(nn.Module):
     bidirectional``); logits of row num_tokens - 1; new_kv rows >= num_tokens are zero. (T = p, D = S) is ``prefill_<p>``; (T = 1, D = d, num_tokens = 1) on the
     embedded token is ``decode_<d>``. With ``logits=False`` (a flow-matching VLA) it returns new_kv alone."""
 
-    def __init__(self, lm: CausalLM, kv_dtype: str, logits: bool = True, state_proj: nn.Module | None = None):
+    def __init__(self, lm: CausalLM, kv_dtype: str, logits: bool = True, state_proj: nn.Module | None = None,
+                 expert: nn.Module | None = None):
         super().__init__()
         self.lm = lm
         self.kv_dtype = torch_dtype(kv_dtype)
         self.bidirectional = lm.llm.prefill_attention == "bidirectional"
         self.logits = logits
         self.state_proj = state_proj
+        self.expert = expert  # SmolVLA's cross-attention layers' projections of the prefix (PrefillGraph's)
 
     def forward(self, inputs_embeds, num_tokens, cache_position, past_kv, attention_span, state=None):
         t, d = inputs_embeds.shape[1], attention_span.shape[0]
@@ -77,6 +79,8 @@ class ProfiledLLM(nn.Module):
             new_ok = rows[None, :] <= rows[:, None]
         allowed = torch.cat((past_ok, new_ok), dim=1)
         h, new_kv = self.lm.run(x, cache_position + rows, past_kv, allowed, self.kv_dtype, span=d)
+        if self.expert is not None:
+            new_kv = self.expert.project_prefix(new_kv)
         return self.lm.prefill_outputs(h, new_kv, rows, num_tokens, self.logits)
 
 

@@ -112,8 +112,9 @@ def _module(cfg: ModelConfig, kind: str, modules):
         if cfg.mode == "vla" and cfg.action is not None and cfg.action.prefix_state_dim and state_proj is None:
             raise BuildError("no prefill module with the state projection (action.state_input: prefix) to build the "
                              "llm graph from")
-        return FlatViews(ProfiledLLM(lm, cfg.llm.kv_dtype, logits=reads_logits(cfg), state_proj=state_proj), 3,
-                         L).eval()
+        prefill = next((m for m in mods.values() if getattr(m, "expert", None) is not None and hasattr(m, "lm")), None)
+        return FlatViews(ProfiledLLM(lm, cfg.llm.kv_dtype, logits=reads_logits(cfg), state_proj=state_proj,
+                                     expert=prefill.expert if prefill is not None else None), 3, L).eval()
     expert = next((m.expert for m in mods.values() if hasattr(m, "expert")), None)
     if expert is None:
         raise BuildError(f"no action_expert module to take the action expert of the {kind!r} graph from")

@@ -145,8 +145,18 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
     lm.finalize_weights(join=any(m.kind == "decode" for m in metas))
     modules: dict[str, nn.Module] = {}
     missing: list[str] = []
-    expert = state_proj = None
+    state_proj = None
     random_parts: list[str] = []
+    experts: list = []
+
+    def the_expert():
+        """The action expert every action_expert graph (and SmolVLA's prefill) shares, made once."""
+        if not experts:
+            experts.append(pi0["expert"] if pi0 is not None else
+                           fuse_projections(_random(lambda: ActionExpert(cfg, rope), seed, "action_expert")))
+        return experts[0]
+
+    cross = cfg.mode == "vla" and cfg.action.head_type == "flow_matching" and cfg.action.expert_attention == "cross_attn"
     for meta in metas:
         bucket = meta.attrs.get("bucket")
         if meta.kind == "vision_encoder" and cfg.vision.architecture == "qwen3_vl":
@@ -168,15 +178,13 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
             modules[meta.name] = PrefillGraph(lm, bucket, llm.max_seq_len, llm.kv_dtype,
                                               logits=meta.has_output("logits"),
                                               deepstack=meta.has_input("deepstack_embeds"),
-                                              state_proj=state_proj if meta.has_input("state") else None).eval()
+                                              state_proj=state_proj if meta.has_input("state") else None,
+                                              expert=the_expert() if cross else None).eval()
         elif meta.kind == "decode":
             modules[meta.name] = DecodeGraph(lm, bucket, llm.kv_dtype).eval()
         elif meta.kind in ("action_expert", "action_expert_vjp"):
-            if expert is None:
-                expert = pi0["expert"] if pi0 is not None else \
-                    fuse_projections(_random(lambda: ActionExpert(cfg, rope), seed, "action_expert"))
             graph = ActionExpertGraph if meta.kind == "action_expert" else ActionExpertVJPGraph
-            modules[meta.name] = graph(expert, bucket).eval()
+            modules[meta.name] = graph(the_expert(), bucket).eval()
             if pi0 is None:
                 random_parts.append(meta.name)
         else:

@@ -19,8 +19,10 @@ With a state token (``action.state_dim`` and ``state_input: token``) the robot s
 to the prefix, the state token and each other, and the velocity is read from the action tokens.
 
 With ``action.expert_attention: cross_attn`` (SmolVLA) the layers l with ``action.cross_attention_layer(l)``
-attend to the prefix alone: their k/v projections (KV * Dh wide) re-project the cached keys (after RoPE) and
-values of backbone layer l, and their queries take RoPE at positions ``i``. ``action.action_attention: causal``
+attend to the prefix alone: their k/v projections (KV * Dh wide) re-project the keys (after RoPE) and values of
+backbone layer l, and their queries take RoPE at positions ``i``. The re-projection is the same in every
+denoising step, so the prefill graphs make it once (:meth:`ActionExpert.project_prefix`): for those layers the
+cache holds the expert's keys and values, which the expert reads as they are. ``action.action_attention: causal``
 lets action token i see tokens <= i only.
 
 With ``action.time_conditioning: adarms`` (pi0.5) the action tokens are ``action_in_proj(noisy_actions)``
@@ -184,12 +186,28 @@ class ActionExpert(nn.Module):
         return cos, sin, attention_bias(ok)
 
     def cross_layer(self, layer: DecoderLayer, x, past_k, past_v, cross):
-        """A cross-attention layer (pre-norm, residuals) on the action tokens x [h, W]."""
+        """A cross-attention layer (pre-norm, residuals) on the action tokens x [h, W]; past_k/v: the layer's
+        projections of the prefix (:meth:`project_prefix`)."""
         cos, sin, bias = cross
         attn = layer.self_attn
         q = attn.query(layer.input_layernorm(x), cos, sin)
-        x = x + attn.output(attend(q, *attn.keys_values(past_k, past_v), bias, attn.scale))
+        x = x + attn.output(attend(q, past_k, past_v, bias, attn.scale))
         return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def project_prefix(self, new_kv: torch.Tensor) -> torch.Tensor:
+        """new_kv [L, 2, KV, T, Dh] of a prefill -> the same with each cross-attention layer's keys and values
+        re-projected by that layer's k/v projections (computed in float32, stored in new_kv's dtype)."""
+        if not any(self.cross):
+            return new_kv
+        layers = []
+        for i, cross in enumerate(self.cross):
+            if cross:
+                k, v = self.layers[i].self_attn.keys_values(new_kv[i, 0].to(torch.float32),
+                                                            new_kv[i, 1].to(torch.float32))
+                layers.append(torch.stack((k, v)).to(new_kv.dtype))
+            else:
+                layers.append(new_kv[i])
+        return torch.stack(layers)
 
     def velocity(self, noisy_actions, time_embedding, prefix_len, past_kv, span: int, state=None):
         x, n, cos, sin, bias = self.tokens(noisy_actions, time_embedding, prefix_len, span, state)

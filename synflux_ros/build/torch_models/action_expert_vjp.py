@@ -200,15 +200,14 @@ class _Layer:
 
 
 class _CrossLayer(_Layer):
-    """A cross-attention layer (SmolVLA): the keys and values are the layer's projections of the cached ones, no
+    """A cross-attention layer (SmolVLA): the keys and values are the cached projections of the prefix, no
     function of x; only the queries carry the gradient."""
 
     def _queries_keys_values(self, att, h1, past_k, past_v):
         n, nh, kvh, dh = self.shape
         self.q = att.q_t if att.q_t is not None else att.q_proj.weight.t()
         q = att.query(h1, self.cos, self.sin)  # no q norm: cross_attn is for llama and gemma backbones
-        keys, values = att.keys_values(past_k, past_v)
-        return q.reshape(kvh, nh // kvh, n, dh), keys, values
+        return q.reshape(kvh, nh // kvh, n, dh), past_k, past_v  # the prefill's projections (project_prefix)
 
     def _attention_back(self, dctx, dscores):
         n, nh, kvh, dh = self.shape

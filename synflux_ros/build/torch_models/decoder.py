@@ -626,7 +626,7 @@ class PrefillGraph(nn.Module):
     positions may pass the end of the cache (clamped in the rotary lookup)."""
 
     def __init__(self, lm: CausalLM, bucket: int, max_seq_len: int, kv_dtype: str, logits: bool = True,
-                 deepstack: bool = False, state_proj: nn.Module | None = None):
+                 deepstack: bool = False, state_proj: nn.Module | None = None, expert: nn.Module | None = None):
         super().__init__()
         self.lm, self.bucket, self.max_seq_len = lm, bucket, max_seq_len
         self.kv_dtype = torch_dtype(kv_dtype)
@@ -634,6 +634,7 @@ class PrefillGraph(nn.Module):
         self.logits = logits
         self.mrope, self.deepstack = bool(lm.llm.mrope_section), deepstack
         self.state_proj = state_proj
+        self.expert = expert  # SmolVLA's: its cross-attention layers' projections of the prefix go into the cache
 
     def forward(self, inputs_embeds, num_tokens, cache_position, past_kv, *extra):
         """The contract's inputs in order; after past_kv: position_ids (multimodal rope), deepstack_embeds
@@ -657,6 +658,8 @@ class PrefillGraph(nn.Module):
             allowed = torch.cat((past_ok, rows[None, :] <= rows[:, None]), dim=1)
             h, new_kv = self.lm.run(x, positions, past_kv, allowed, self.kv_dtype,
                                     deepstack=deepstack_embeds)
+        if self.expert is not None:
+            new_kv = self.expert.project_prefix(new_kv)
         return self.lm.prefill_outputs(h, new_kv, rows, num_tokens, self.logits)
 
 

@@ -247,7 +247,7 @@ def test_other_sizes_match_eager_torch(built):
     from synflux_ros.backends.tensorrt.build_models import ProfiledActionExpert, ProfiledLLM
     prefill = built.gm.modules[f"prefill_{built.llm.prefill_buckets[0]}"]
     ref = ProfiledLLM(prefill.lm, built.llm.kv_dtype, logits=reads_logits(built.cfg),
-                      state_proj=prefill.state_proj).eval()
+                      state_proj=prefill.state_proj, expert=prefill.expert).eval()
     state_dim = built.cfg.action.prefix_state_dim if built.cfg.action is not None else 0
     kv = torch.from_numpy(built.kv)
     past = [(kv[l, 0], kv[l, 1]) for l in range(built.llm.num_layers)]
