@@ -115,7 +115,7 @@ def _module(cfg: ModelConfig, kind: str, modules):
         prefill = next((m for m in mods.values() if getattr(m, "expert", None) is not None and hasattr(m, "lm")), None)
         return FlatViews(ProfiledLLM(lm, cfg.llm.kv_dtype, logits=reads_logits(cfg), state_proj=state_proj,
                                      expert=prefill.expert if prefill is not None else None), 3, L).eval()
-    expert = next((m.expert for m in mods.values() if hasattr(m, "expert")), None)
+    expert = next((m.expert for m in mods.values() if getattr(m, "expert", None) is not None), None)
     if expert is None:
         raise BuildError(f"no action_expert module to take the action expert of the {kind!r} graph from")
     return FlatViews((ProfiledActionExpert if kind == "action_expert" else ProfiledActionExpertVJP)(expert), 3, L).eval()
