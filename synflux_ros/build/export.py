@@ -417,9 +417,21 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
     return manifest
 
 
+FAST_TOKENIZER = "fast_tokenizer.json"
+"""The FAST tokenizer a pi0-FAST graph set ships (``action.fast_tokenizer``)."""
+
+
 def _write_effective_config(cfg: ModelConfig, out: str, backend: str, tok_file: str) -> None:
+    shipped = {}
+    if cfg.mode == "vla" and cfg.action.token_codec == "fast":  # the FAST tokenizer travels with the graph set
+        src, dst = cfg.relative_to_source(cfg.action.fast_tokenizer), os.path.join(out, FAST_TOKENIZER)
+        if not os.path.isfile(src):
+            raise BuildError(f"action.fast_tokenizer: {src!r} is not a file (the FAST tokenizer.json)")
+        if os.path.abspath(src) != os.path.abspath(dst):
+            shutil.copyfile(src, dst)
+        shipped["action"] = {"fast_tokenizer": FAST_TOKENIZER}
     effective = cfg.with_overrides(executor={"backend": backend, "graph_dir": "."},
-                                   tokenizer={"path": tok_file} if tok_file else {})
+                                   tokenizer={"path": tok_file} if tok_file else {}, **shipped)
     with open(os.path.join(out, "config.yaml"), "w", encoding="utf-8") as fh:
         fh.write(f"# Effective config of the graph set in this directory (written by synflux-build).\n")
         yaml.safe_dump(_yaml_ready(effective.to_dict()), fh, sort_keys=False)

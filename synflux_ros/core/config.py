@@ -363,6 +363,17 @@ class ActionConfig:
     num_bins: int = _spec(256, min=2, doc="autoregressive: uniform bins over [-1, 1]")
     token_vocab_size: int = _spec(0, min=0, doc="autoregressive: vocabulary whose last num_bins ids are the "
                                                 "action tokens (0 = llm.vocab_size; OpenVLA: 32000)")
+    token_codec: str = _spec("bins", choices=("bins", "fast"),
+                             doc="autoregressive: bins (OpenVLA): one token per value, a bin over [-1, 1]; fast "
+                                 "(pi0-FAST): BPE tokens of the chunk's DCT coefficients, after 'Action: ', up to "
+                                 "'|'")
+    fast_tokenizer: str = _spec("", doc="fast: the FAST tokenizer.json (BPE over coefficient characters)")
+    fast_scale: float = _spec(10.0, min=1e-9, doc="fast: DCT coefficients were multiplied by it before rounding")
+    fast_min_token: int = _spec(0, doc="fast: the coefficient of character 0")
+    fast_skip_tokens: int = _spec(128, min=0, doc="fast: ids below the end of the vocabulary that FAST tokens skip "
+                                                  "(FAST token k is id base_vocab - 1 - skip - k)")
+    fast_clean_up_spaces: bool = _spec(False, doc="fast: the FAST tokenizer's clean_up_tokenization_spaces")
+    max_decoding_steps: int = _spec(256, min=1, doc="fast: most tokens generated per chunk")
     norm_q01: tuple[float, ...] = _spec(default_factory=tuple, doc="per-dimension 1st percentile")
     norm_q99: tuple[float, ...] = _spec(default_factory=tuple, doc="per-dimension 99th percentile")
     norm_mask: tuple[bool, ...] = _spec(default_factory=tuple, doc="False = keep the dimension as predicted")
@@ -405,10 +416,18 @@ class ActionConfig:
         doc="flow matching: how the action tokens see each other (pi0: bidirectional; SmolVLA: causal)")
 
     def __post_init__(self):
-        flow_fields = (self.time_conditioning, self.state_input, self.expert_attention, self.action_attention)
-        if self.head_type != "flow_matching" and flow_fields != ("action_mlp", "token", "joint", "bidirectional"):
-            raise ConfigError("action.time_conditioning / state_input / expert_attention / action_attention: for "
-                              "flow_matching heads only")
+        fast = self.head_type == "autoregressive" and self.token_codec == "fast"
+        flow_fields = (self.time_conditioning, self.expert_attention, self.action_attention)
+        if self.head_type != "flow_matching" and flow_fields != ("action_mlp", "joint", "bidirectional"):
+            raise ConfigError("action.time_conditioning / expert_attention / action_attention: for flow_matching "
+                              "heads only")
+        if self.head_type != "flow_matching" and self.state_input != ("prompt" if fast and self.state_dim else "token"):
+            raise ConfigError("action.state_input: an autoregressive head takes the state in its prompt only "
+                              "(token_codec fast, state_input: prompt)")
+        if fast and not self.fast_tokenizer:
+            raise ConfigError("action.fast_tokenizer: token_codec fast needs the FAST tokenizer.json")
+        if self.token_codec == "fast" and self.head_type != "autoregressive":
+            raise ConfigError("action.token_codec: fast is a codec of autoregressive heads")
         if self.state_input == "prefix" and not self.state_dim:
             raise ConfigError("action.state_input: prefix projects the robot state into the prefix; set state_dim")
         if self.expert_attention == "cross_attn" and self.time_conditioning != "action_mlp":
@@ -422,8 +441,9 @@ class ActionConfig:
         if self.state_input == "prompt" and not self.state_dim:
             raise ConfigError("action.state_input: prompt writes the robot state into the prompt; set state_dim")
         if self.state_dim:
-            if self.head_type != "flow_matching":
-                raise ConfigError("action.state_dim: a robot-state input is supported for flow_matching heads only")
+            if self.head_type != "flow_matching" and not fast:
+                raise ConfigError("action.state_dim: a robot-state input is supported for flow_matching heads and the "
+                                  "fast codec only")
             if not self.state_joints or len(self.state_joints) > self.state_dim:
                 raise ConfigError(f"action.state_joints: 1 to state_dim ({self.state_dim}) joint names are needed, "
                                   f"got {len(self.state_joints)}")
@@ -435,8 +455,12 @@ class ActionConfig:
         if self.output_dim > self.action_dim:
             raise ConfigError(f"action.output_dim: {self.output_dim} exceeds action_dim {self.action_dim}")
         flow_only = [n for n in ("output_dim", "state_norm", "action_norm") if getattr(self, n)]
-        if flow_only and self.head_type != "flow_matching":
-            raise ConfigError(f"action.{flow_only[0]}: supported for flow_matching heads only")
+        if flow_only and self.head_type != "flow_matching" and not (fast and flow_only[0] != "output_dim"):
+            raise ConfigError(f"action.{flow_only[0]}: supported for flow_matching heads (and state_norm / action_norm "
+                              f"for the fast codec) only")
+        if fast and (self.norm_q01 or self.num_bins != 256 or self.token_vocab_size):
+            raise ConfigError("action.norm_q01 / num_bins / token_vocab_size: bins codec options; the fast codec "
+                              "un-normalises with action_norm")
         if self.norm_q01 and self.published_dim != self.action_dim:
             raise ConfigError("action.norm_q01: not with output_dim (use action_norm, which applies after the cut)")
         if self.action_norm is not None:
@@ -496,6 +520,8 @@ class TokenizerConfig:
                                          "PaliGemma tokenizer adds '<bos>'); empty = none")
     max_instruction_tokens: int = _spec(0, min=0, doc="VLA: the instruction's tokens are cut to this many (LeRobot "
                                                       "pi0: tokenizer_max_length, 48); 0 = no cut")
+    prompt_end_token: str = _spec("", doc="VLA: a special token appended after the cut prompt (pi0-FAST's second "
+                                          "'<bos>'); empty = none")
     prompt_special_tokens: bool = _spec(False, doc="VLA: the prompt gets the special tokens tokenizer.json's "
                                                    "post-processor adds (transformers' tokenizer(text), as LeRobot's "
                                                    "SmolVLA tokenises)")
@@ -873,7 +899,9 @@ class ModelConfig:
 
     # Fields that change no graph: runtime behaviour only.
     _RUNTIME_ONLY = {"action": ("step_period", "seed", "norm_q01", "norm_q99", "norm_mask", "state_joints",
-                                "state_max_age", "output_dim", "state_norm", "action_norm"),
+                                "state_max_age", "output_dim", "state_norm", "action_norm", "token_codec",
+                                "fast_tokenizer", "fast_scale", "fast_min_token", "fast_skip_tokens",
+                                "fast_clean_up_spaces", "max_decoding_steps"),
                      "vision": ("resize", "pad_value", "interpolation", "mean", "std", "max_input_pixels", "cameras",
                                 "camera_max_skew")}
 

@@ -55,6 +55,8 @@ STATE_BINS = 256
 """pi0.5 writes the normalised state into its prompt as bin indices of this many bins over [-1, 1]."""
 PI05_PROMPT = "Task: {instruction}, State: {state};\nAction: "
 """pi0.5's prompt (``tokenizer.prompt_template``; LeRobot's ``Pi05PrepareStateTokenizerProcessorStep``)."""
+PI0_FAST_PROMPT = "Task: {instruction}, State: {state};\n"
+"""pi0-FAST's prompt: pi0.5's without "Action: ", which the model generates before its action tokens."""
 
 
 def state_prompt_text(state: np.ndarray) -> str:

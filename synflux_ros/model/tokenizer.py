@@ -41,6 +41,19 @@ class Tokenizer(abc.ABC):
         """Text as a base model reads a prompt: with the tokens the tokenizer adds around one (a BOS)."""
         return self.encode(text)
 
+    @property
+    def base_vocab_size(self) -> int:
+        """Ids of the vocabulary without the tokens added on top (transformers' ``tokenizer.vocab_size``)."""
+        return self.vocab_size
+
+    def token_id(self, token: str) -> int:
+        """Id of a token of the vocabulary by its text (special or not); KeyError if there is none."""
+        return self.special(token)
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary's text of a token id (transformers' ``convert_ids_to_tokens``)."""
+        return self.decode([token_id])
+
     special_strings: frozenset = frozenset()
     """The text of every special token (a chat message holding one is refused: it would become a token)."""
 
@@ -135,6 +148,13 @@ class HFTokenizer(Tokenizer):
         if i is None:
             raise KeyError(token)
         return i
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.id_to_token(int(token_id)) or ""
+
+    @property
+    def base_vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=False)
 
 
 def load_tokenizer(cfg: ModelConfig, shipped: str = "") -> Tokenizer:

@@ -111,20 +111,16 @@ class VLARuntime(StagedVLA, ModelRuntime):
 
     def _setup(self) -> None:
         cfg = self.cfg
-        self.head = action_head(cfg, self.executor, self.backbone)
+        self.head = action_head(cfg, self.executor, self.backbone, self.tokenizer)
         self.horizon, self.action_dim = cfg.action.action_horizon, cfg.action.published_dim
-        self.maps = StateActionMaps(cfg.action) if cfg.action.head_type == "flow_matching" else None
+        fast = cfg.action.head_type == "autoregressive" and cfg.action.token_codec == "fast"
+        self.maps = StateActionMaps(cfg.action) if cfg.action.head_type == "flow_matching" or fast else None
         self.vision_tokens = cfg.prefix_vision_tokens
         self.max_instruction_tokens = cfg.tokenizer.max_instruction_tokens
-        self.state_in_prompt = cfg.action.head_type == "flow_matching" and cfg.action.state_input == "prompt"
+        self.state_in_prompt = cfg.action.state_input == "prompt"  # pi0.5, pi0-FAST
         self.state_in_prefix = bool(cfg.action.prefix_state_dim)  # SmolVLA: the prefix's last row
-        self.bos: list[int] = []
-        if cfg.tokenizer.instruction_bos:
-            try:
-                self.bos = [self.tokenizer.special(cfg.tokenizer.instruction_bos)]
-            except KeyError:
-                raise ConfigError(f"tokenizer.instruction_bos: the tokenizer has no special token "
-                                  f"{cfg.tokenizer.instruction_bos!r}") from None
+        self.bos = [self._special("instruction_bos")] if cfg.tokenizer.instruction_bos else []
+        self.end = [self._special("prompt_end_token")] if cfg.tokenizer.prompt_end_token else []
         self._instruction: _Instruction | None = None
         self._instr_lock = threading.Lock()
         self.set_instruction(cfg.default_instruction)
@@ -146,7 +142,14 @@ class VLARuntime(StagedVLA, ModelRuntime):
         ids = self.bos + encode(self.cfg.tokenizer.prompt_template.format(**fields))
         if self.max_instruction_tokens:  # cut as LeRobot's tokenizer step does (truncation to its max length)
             ids = ids[:self.max_instruction_tokens]
-        return ids
+        return ids + self.end  # pi0-FAST: one more <bos> after the (padded) prompt
+
+    def _special(self, field: str) -> int:
+        token = getattr(self.cfg.tokenizer, field)
+        try:
+            return self.tokenizer.special(token)
+        except KeyError:
+            raise ConfigError(f"tokenizer.{field}: the tokenizer has no special token {token!r}") from None
 
     def set_instruction(self, text: str) -> None:
         """Tokenise and embed a new instruction once; frames after this call use it. With the state in the
@@ -163,18 +166,20 @@ class VLARuntime(StagedVLA, ModelRuntime):
             self._instruction = _Instruction(text, tuple(ids), embeds)
 
     def _check_prompt_length(self, ids: list[int], what: str) -> None:
-        """ValueError when the prompt's tokens do not fit beside the vision (and action) tokens."""
+        """ValueError when the prompt's tokens do not fit beside the vision tokens (in the largest prefill bucket,
+        for a bidirectional prefix, which is prefilled in one call) and the action tokens after them (in the
+        context)."""
         extra = self.head.context_tokens
-        vision = self.vision_tokens + (1 if self.state_in_prefix else 0)  # the state row follows the prompt
-        limit, room = self.cfg.llm.max_seq_len, "the context of {}"
-        if self.cfg.llm.prefill_attention == "bidirectional":
-            limit = min(limit, self.cfg.llm.prefill_buckets[-1])
-            room = "the largest prefill bucket, {} (a bidirectional prefix is prefilled in one call)"
-        if vision + len(ids) + extra > limit:
-            raise ValueError(f"{what} needs {len(ids)} tokens; with {self.vision_tokens} vision tokens"
-                             f"{' and the state row' if self.state_in_prefix else ''}"
-                             f"{f' and {extra} action tokens' if extra else ''}"
-                             f" that exceeds {room.format(limit)}")
+        prefix = self.vision_tokens + (1 if self.state_in_prefix else 0) + len(ids)  # the state row after the prompt
+        bucket = self.cfg.llm.prefill_buckets[-1] if self.cfg.llm.prefill_attention == "bidirectional" else None
+        for limit, used, room in ((bucket, prefix, "the largest prefill bucket, {} (a bidirectional prefix is "
+                                                   "prefilled in one call)"),
+                                  (self.cfg.llm.max_seq_len, prefix + extra, "the context of {}")):
+            if limit is not None and used > limit:
+                raise ValueError(f"{what} needs {len(ids)} tokens; with {self.vision_tokens} vision tokens"
+                                 f"{' and the state row' if self.state_in_prefix else ''}"
+                                 f"{f' and {extra} action tokens' if extra and room.startswith('the context') else ''}"
+                                 f" that exceeds {room.format(limit)}")
 
     # ---------------------------------------------------------------- stages
     def stage_vision(self, frame: Frame) -> Frame:

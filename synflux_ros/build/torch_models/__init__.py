@@ -102,12 +102,15 @@ def _state_proj(cfg: ModelConfig) -> nn.Module:
 
 
 def _load_lerobot(cfg: ModelConfig, hf_dir: str) -> dict:
-    """The language model, vision encoder and action expert (and SmolVLA's state projection) of a LeRobot
-    pi0 / pi0.5 / SmolVLA checkpoint (``cfg`` must be :func:`config_from_hf` of it), weights loaded; the
-    expert's projections fused for export."""
+    """The language model, vision encoder and action expert (and SmolVLA's state projection; pi0-FAST has no
+    expert) of a LeRobot pi0 / pi0.5 / pi0-FAST / SmolVLA checkpoint (``cfg`` must be :func:`config_from_hf` of
+    it), weights loaded; the expert's projections fused for export."""
     smolvla = is_lerobot_smolvla(hf_dir)
+    flow = cfg.action.head_type == "flow_matching"
     with torch.device("meta"):
-        parts = {"lm": CausalLM(cfg.llm), "vision": VitVisionEncoder(cfg), "expert": ActionExpert(cfg)}
+        parts = {"lm": CausalLM(cfg.llm), "vision": VitVisionEncoder(cfg)}
+        if flow:
+            parts["expert"] = ActionExpert(cfg)
         if smolvla:
             parts["state_proj"] = _state_proj(cfg)
     for module in parts.values():
@@ -115,8 +118,9 @@ def _load_lerobot(cfg: ModelConfig, hf_dir: str) -> dict:
     if smolvla:
         load_lerobot_smolvla(hf_dir, parts["lm"], parts["vision"], parts["expert"], parts["state_proj"])
     else:
-        load_lerobot_pi0(hf_dir, parts["lm"], parts["vision"], parts["expert"])
-    fuse_projections(parts["expert"])
+        load_lerobot_pi0(hf_dir, parts["lm"], parts["vision"], parts.get("expert"))
+    if flow:
+        fuse_projections(parts["expert"])
     return {name: module.eval() for name, module in parts.items()}
 
 
@@ -129,7 +133,8 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
     if hf_dir and (is_lerobot_pi0(hf_dir) or is_lerobot_smolvla(hf_dir)):
         pi0 = _load_lerobot(cfg, hf_dir)
         lm = pi0["lm"]
-        model_type = "lerobot_smolvla" if "state_proj" in pi0 else "lerobot_pi0"
+        model_type = ("lerobot_smolvla" if "state_proj" in pi0 else "lerobot_pi0" if "expert" in pi0
+                      else "lerobot_pi0_fast")
     elif hf_dir:
         model_type, fields, rope = hf_llm_fields(hf_dir)
         _check_matches_checkpoint(cfg, fields, hf_dir)

@@ -18,7 +18,7 @@ import os
 import re
 
 from ...core.config import ConfigError, ModelConfig
-from ...model.normalization import PI05_PROMPT
+from ...model.normalization import PI0_FAST_PROMPT, PI05_PROMPT
 from .checkpoint import copy_checked, read_config, read_json, read_tensors, tensor_files, tensor_shapes
 
 ROOT = "paligemma_with_expert."
@@ -38,7 +38,10 @@ _EXPORT_LAYOUT = ("qkv_t", "q_t", "k_t", "v_t", "o_t", "gate_up_t", "gate_t", "u
 """Suffixes of the export-layout tensors (``decoder.fuse_projections``), derived after loading, not loaded."""
 
 
-POLICY_TYPES = ("pi0", "pi05")
+POLICY_TYPES = ("pi0", "pi05", "pi0_fast")
+FAST_DIR = "fast"
+"""pi0-FAST: the FAST action tokenizer (physical-intelligence/fast: tokenizer.json, processor_config.json), which
+the checkpoint does not hold, in this directory beside it."""
 
 
 def lerobot_policy_type(hf_dir: str) -> str | None:
@@ -146,8 +149,8 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
     name) stay from ``base``."""
     path, top = read_config(hf_dir)
     if top.get("type") not in POLICY_TYPES:
-        raise ConfigError(f"{path}: not a LeRobot pi0 or pi0.5 config (type {top.get('type')!r})")
-    pi05 = top["type"] == "pi05"
+        raise ConfigError(f"{path}: not a LeRobot pi0, pi0.5 or pi0-FAST config (type {top.get('type')!r})")
+    pi05, fast = top["type"] == "pi05", top["type"] == "pi0_fast"
     _, shapes = _shapes(hf_dir)
     emb = _need(shapes, LM_HEAD, hf_dir) if LM_HEAD in shapes else _need(shapes, VLM + "embed_tokens.weight", hf_dir)
     vocab, width = emb
@@ -155,16 +158,8 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
     kv_out = _need(shapes, VLM + "layers.0.self_attn.k_proj.weight", hf_dir)[0]
     heads, kv_heads, head_dim = _head_split(base, q_out, kv_out, str(top.get("paligemma_variant", "")), hf_dir)
     depth = _layers(shapes, VLM)
-    expert_depth = _layers(shapes, EXPERT + "model.")
-    if expert_depth != depth:
-        raise ConfigError(f"{hf_dir}: the action expert has {expert_depth} layers, the language model {depth}; "
-                          f"pi0 pairs them layer by layer")
-    e_width = _need(shapes, "action_in_proj.weight", hf_dir)[0]
-    e_q = _need(shapes, EXPERT + "model.layers.0.self_attn.q_proj.weight", hf_dir)
-    e_k = _need(shapes, EXPERT + "model.layers.0.self_attn.k_proj.weight", hf_dir)
-    if e_q[0] != heads * head_dim or e_k[0] != kv_heads * head_dim:
-        raise ConfigError(f"{hf_dir}: the action expert's attention ({e_q[0]} / {e_k[0]} outputs) does not match "
-                          f"the language model's ({heads} x {head_dim}, {kv_heads} KV heads)")
+    if not fast:
+        _check_expert(shapes, depth, heads * head_dim, kv_heads * head_dim, hf_dir)
     patch = _need(shapes, VISION + "embeddings.patch_embedding.weight", hf_dir)
     v_width, _, p_h, p_w = patch
     positions = _need(shapes, VISION + "embeddings.position_embedding.weight", hf_dir)[0]
@@ -180,11 +175,59 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
     state_feature = features.get("observation.state") or {}
     state_true = int((state_feature.get("shape") or [0])[0])
     action_true = int((((top.get("output_features") or {}).get("action") or {}).get("shape") or [0])[0])
-    # pi0.5's state goes into the prompt, padded to max_state_dim; pi0's state token is state_proj's input
-    max_state = int(top.get("max_state_dim", 32)) if pi05 else _need(shapes, "state_proj.weight", hf_dir)[1]
-    max_action = _need(shapes, "action_in_proj.weight", hf_dir)[1]
+    # pi0.5's and pi0-FAST's state goes into the prompt, padded to max_state_dim; pi0's state token is state_proj's
+    # input. pi0-FAST decodes the true action dimensions.
+    max_state = int(top.get("max_state_dim", 32)) if pi05 or fast else _need(shapes, "state_proj.weight", hf_dir)[1]
+    max_action = action_true if fast else _need(shapes, "action_in_proj.weight", hf_dir)[1]
     if pi05:
         _need(shapes, EXPERT + "model.layers.0.input_layernorm.dense.weight", hf_dir)  # adaptive norms
+    joints = state_joints(base, path, state_true, action_true, max_state, max_action)
+    tokens = (res[0] // p_h) ** 2
+    max_instr = int(top.get("tokenizer_max_length", 200 if pi05 or fast else 48))
+    # The prefix (cameras and the longest instruction) is the whole context: one prefill bucket, and the action
+    # expert's attention span, of its size.
+    prefix = tokens * len(cameras) + max_instr
+    vision = {"architecture": "vit", "resolution": [res[0], res[1]], "tile_size": [res[0], res[1]],
+              "tokens_per_tile": tokens, "patch_size": p_h, "hidden_dim": v_width,
+              "num_layers": _layers(shapes, VISION + "encoder."),
+              "num_heads": base.vision.num_heads if base.vision and v_width % base.vision.num_heads == 0
+              and base.vision.hidden_dim == v_width else SIGLIP_HEADS,
+              "intermediate_size": _need(shapes, VISION + "encoder.layers.0.mlp.fc1.weight", hf_dir)[0],
+              "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "cameras": cameras}
+    llm = {"num_layers": depth, "hidden_dim": width, "num_heads": heads, "num_kv_heads": kv_heads,
+           "head_dim": head_dim, "vocab_size": vocab,
+           "intermediate_size": _need(shapes, VLM + "layers.0.mlp.gate_proj.weight", hf_dir)[0],
+           "architecture": "gemma", "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+           "mrope_section": [], "prefill_attention": "bidirectional"}
+    norms = {"state_norm": _norm("STATE", "observation.state", hf_dir, "policy_preprocessor", "normalizer_processor",
+                                 state_true),
+             "action_norm": _norm("ACTION", "action", hf_dir, "policy_postprocessor", "unnormalizer_processor",
+                                  action_true)}
+    if fast:
+        return _pi0_fast_config(hf_dir, path, top, base, vision, llm, norms, prefix + 1, max_instr, joints, max_state,
+                                action_true)
+    cfg = base.with_overrides(
+        mode="vla",
+        vision=vision,
+        llm={**llm, "prefill_buckets": [prefix], "decode_buckets": [prefix], "max_seq_len": prefix},
+        action={"head_type": "flow_matching", "action_dim": max_action, "output_dim": action_true,
+                "action_horizon": int(top.get("chunk_size", 50)),
+                "num_denoise_steps": int(top.get("num_inference_steps", 10)),
+                "expert_hidden_dim": _need(shapes, "action_in_proj.weight", hf_dir)[0],
+                "expert_intermediate_size": _need(shapes, EXPERT + "model.layers.0.mlp.gate_proj.weight", hf_dir)[0],
+                "state_dim": max_state, "state_joints": joints,
+                "time_conditioning": "adarms" if pi05 else "action_mlp", "state_input": "prompt" if pi05 else "token",
+                "norm_q01": [], "norm_q99": [], "norm_mask": [], **norms},
+        tokenizer={"max_instruction_tokens": max_instr, "prompt_template": PI05_PROMPT if pi05 else "{instruction}\n",
+                   "instruction_bos": "<bos>"},
+    )
+    return cfg
+
+
+def state_joints(base: ModelConfig, path: str, state_true: int, action_true: int, max_state: int,
+                 max_action: int) -> list[str]:
+    """The base config's ``action.state_joints``, checked against the checkpoint's true state size (which names
+    no joints), after the true sizes are checked against the padded ones."""
     if not 0 < action_true <= max_action or not 0 < state_true <= max_state:
         raise ConfigError(f"{path}: state ({state_true}) and action ({action_true}) dimensions must lie in "
                           f"1..{max_state} and 1..{max_action}")
@@ -193,42 +236,59 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
         raise ConfigError(f"{path}: the checkpoint's state has {state_true} values; list their {state_true} joint "
                           f"names (sensor_msgs/JointState names, in the training data's order) in the config's "
                           f"action.state_joints (it has {len(joints)})")
-    tokens = (res[0] // p_h) ** 2
-    max_instr = int(top.get("tokenizer_max_length", 200 if pi05 else 48))
-    # The prefix (cameras and the longest instruction) is the whole context: one prefill bucket, and the action
-    # expert's attention span, of its size.
-    prefix = tokens * len(cameras) + max_instr
-    cfg = base.with_overrides(
-        mode="vla",
-        vision={"architecture": "vit", "resolution": [res[0], res[1]], "tile_size": [res[0], res[1]],
-                "tokens_per_tile": tokens, "patch_size": p_h, "hidden_dim": v_width,
-                "num_layers": _layers(shapes, VISION + "encoder."),
-                "num_heads": base.vision.num_heads if base.vision and v_width % base.vision.num_heads == 0
-                and base.vision.hidden_dim == v_width else SIGLIP_HEADS,
-                "intermediate_size": _need(shapes, VISION + "encoder.layers.0.mlp.fc1.weight", hf_dir)[0],
-                "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "cameras": cameras},
-        llm={"num_layers": depth, "hidden_dim": width, "num_heads": heads, "num_kv_heads": kv_heads,
-             "head_dim": head_dim, "vocab_size": vocab,
-             "intermediate_size": _need(shapes, VLM + "layers.0.mlp.gate_proj.weight", hf_dir)[0],
-             "architecture": "gemma", "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-             "mrope_section": [], "prefill_attention": "bidirectional", "prefill_buckets": [prefix],
-             "decode_buckets": [prefix], "max_seq_len": prefix},
-        action={"head_type": "flow_matching", "action_dim": max_action, "output_dim": action_true,
-                "action_horizon": int(top.get("chunk_size", 50)),
-                "num_denoise_steps": int(top.get("num_inference_steps", 10)),
-                "expert_hidden_dim": e_width,
-                "expert_intermediate_size": _need(shapes, EXPERT + "model.layers.0.mlp.gate_proj.weight", hf_dir)[0],
-                "state_dim": max_state, "state_joints": joints,
-                "time_conditioning": "adarms" if pi05 else "action_mlp", "state_input": "prompt" if pi05 else "token",
-                "norm_q01": [], "norm_q99": [], "norm_mask": [],
-                "state_norm": _norm("STATE", "observation.state", hf_dir, "policy_preprocessor",
-                                    "normalizer_processor", state_true),
-                "action_norm": _norm("ACTION", "action", hf_dir, "policy_postprocessor", "unnormalizer_processor",
-                                     action_true)},
-        tokenizer={"max_instruction_tokens": max_instr, "prompt_template": PI05_PROMPT if pi05 else "{instruction}\n",
-                   "instruction_bos": "<bos>"},
+    return joints
+
+
+def _check_expert(shapes: dict, depth: int, q_out: int, kv_out: int, hf_dir: str) -> None:
+    """pi0's action expert pairs with the language model layer by layer and shares its attention heads."""
+    expert_depth = _layers(shapes, EXPERT + "model.")
+    if expert_depth != depth:
+        raise ConfigError(f"{hf_dir}: the action expert has {expert_depth} layers, the language model {depth}; "
+                          f"pi0 pairs them layer by layer")
+    e_q = _need(shapes, EXPERT + "model.layers.0.self_attn.q_proj.weight", hf_dir)
+    e_k = _need(shapes, EXPERT + "model.layers.0.self_attn.k_proj.weight", hf_dir)
+    if e_q[0] != q_out or e_k[0] != kv_out:
+        raise ConfigError(f"{hf_dir}: the action expert's attention ({e_q[0]} / {e_k[0]} outputs) does not match "
+                          f"the language model's ({q_out} / {kv_out})")
+
+
+def _pi0_fast_config(hf_dir, path, top, base, vision, llm, norms, prefix, max_instr, joints, max_state,
+                     action_dim) -> ModelConfig:
+    """pi0-FAST: the backbone generates FAST tokens after [cameras | <bos> prompt | <bos>] (``prefix`` positions);
+    the cache holds them and ``max_decoding_steps`` more (rounded up to 8 positions: TensorRT's aligned KV views)."""
+    if float(top.get("temperature", 0.0)) != 0.0:
+        raise ConfigError(f"{path}: temperature {top['temperature']}: only greedy decoding (0) is supported")
+    if not top.get("validate_action_token_prefix", True):
+        raise ConfigError(f"{path}: validate_action_token_prefix: false is not supported (the tokens must start "
+                          f"with 'Action:')")
+    fast_dir = os.path.join(hf_dir, FAST_DIR)
+    tokenizer, settings = os.path.join(fast_dir, "tokenizer.json"), os.path.join(fast_dir, "processor_config.json")
+    if not (os.path.isfile(tokenizer) and os.path.isfile(settings)):
+        raise ConfigError(f"{hf_dir}: the FAST action tokenizer is not in {fast_dir}: put the files of "
+                          f"{top.get('action_tokenizer_name', 'physical-intelligence/fast')} (tokenizer.json, "
+                          f"processor_config.json, tokenizer_config.json) there")
+    fast = read_json(settings)
+    if "scale" not in fast or "min_token" not in fast:
+        raise ConfigError(f"{settings}: scale and min_token are needed")
+    clean = os.path.join(fast_dir, "tokenizer_config.json")
+    steps = int(top.get("max_decoding_steps", 256))
+    span = -(-(prefix + steps) // 8) * 8
+    return base.with_overrides(
+        mode="vla", vision=vision,
+        llm={**llm, "prefill_buckets": [prefix], "decode_buckets": [span], "max_seq_len": span},
+        action={"head_type": "autoregressive", "token_codec": "fast", "action_dim": action_dim, "output_dim": 0,
+                "action_horizon": int(top.get("n_action_steps", top.get("chunk_size", 50))),
+                "state_dim": max_state, "state_joints": joints, "state_input": "prompt",
+                "time_conditioning": "action_mlp", "expert_attention": "joint", "action_attention": "bidirectional",
+                "num_bins": 256, "token_vocab_size": 0, "norm_q01": [], "norm_q99": [], "norm_mask": [], **norms,
+                "fast_tokenizer": os.path.abspath(tokenizer), "fast_scale": float(fast["scale"]),
+                "fast_min_token": int(fast["min_token"]), "fast_skip_tokens": int(top.get("fast_skip_tokens", 128)),
+                "fast_clean_up_spaces": bool(read_json(clean).get("clean_up_tokenization_spaces", False))
+                if os.path.isfile(clean) else False,
+                "max_decoding_steps": steps},
+        tokenizer={"max_instruction_tokens": max_instr, "prompt_template": PI0_FAST_PROMPT,
+                   "instruction_bos": "<bos>", "prompt_end_token": "<bos>"},
     )
-    return cfg
 
 
 def _vision_names(key: str) -> str | None:
@@ -240,13 +300,16 @@ def _vision_names(key: str) -> str | None:
     return key
 
 
-def load_lerobot_pi0(hf_dir: str, lm, vision, expert) -> None:
+def load_lerobot_pi0(hf_dir: str, lm, vision, expert=None) -> None:
     """Copy the checkpoint's weights (float32) into the language model (:class:`~.decoder.CausalLM`), the
-    vision encoder and the action expert, each matched strictly by name and shape."""
+    vision encoder and the action expert (none for pi0-FAST, which has none), each matched strictly by name and
+    shape."""
     files, _ = _shapes(hf_dir)
     by_name = {_key(k): k for k in files}
     pi05 = getattr(expert, "adaptive", False)
-    targets = {"language model": (lm, {}), "vision encoder": (vision, {}), "action expert": (expert, {})}
+    targets = {"language model": (lm, {}), "vision encoder": (vision, {})}
+    if expert is not None:
+        targets["action expert"] = (expert, {})
     skipped = (EXPERT + "lm_head.", EXPERT + "model.embed_tokens.")  # unused by pi0 at inference
     unexpected = []
     for name, key in by_name.items():
@@ -261,7 +324,7 @@ def load_lerobot_pi0(hf_dir: str, lm, vision, expert) -> None:
             targets["vision encoder"][1][key] = _vision_names(name[len(VISION):])
         elif name.startswith(PROJECTOR):
             targets["vision encoder"][1][key] = "multi_modal_projector." + name[len(PROJECTOR):]
-        elif name.startswith(EXPERT + "model."):
+        elif name.startswith(EXPERT + "model.") and expert is not None:
             targets["action expert"][1][key] = name[len(EXPERT + "model."):]
         elif pi05 and name.startswith("state_proj."):
             continue  # LeRobot's pi0.5 drops a state projection a checkpoint may carry
@@ -269,14 +332,15 @@ def load_lerobot_pi0(hf_dir: str, lm, vision, expert) -> None:
                                              "action_time_mlp_out"):
             # pi0.5's time MLP (LeRobot renames action_time_mlp_* to it on load)
             targets["action expert"][1][key] = re.sub(r"^action_time_mlp_", "time_mlp_", name)
-        elif name.split(".")[0] in _PROJECTIONS or name.split(".")[0] in ("time_mlp_in", "time_mlp_out"):
+        elif expert is not None and (name.split(".")[0] in _PROJECTIONS or
+                                     name.split(".")[0] in ("time_mlp_in", "time_mlp_out")):
             # older checkpoints name the action-time MLP time_mlp_* (LeRobot renames them on load)
             targets["action expert"][1][key] = re.sub(r"^time_mlp_", "action_time_mlp_", name)
         else:
             unexpected.append(key)
     if unexpected:
-        raise ConfigError(f"{hf_dir}: tensors that are not part of {'pi0.5' if pi05 else 'pi0'}: "
-                          f"{sorted(unexpected)[:8]}")
+        what = "pi0-FAST" if expert is None else "pi0.5" if pi05 else "pi0"
+        raise ConfigError(f"{hf_dir}: tensors that are not part of {what}: {sorted(unexpected)[:8]}")
     for what, (module, wanted) in targets.items():
         params = dict(module.named_parameters(remove_duplicate=False))
         expected = {n for n in params if not n.startswith(("rope_", "lm_head", "head_t"))

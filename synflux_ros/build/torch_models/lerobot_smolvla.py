@@ -20,7 +20,8 @@ import math
 from ...core.config import ConfigError, ModelConfig
 from ...core.contract import TIME_MAX_PERIOD, TIME_MIN_PERIOD
 from .checkpoint import copy_checked, read_config
-from .lerobot_pi0 import _EXPORT_LAYOUT, _key, _layers, _need, _norm, _shapes, _vision_names, lerobot_policy_type
+from .lerobot_pi0 import (
+    _EXPORT_LAYOUT, _key, _layers, _need, _norm, _shapes, _vision_names, lerobot_policy_type, state_joints)
 
 ROOT = "vlm_with_expert."
 VLM = ROOT + "vlm.model."
@@ -156,14 +157,7 @@ def config_from_lerobot_smolvla(hf_dir: str, base: ModelConfig) -> ModelConfig:
     action_true = int((((top.get("output_features") or {}).get("action") or {}).get("shape") or [0])[0])
     max_state = _need(shapes, "state_proj.weight", path)[1]
     max_action = _need(shapes, "action_in_proj.weight", path)[1]
-    if not 0 < action_true <= max_action or not 0 < state_true <= max_state:
-        raise ConfigError(f"{path}: state ({state_true}) and action ({action_true}) dimensions must lie in "
-                          f"1..{max_state} and 1..{max_action}")
-    joints = list(base.action.state_joints) if base.action is not None else []
-    if len(joints) != state_true:
-        raise ConfigError(f"{path}: the checkpoint's state has {state_true} values; list their {state_true} joint "
-                          f"names (sensor_msgs/JointState names, in the training data's order) in the config's "
-                          f"action.state_joints (it has {len(joints)})")
+    joints = state_joints(base, path, state_true, action_true, max_state, max_action)
     tokens = (side // s) ** 2
     max_instr = int(top.get("tokenizer_max_length", 48))
     prefix = tokens * len(cameras) + max_instr + 1  # cameras, the longest instruction, the state row

@@ -177,3 +177,39 @@ def test_a_checkpoint_without_the_model_prefix_loads_too(tmp_path):
     gm = build_graph_modules(cfg, hf_dir=str(tmp_path))
     expert = gm.modules[f"action_expert_{cfg.llm.decode_buckets[0]}"].expert
     np.testing.assert_array_equal(expert.action_out_proj.weight.numpy(), tensors["model.action_out_proj.weight"])
+
+
+def test_a_pi0_fast_checkpoint_imports_as_the_fast_codec(tmp_path):
+    """pi0-FAST: PaliGemma alone (no expert), the state in the prompt, FAST tokens decoded with the tokenizer of
+    fast/ beside the checkpoint; what it cannot run is refused with the reason."""
+    from synflux_ros.model.normalization import PI0_FAST_PROMPT
+    tensors = write_checkpoint(tmp_path)
+    safetensors_torch.save_file({k: v for k, v in tensors.items() if "gemma_expert" not in k
+                                 and not k.startswith(("model.state_proj", "model.action_"))},
+                                str(tmp_path / "model.safetensors"))
+    top = json.loads((tmp_path / "config.json").read_text())
+    top.update({"type": "pi0_fast", "n_action_steps": 8, "max_decoding_steps": 64, "tokenizer_max_length": 30})
+    (tmp_path / "config.json").write_text(json.dumps(top))
+    with pytest.raises(ConfigError, match="the FAST action tokenizer is not in .*fast: put the files of"):
+        config_from_hf(str(tmp_path), base())
+    (tmp_path / "fast").mkdir()
+    (tmp_path / "fast" / "tokenizer.json").write_text("{}")
+    (tmp_path / "fast" / "processor_config.json").write_text(json.dumps({"scale": 12, "min_token": -300}))
+    (tmp_path / "fast" / "tokenizer_config.json").write_text(json.dumps({"clean_up_tokenization_spaces": True}))
+    cfg = config_from_hf(str(tmp_path), base())
+    act, llm = cfg.action, cfg.llm
+    assert (act.head_type, act.token_codec, act.action_dim, act.action_horizon, act.state_input) == \
+        ("autoregressive", "fast", 6, 8, "prompt")
+    assert (act.fast_scale, act.fast_min_token, act.fast_clean_up_spaces, act.max_decoding_steps) == \
+        (12.0, -300, True, 64)
+    assert act.fast_tokenizer == str(tmp_path / "fast" / "tokenizer.json")
+    prefix = 2 * 16 + 30 + 1  # two cameras, the prompt, the second <bos>
+    assert llm.prefill_buckets == (prefix,) and llm.max_seq_len == -(-(prefix + 64) // 8) * 8
+    assert (cfg.tokenizer.prompt_template, cfg.tokenizer.prompt_end_token) == (PI0_FAST_PROMPT, "<bos>")
+    gm = build_graph_modules(cfg, hf_dir=str(tmp_path))
+    assert gm.source["model_type"] == "lerobot_pi0_fast" and any(n.startswith("decode_") for n in gm.modules)
+    for key, value, needle in (("temperature", 0.7, "only greedy decoding"),
+                               ("validate_action_token_prefix", False, "validate_action_token_prefix: false")):
+        (tmp_path / "config.json").write_text(json.dumps({**top, key: value}))
+        with pytest.raises(ConfigError, match=needle):
+            config_from_hf(str(tmp_path), base())

@@ -31,7 +31,7 @@ def test_config_rules():
         with_state(state_joints=["a", "a"])
     with pytest.raises(ConfigError, match="given without action.state_dim"):
         with_state(state_dim=0)
-    with pytest.raises(ConfigError, match="flow_matching heads only"):
+    with pytest.raises(ConfigError, match="supported for flow_matching heads and the fast codec only"):
         load_config(str(CONFIG_DIR / "vla_openvla.yaml")).with_overrides(
             action={"state_dim": 4, "state_joints": ["a"]})
     # the joints and the age limit shape no graph; the state width does
