@@ -78,6 +78,7 @@ $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
 	$(PI0REF_PY) -m pip install --quiet --no-deps $$(grep -E '^lerobot' requirements-pi0ref.txt)
 	$(PI0REF_PY) test/reference/lerobot_pi0.py check 2> $(PI0REF_VENV)/check.log || { cat $(PI0REF_VENV)/check.log; exit 1; }
 	$(PI0REF_PY) test/reference/lerobot_smolvla.py check 2>> $(PI0REF_VENV)/check.log || { cat $(PI0REF_VENV)/check.log; exit 1; }
+	$(PI0REF_PY) test/reference/lerobot_pi0_fast.py check 2>> $(PI0REF_VENV)/check.log || { cat $(PI0REF_VENV)/check.log; exit 1; }
 	touch $@
 
 # The tests import the installed package (with its generated messages), not the source tree.

@@ -527,10 +527,17 @@ def apply_model_dims(dims: dict) -> None:
     at call time, so replacing both there is enough: the first maps the two variant names to the small Gemma sizes,
     the second rewrites the vision config that PaliGemmaWithExpertModel hard-codes to SigLIP So400m.
     """
-    modeling = policy_modules(dims.get("policy", "pi0"))[0]
+    patch_model_dims(policy_modules(dims.get("policy", "pi0"))[0], dims)
 
+
+def patch_model_dims(modeling, dims: dict, set_image_size: bool = False) -> None:
+    """apply_model_dims on the LeRobot modeling module ``modeling``: the Gemma variants are those of the parts of
+    ``dims`` present ("vlm", and "expert" where the policy has an action expert). With ``set_image_size`` the vision
+    config's image_size becomes dims' too (π0 and π0.5 set it from their config themselves)."""
     gemma = {}
     for part in ("vlm", "expert"):
+        if part not in dims:
+            continue
         d = dims[part]
         gemma[d["variant"]] = modeling.GemmaConfig(
             width=d["width"],
@@ -552,6 +559,8 @@ def apply_model_dims(dims: dict) -> None:
 
     def build_paligemma(config):
         vc = config.vision_config
+        if set_image_size:
+            vc.image_size = vision["image_size"]
         vc.hidden_size = vision["hidden_size"]
         vc.num_hidden_layers = vision["num_hidden_layers"]
         vc.num_attention_heads = vision["num_attention_heads"]
@@ -677,33 +686,40 @@ def validate_options(o: dict) -> None:
         raise SystemExit("; ".join(problems))
 
 
-def dims_from_options(o: dict) -> dict:
-    def gemma(variant, width, mlp_dim):
-        return {
-            "variant": variant,
-            "width": width,
-            "depth": o["depth"],  # the VLM and the expert share attention layer by layer
-            "mlp_dim": mlp_dim,
-            "num_heads": o["num_heads"],
-            "num_kv_heads": o["num_kv_heads"],
-            "head_dim": o["head_dim"],
-        }
+def gemma_dims(o: dict, variant: str, width: int, mlp_dim: int) -> dict:
+    """A tiny_dims.json Gemma entry ("vlm" or "expert") of the options ``o``."""
+    return {
+        "variant": variant,
+        "width": width,
+        "depth": o["depth"],  # the VLM and the expert share attention layer by layer
+        "mlp_dim": mlp_dim,
+        "num_heads": o["num_heads"],
+        "num_kv_heads": o["num_kv_heads"],
+        "head_dim": o["head_dim"],
+    }
 
+
+def vision_dims(o: dict) -> dict:
+    """The tiny_dims.json "vision" entry of the options ``o``."""
+    return {
+        "hidden_size": o["vision_width"],
+        "num_hidden_layers": o["vision_depth"],
+        "num_attention_heads": o["vision_heads"],
+        "intermediate_size": o["vision_mlp_dim"],
+        "patch_size": PATCH_SIZE,
+        "image_size": o["image_size"],
+        "num_image_tokens": (o["image_size"] // PATCH_SIZE) ** 2,
+    }
+
+
+def dims_from_options(o: dict) -> dict:
     dims = {
         "format": 1,
         "seed": o["seed"],
         "vocab_size": VOCAB_SIZE,
-        "vlm": gemma("gemma_2b", o["vlm_width"], o["vlm_mlp_dim"]),
-        "expert": gemma("gemma_300m", o["expert_width"], o["expert_mlp_dim"]),
-        "vision": {
-            "hidden_size": o["vision_width"],
-            "num_hidden_layers": o["vision_depth"],
-            "num_attention_heads": o["vision_heads"],
-            "intermediate_size": o["vision_mlp_dim"],
-            "patch_size": PATCH_SIZE,
-            "image_size": o["image_size"],
-            "num_image_tokens": (o["image_size"] // PATCH_SIZE) ** 2,
-        },
+        "vlm": gemma_dims(o, "gemma_2b", o["vlm_width"], o["vlm_mlp_dim"]),
+        "expert": gemma_dims(o, "gemma_300m", o["expert_width"], o["expert_mlp_dim"]),
+        "vision": vision_dims(o),
     }
     if o["policy"] != "pi0":
         dims["policy"] = o["policy"]
