@@ -160,7 +160,7 @@ def _agreement(check: str, a, b, min_agreement: float) -> Comparison:
 def compare_model(cfg: ModelConfig, rt, rt_ref, passes, min_agreement: float) -> list[Comparison]:
     """The whole model on both runtimes: greedy chat tokens (VLM/LLM sets: a conversation of two turns, the
     second reusing the first's cache, and on the backend under test the same turns recomputed without
-    reuse), or action chunks (VLA sets)."""
+    reuse), or action chunks (VLA sets; pi0-FAST's: its generated tokens)."""
     if cfg.mode == "vlm":
         from ..runtimes.vlm import ChatRequest
 
@@ -179,8 +179,13 @@ def compare_model(cfg: ModelConfig, rt, rt_ref, passes, min_agreement: float) ->
               for i in range(FRAMES)]
     rows = []
     state_dim = rt.cfg.action.state_dim
+    fast = rt.cfg.action.head_type == "autoregressive" and rt.cfg.action.token_codec == "fast"
     for i, frame in enumerate(frames):
         state = np.random.default_rng([8, i]).uniform(-1, 1, state_dim).astype(np.float32) if state_dim else None
+        if fast:  # pi0-FAST: the generated tokens (a random model's do not decode to actions)
+            rows.append(_agreement(f"FAST action tokens, frame {i}", rt.action_tokens(frame, i, state),
+                                   rt_ref.action_tokens(frame, i, state), min_agreement))
+            continue
         a = rt.infer(frame, seq=i, state=state).actions
         b = rt_ref.infer(frame, seq=i, state=state).actions
         diff = float(np.max(np.abs(a.astype(np.float64) - b)))

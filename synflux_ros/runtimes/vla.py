@@ -245,6 +245,18 @@ class VLARuntime(StagedVLA, ModelRuntime):
         frame.timings["head_ms"] = (time.perf_counter() - t0) * 1e3
         return frame
 
+    def action_tokens(self, image, seq: int = 0, state: np.ndarray | None = None) -> list[int]:
+        """pi0-FAST (``action.token_codec: fast``): the tokens the head generates for a frame, not decoded (a
+        random model's do not decode; validation and tests compare them)."""
+        generate = getattr(self.head, "generate", None)
+        if generate is None:
+            raise TypeError("action_tokens: the model's action head generates no tokens (action.token_codec fast)")
+        frame = self.stage_backbone(self.stage_vision(Frame(seq, image, state=state)))
+        try:
+            return generate(self.kv_pool.tensor(frame.slot), frame.prefix_len, frame.logits)
+        finally:
+            self.release(frame)
+
     def release(self, frame: Frame) -> None:
         """Give back the KV slot a frame holds (used when a frame fails or is discarded)."""
         if frame.slot is not None:

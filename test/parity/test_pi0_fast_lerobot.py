@@ -13,6 +13,7 @@ tokenizer (a byte-level BPE of vocabulary 2048) written beside it. ``synflux-bui
   after the end token) decode to LeRobot's ``detokenize_actions`` + un-normalisation within float32 rounding.
 * vla_node serves the model over DDS: each frame of the random model is counted as failed, with the reason, and the
   node keeps serving.
+* The same graph set on OpenVINO (synflux-validate): every graph, and the generated tokens.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ pytest.importorskip("onnxruntime")
 from synflux_ros.build import export as build_tool  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.model.normalization import StateActionMaps  # noqa: E402
-from synflux_ros.runtimes.vla import Frame, VLARuntime  # noqa: E402
+from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
 
 from pi0_fast_reference import REF_PY, reference  # noqa: E402
 
@@ -98,11 +99,7 @@ def test_prompt_and_greedy_tokens_equal_lerobots(imported, seed):
     try:
         rt.set_instruction(TASK)
         ids = rt.prompt_ids(TASK, StateActionMaps(cfg.action).state_in(padded))
-        frame = rt.stage_backbone(rt.stage_vision(Frame(0, image, state=padded)))
-        try:
-            tokens = rt.head.generate(rt.kv_pool.tensor(frame.slot), frame.prefix_len, frame.logits)
-        finally:
-            rt.release(frame)
+        tokens = rt.action_tokens(image, state=padded)
         with pytest.raises(ValueError, match="do not start with 'Action:'"):
             rt.head.codec.decode(tokens)
     finally:
@@ -152,6 +149,17 @@ def test_realistic_sequences_decode_to_lerobots_actions(imported):
             assert np.abs(got - chunk).max() <= 0.5 / cfg.action.fast_scale * np.sqrt(cfg.action.action_horizon)
     finally:
         rt.close()
+
+
+def test_the_graph_set_runs_on_openvino_as_on_onnxruntime(imported):
+    """synflux-validate on OpenVINO: every graph within the fp32 bar and the generated FAST tokens equal."""
+    pytest.importorskip("openvino")
+    from synflux_ros.build.validate import validate
+    rows = validate(str(imported["out"]), "openvino")
+    assert not [r for r in rows if not r.passed], [r for r in rows if not r.passed]
+    tokens = [r for r in rows if r.check.startswith("FAST action tokens")]
+    assert tokens and all(r.detail == f"{imported['cfg'].action.max_decoding_steps}/"
+                          f"{imported['cfg'].action.max_decoding_steps} agree" for r in tokens)
 
 
 def test_the_node_counts_undecodable_chunks_and_keeps_serving(imported, start_node, client):
