@@ -280,7 +280,7 @@ def prepare(args) -> tuple[str, str]:
     graphs (built with execution.rtc.guidance vjp; the plain graphs are in it too)."""
     ckpt, _ = pi0.prepare(args)
     stem = pi0._stem(args)
-    base = pi0.base_config(stem + "-base-vjp.yaml", pi0.SIZES[args.size])
+    base = pi0.base_config(stem + "-base-vjp.yaml", args)
     with open(base, encoding="utf-8") as fh:
         raw = yaml.safe_load(fh)
     raw["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
@@ -432,6 +432,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.cameras = [c for c in args.cameras.split(",") if c]
     args.work = os.path.abspath(args.work)
+    args.policy = "pi0"  # bench.pi0's checkpoint and graph set of π0 (its files are named by policy)
     os.makedirs(args.work, exist_ok=True)
     if args.quick:
         cfg, rt = mock_runtime(args.work)
