@@ -84,38 +84,24 @@ def tokens_per_camera(args) -> int:
     return (d["image_size"] // 14) ** 2
 
 
-def smolvla_base_config(path: str, d: dict) -> str:
-    """SmolVLA's: the joint names, the executor, and what SmolVLM's config fixes that the shapes do not (heads,
-    epsilons), at these sizes."""
-    side = d["image_size"]
-    raw = {"name": "smolvla-bench", "mode": "vla",
-           "vision": {"resolution": [side, side], "tile_size": [side, side], "patch_size": d["patch_size"],
-                      "tokens_per_tile": (side // d["patch_size"] // d["scale_factor"]) ** 2,
-                      "hidden_dim": d["vision_width"], "num_layers": d["vision_depth"],
-                      "num_heads": d["vision_heads"], "intermediate_size": d["vision_mlp_dim"]},
-           "llm": {"num_layers": d["num_vlm_layers"], "hidden_dim": d["vlm_width"], "num_heads": d["num_heads"],
-                   "num_kv_heads": d["num_kv_heads"], "head_dim": d["head_dim"], "vocab_size": d["vocab_size"],
-                   "rms_norm_eps": 1e-5, "prefill_buckets": [512], "decode_buckets": [1024], "max_seq_len": 1024,
-                   "architecture": "llama"},
-           "action": {"head_type": "flow_matching", "action_dim": 32, "action_horizon": d["chunk_size"],
-                      "state_dim": 32, "state_joints": JOINTS, "state_max_age": 0.5},
-           "executor": {"backend": "onnxruntime"}}
-    with open(path, "w", encoding="utf-8") as fh:
-        yaml.safe_dump(raw, fh)
-    return path
-
-
-def base_config(path: str, d: dict) -> str:
-    """What the import keeps from the config: the joint names and the executor (the rest comes from the checkpoint;
-    the sizes here only make the base config valid)."""
-    side, tokens = d["image_size"], (d["image_size"] // 14) ** 2
-    raw = {"name": "pi0-bench", "mode": "vla",
-           "vision": {"resolution": [side, side], "tile_size": [side, side], "tokens_per_tile": tokens,
-                      "patch_size": 14, "hidden_dim": d["vision_width"], "num_layers": d["vision_depth"],
-                      "num_heads": d["vision_heads"], "intermediate_size": d["vision_mlp_dim"]},
-           "llm": {"num_layers": d["depth"], "hidden_dim": d["vlm_width"], "num_heads": d["num_heads"],
-                   "num_kv_heads": 1, "head_dim": d["head_dim"], "vocab_size": 257152, "prefill_buckets": [512],
-                   "decode_buckets": [1024], "max_seq_len": 1024, "architecture": "gemma"},
+def base_config(path: str, args) -> str:
+    """What the import keeps from the config: the joint names and the executor, and (SmolVLA) what SmolVLM's
+    config fixes that the shapes do not (heads, epsilons); the rest comes from the checkpoint, the sizes here only
+    make the base config valid."""
+    d, side = sizes(args), sizes(args)["image_size"]
+    vision = {"resolution": [side, side], "tile_size": [side, side], "tokens_per_tile": tokens_per_camera(args),
+              "hidden_dim": d["vision_width"], "num_layers": d["vision_depth"], "num_heads": d["vision_heads"],
+              "intermediate_size": d["vision_mlp_dim"]}
+    llm = {"hidden_dim": d["vlm_width"], "num_heads": d["num_heads"], "head_dim": d["head_dim"],
+           "prefill_buckets": [512], "decode_buckets": [1024], "max_seq_len": 1024}
+    if args.policy == "smolvla":
+        vision["patch_size"] = d["patch_size"]
+        llm.update(num_layers=d["num_vlm_layers"], num_kv_heads=d["num_kv_heads"], vocab_size=d["vocab_size"],
+                   rms_norm_eps=1e-5, architecture="llama")
+    else:
+        vision["patch_size"] = 14
+        llm.update(num_layers=d["depth"], num_kv_heads=1, vocab_size=257152, architecture="gemma")
+    raw = {"name": f"{args.policy}-bench", "mode": "vla", "vision": vision, "llm": llm,
            "action": {"head_type": "flow_matching", "action_dim": 32, "action_horizon": d["chunk_size"],
                       "state_dim": 32, "state_joints": JOINTS, "state_max_age": 0.5},
            "executor": {"backend": "onnxruntime"}}
@@ -141,8 +127,7 @@ def prepare(args) -> tuple[str, str]:
     graphs = stem + "-graphs"
     # synflux-build brings the graph set up to date: a set built from the same config and sources is kept
     from ..build.export import main as build
-    base = (smolvla_base_config if smolvla else base_config)(stem + "-base.yaml", sizes(args))
-    if build(["--config", base, "--out", graphs, "--from-hf", ckpt]):
+    if build(["--config", base_config(stem + "-base.yaml", args), "--out", graphs, "--from-hf", ckpt]):
         raise RuntimeError("synflux-build failed")
     return ckpt, graphs
 
