@@ -179,7 +179,7 @@ def compare_model(cfg: ModelConfig, rt, rt_ref, passes, min_agreement: float) ->
               for i in range(FRAMES)]
     rows = []
     state_dim = rt.cfg.action.state_dim
-    fast = rt.cfg.action.head_type == "autoregressive" and rt.cfg.action.token_codec == "fast"
+    fast = rt.cfg.action.token_codec == "fast"
     for i, frame in enumerate(frames):
         state = np.random.default_rng([8, i]).uniform(-1, 1, state_dim).astype(np.float32) if state_dim else None
         if fast:  # pi0-FAST: the generated tokens (a random model's do not decode to actions)

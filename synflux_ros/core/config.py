@@ -884,6 +884,11 @@ class ModelConfig:
         return dataclasses.replace(self.execution, mode="rtc" if rtc else "replace")
 
     @property
+    def prefix_state_dim(self) -> int:
+        """Length of the prefill graphs' state input (a VLA with ``action.state_input: prefix``), else 0."""
+        return self.action.prefix_state_dim if self.mode == "vla" and self.action is not None else 0
+
+    @property
     def prefix_vision_tokens(self) -> int:
         """VLA: vision tokens at the start of every prefix (all cameras)."""
         return self.vision.num_tokens * self.vision.num_cameras if self.vision is not None else 0

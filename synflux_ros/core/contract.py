@@ -169,8 +169,7 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
             (TensorSpec("vision_embeds", (vis.num_tokens, H), F32), *deepstack_out),
             file="vision_encoder.onnx"))
     act = cfg.action
-    prefix_state = (TensorSpec("state", (1, act.prefix_state_dim), F32),) \
-        if cfg.mode == "vla" and act is not None and act.prefix_state_dim else ()
+    prefix_state = (TensorSpec("state", (1, cfg.prefix_state_dim), F32),) if cfg.prefix_state_dim else ()
     for p in llm.prefill_buckets:
         graphs.append(GraphMeta(
             f"embed_{p}", "embed", (TensorSpec("input_ids", (1, p), ids),),

@@ -31,7 +31,7 @@ class LLMBackbone:
         self.mrope = bool(cfg.llm.mrope_section)
         self.bidirectional = cfg.llm.prefill_attention == "bidirectional"
         self.num_deepstack = cfg.vision.num_deepstack if cfg.vision is not None else 0
-        self.prefix_state_dim = cfg.action.prefix_state_dim if cfg.mode == "vla" and cfg.action is not None else 0
+        self.prefix_state_dim = cfg.prefix_state_dim
         # Token ids are fed in the dtype the graphs declare (llm.token_id_dtype: int64 or int32).
         self.id_dtype = np.dtype(self._id_dtype(executor, cfg))
         # (decode graph, slot) -> (the graph bound to the slot, whether it appends to the slot itself)

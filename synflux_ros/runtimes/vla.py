@@ -113,12 +113,12 @@ class VLARuntime(StagedVLA, ModelRuntime):
         cfg = self.cfg
         self.head = action_head(cfg, self.executor, self.backbone, self.tokenizer)
         self.horizon, self.action_dim = cfg.action.action_horizon, cfg.action.published_dim
-        fast = cfg.action.head_type == "autoregressive" and cfg.action.token_codec == "fast"
+        fast = cfg.action.token_codec == "fast"  # (an autoregressive head's codec)
         self.maps = StateActionMaps(cfg.action) if cfg.action.head_type == "flow_matching" or fast else None
         self.vision_tokens = cfg.prefix_vision_tokens
         self.max_instruction_tokens = cfg.tokenizer.max_instruction_tokens
         self.state_in_prompt = cfg.action.state_input == "prompt"  # pi0.5, pi0-FAST
-        self.state_in_prefix = bool(cfg.action.prefix_state_dim)  # SmolVLA: the prefix's last row
+        self.state_in_prefix = bool(cfg.prefix_state_dim)  # SmolVLA: the prefix's last row
         self.bos = [self._special("instruction_bos")] if cfg.tokenizer.instruction_bos else []
         self.end = [self._special("prompt_end_token")] if cfg.tokenizer.prompt_end_token else []
         self._instruction: _Instruction | None = None

@@ -53,7 +53,7 @@ def profiled_io(cfg: ModelConfig, kind: str) -> tuple[list[tuple[str, tuple, str
     if kind == "embed":
         return [("input_ids", (1, "T"), llm.token_id_dtype)], [("inputs_embeds", (1, "T", H), "float32")]
     if kind == "llm":
-        state = act.prefix_state_dim if cfg.mode == "vla" and act is not None else 0
+        state = cfg.prefix_state_dim
         ins = [("inputs_embeds", (1, "T", H), "float32"), ("num_tokens", (1,), "int64"),
                ("cache_position", (1,), "int64"), *_kv_views(cfg), span,
                *([("state", (1, state), "float32")] if state else [])]
@@ -109,7 +109,7 @@ def _module(cfg: ModelConfig, kind: str, modules):
         return ProfiledEmbed(lm).eval()
     if kind == "llm":
         state_proj = next((m.state_proj for m in mods.values() if getattr(m, "state_proj", None) is not None), None)
-        if cfg.mode == "vla" and cfg.action is not None and cfg.action.prefix_state_dim and state_proj is None:
+        if cfg.prefix_state_dim and state_proj is None:
             raise BuildError("no prefill module with the state projection (action.state_input: prefix) to build the "
                              "llm graph from")
         prefill = next((m for m in mods.values() if getattr(m, "expert", None) is not None and hasattr(m, "lm")), None)

@@ -98,7 +98,7 @@ def _check_matches_checkpoint(cfg: ModelConfig, fields: dict, hf_dir: str) -> No
 
 def _state_proj(cfg: ModelConfig) -> nn.Module:
     """The prefill graphs' projection of the robot state into the prefix (``action.state_input: prefix``)."""
-    return nn.Linear(cfg.action.prefix_state_dim, cfg.llm.hidden_dim)
+    return nn.Linear(cfg.prefix_state_dim, cfg.llm.hidden_dim)
 
 
 def _load_lerobot(cfg: ModelConfig, hf_dir: str) -> dict:
@@ -161,7 +161,7 @@ def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
                            fuse_projections(_random(lambda: ActionExpert(cfg, rope), seed, "action_expert")))
         return experts[0]
 
-    cross = cfg.mode == "vla" and cfg.action.head_type == "flow_matching" and cfg.action.expert_attention == "cross_attn"
+    cross = cfg.mode == "vla" and cfg.action.expert_attention == "cross_attn"  # (flow-matching heads only)
     for meta in metas:
         bucket = meta.attrs.get("bucket")
         if meta.kind == "vision_encoder" and cfg.vision.architecture == "qwen3_vl":

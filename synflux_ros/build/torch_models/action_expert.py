@@ -49,9 +49,9 @@ class CrossAttention(Attention):
     """SmolVLA's cross-attention: queries from the action tokens, keys and values re-projected from a backbone
     layer's cached keys and values ([KV, S, Dh] each, flattened per position head-major to KV * Dh)."""
 
-    def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool, eps: float,
-                 unit_offset: bool):
-        super().__init__(width, num_heads, num_kv_heads, head_dim, qk_norm, eps, unit_offset)
+    def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        # no q/k norms and no biases: cross_attn is for llama and gemma backbones (core.config)
+        super().__init__(width, num_heads, num_kv_heads, head_dim, False, 0.0, False)
         kv = num_kv_heads * head_dim
         self.k_proj = nn.Linear(kv, kv, bias=False)
         self.v_proj = nn.Linear(kv, kv, bias=False)
@@ -70,10 +70,7 @@ class CrossAttention(Attention):
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, W] -> q [nh, T, Dh] after RoPE."""
         q = (torch.matmul(x, self.q_t) if self.q_t is not None else self.q_proj(x))
-        q = q.reshape(x.shape[0], self.num_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        return apply_rope(q.transpose(0, 1), cos, sin)
+        return apply_rope(q.reshape(x.shape[0], self.num_heads, self.head_dim).transpose(0, 1), cos, sin)
 
     def keys_values(self, past_k: torch.Tensor, past_v: torch.Tensor):
         """Cached keys/values [KV, S, Dh] -> this layer's keys/values [KV, S, Dh] (no RoPE)."""
@@ -115,9 +112,7 @@ class ActionExpert(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.join_past = True  # a prefix of a few hundred keys, joined with the chunk's own each step
             if self.cross[i]:
-                layer.self_attn = CrossAttention(width, llm.num_heads, llm.num_kv_heads, llm.head_dim,
-                                                 layer.self_attn.q_norm is not None, llm.rms_norm_eps,
-                                                 llm.architecture in GEMMA_FAMILY)
+                layer.self_attn = CrossAttention(width, llm.num_heads, llm.num_kv_heads, llm.head_dim)
         self.causal = act.action_attention == "causal"
         self.norm = AdaRMSNorm(width, llm.rms_norm_eps, cond) if self.adaptive else \
             RMSNorm(width, llm.rms_norm_eps, llm.architecture in GEMMA_FAMILY)

@@ -206,7 +206,7 @@ class _CrossLayer(_Layer):
     def _queries_keys_values(self, att, h1, past_k, past_v):
         n, nh, kvh, dh = self.shape
         self.q = att.q_t if att.q_t is not None else att.q_proj.weight.t()
-        q = att.query(h1, self.cos, self.sin)  # no q norm: cross_attn is for llama and gemma backbones
+        q = att.query(h1, self.cos, self.sin)
         return q.reshape(kvh, nh // kvh, n, dh), past_k, past_v  # the prefill's projections (project_prefix)
 
     def _attention_back(self, dctx, dscores):

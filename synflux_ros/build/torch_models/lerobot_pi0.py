@@ -18,6 +18,7 @@ import os
 import re
 
 from ...core.config import ConfigError, ModelConfig
+from ...model.heads.fast import fast_settings
 from ...model.normalization import PI0_FAST_PROMPT, PI05_PROMPT
 from .checkpoint import copy_checked, read_config, read_json, read_tensors, tensor_files, tensor_shapes
 
@@ -267,9 +268,7 @@ def _pi0_fast_config(hf_dir, path, top, base, vision, llm, norms, prefix, max_in
         raise ConfigError(f"{hf_dir}: the FAST action tokenizer is not in {fast_dir}: put the files of "
                           f"{top.get('action_tokenizer_name', 'physical-intelligence/fast')} (tokenizer.json, "
                           f"processor_config.json, tokenizer_config.json) there")
-    fast = read_json(settings)
-    if "scale" not in fast or "min_token" not in fast:
-        raise ConfigError(f"{settings}: scale and min_token are needed")
+    fast = fast_settings(settings)
     clean = os.path.join(fast_dir, "tokenizer_config.json")
     steps = int(top.get("max_decoding_steps", 256))
     span = -(-(prefix + steps) // 8) * 8
@@ -281,8 +280,8 @@ def _pi0_fast_config(hf_dir, path, top, base, vision, llm, norms, prefix, max_in
                 "state_dim": max_state, "state_joints": joints, "state_input": "prompt",
                 "time_conditioning": "action_mlp", "expert_attention": "joint", "action_attention": "bidirectional",
                 "num_bins": 256, "token_vocab_size": 0, "norm_q01": [], "norm_q99": [], "norm_mask": [], **norms,
-                "fast_tokenizer": os.path.abspath(tokenizer), "fast_scale": float(fast["scale"]),
-                "fast_min_token": int(fast["min_token"]), "fast_skip_tokens": int(top.get("fast_skip_tokens", 128)),
+                "fast_tokenizer": os.path.abspath(tokenizer), "fast_scale": fast["scale"],
+                "fast_min_token": fast["min_token"], "fast_skip_tokens": int(top.get("fast_skip_tokens", 128)),
                 "fast_clean_up_spaces": bool(read_json(clean).get("clean_up_tokenization_spaces", False))
                 if os.path.isfile(clean) else False,
                 "max_decoding_steps": steps},

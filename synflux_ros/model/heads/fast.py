@@ -52,6 +52,7 @@ class FastCodec:
         if not os.path.isfile(fast_tokenizer):
             raise ConfigError(f"action.fast_tokenizer: {fast_tokenizer!r} is not a file (the FAST tokenizer.json)")
         self.bpe = _Tok.from_file(fast_tokenizer)
+        self.fast_vocab = self.bpe.get_vocab_size(with_added_tokens=True)
         self.tokenizer = tokenizer
         self.horizon, self.dim = horizon, dim
         self.scale, self.min_token, self.skip = float(scale), int(min_token), int(skip_tokens)
@@ -81,7 +82,7 @@ class FastCodec:
             out.append(ids[i])
             i += 1
         fast = [self.vocab_size - 1 - self.skip - t for t in out]
-        bad = [f for f in fast if not 0 <= f < self.bpe.get_vocab_size(with_added_tokens=True)]
+        bad = [f for f in fast if not 0 <= f < self.fast_vocab]
         if bad:
             raise ValueError(f"{len(bad)} generated ids map outside the FAST vocabulary (e.g. FAST id {bad[0]})")
         return fast
