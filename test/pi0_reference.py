@@ -52,3 +52,54 @@ def base_config(path: Path, execution: dict | None = None) -> str:
         raw["execution"] = execution
     path.write_text(yaml.safe_dump(raw))
     return str(path)
+
+
+RTC_CASES = [("linear", 2, 6, 10.0), ("exp", 3, 8, 5.0)]  # schedule, inference delay, execution horizon, weight
+"""The Real-Time Chunking cases the flow-matching parity tests compare with LeRobot's."""
+
+
+def check_rtc_against_lerobot(s: dict, guidance: str, base, instruction: str, image, state, run_lerobot,
+                              tolerance: float) -> None:
+    """RTC through the imported graph set (``s``: out, tmp, ckpt, cfg) equals LeRobot's RTC for :data:`RTC_CASES`,
+    and each guided chunk differs from the plain one. With the ``vjp`` guidance the checkpoint is imported again
+    with ``base(path, execution)`` asking for its action_expert_vjp graphs. ``image``: one, or a list per camera;
+    ``state``: the raw joint state; ``run_lerobot(noise, cases, leftover)`` returns LeRobot's arrays."""
+    import json
+
+    import numpy as np
+
+    from synflux_ros.build import export as build_tool
+    from synflux_ros.core.config import load_config
+    from synflux_ros.model.heads.rtc import RTCGuidance
+    from synflux_ros.runtimes.vla import VLARuntime
+
+    cfg = s["cfg"]
+    if guidance == "vjp":
+        out = s["tmp"] / "graphs-vjp"
+        assert build_tool.main(["--config", base(s["tmp"] / "base-vjp.yaml", {"rtc": {"guidance": "vjp"}}),
+                                "--out", str(out), "--from-hf", str(s["ckpt"]), "--backend", "onnxruntime"]) == 0
+        cfg = load_config(str(out / "config.yaml"))
+        names = [m["name"] for m in json.loads((out / "manifest.json").read_text())["graphs"]]
+        assert any(n.startswith("action_expert_vjp_") for n in names), names  # execution.mode auto: rtc
+    padded = np.r_[state, np.zeros(cfg.action.state_dim - len(state), np.float32)]
+    rt = VLARuntime(cfg)
+    try:
+        rt.set_instruction(instruction)
+        leftover = rt.infer(image, seq=4, state=padded - 0.2).raw_actions[3:]
+        plain = rt.infer(image, seq=5, state=padded)
+        guided = [rt.infer(image, seq=5, state=padded, rtc=RTCGuidance(
+            leftover, inference_delay=d, execution_horizon=h, schedule=sch, max_guidance_weight=w,
+            flavour=guidance)) for sch, d, h, w in RTC_CASES]
+    finally:
+        rt.close()
+    noise = np.random.default_rng(cfg.action.seed + 5).standard_normal(
+        (cfg.action.action_horizon, cfg.action.action_dim)).astype(np.float32)
+    cases = [{"prev_chunk": "prev_chunk", "inference_delay": d, "execution_horizon": h, "schedule": sch.upper(),
+              "max_guidance_weight": w, "guidance": guidance} for sch, d, h, w in RTC_CASES]
+    want = run_lerobot(noise, cases, leftover)
+    np.testing.assert_allclose(plain.actions, want["actions"], atol=tolerance * max(1.0, np.abs(want["actions"]).max()))
+    for i, frame in enumerate(guided):
+        ref = want[f"actions_rtc_{i}"]
+        err = float(np.abs(frame.actions - ref).max())
+        assert err <= tolerance * max(1.0, float(np.abs(ref).max())), (RTC_CASES[i], err)
+        assert np.abs(frame.actions - plain.actions).max() > 100 * tolerance, RTC_CASES[i]

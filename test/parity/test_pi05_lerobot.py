@@ -27,20 +27,18 @@ from rclpy.qos import qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
 from synflux_ros.build import export as build_tool  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
-from synflux_ros.model.heads.rtc import RTCGuidance  # noqa: E402
 from synflux_ros.model.normalization import StateActionMaps, state_prompt_text  # noqa: E402
 from synflux_ros.model.tokenizer import load_tokenizer  # noqa: E402
 from synflux_ros.msg import ActionChunk  # noqa: E402
-from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
 from synflux_ros.tools import harness as testing  # noqa: E402
 from synflux_ros.tools.harness import chunk_for_frame, spin_until  # noqa: E402
 
 from checkpoints import write_tokenizer  # noqa: E402
-from pi0_reference import JOINTS, REF_PY, SIDE, base_config, random_frame, reference  # noqa: E402
+from pi0_reference import (  # noqa: E402
+    JOINTS, REF_PY, SIDE, base_config, check_rtc_against_lerobot, random_frame, reference)
 
 INSTRUCTION = "pick up the red block"
 TOLERANCE = 1e-4
-RTC_CASES = [("linear", 2, 6, 10.0), ("exp", 3, 8, 5.0)]  # schedule, inference delay, execution horizon, weight
 
 pytestmark = [pytest.mark.reference,
               pytest.mark.skipif(not REF_PY.exists(), reason="the LeRobot reference venv is missing "
@@ -148,33 +146,9 @@ def test_real_time_chunking_equals_lerobots(imported, guidance):
     does, for two schedules and delays: the lerobot guidance, and the vjp guidance (its action_expert_vjp graphs,
     through the adaptive norms) against the same step with torch autograd through LeRobot's π0.5; the guided
     chunks differ from the plain one."""
-    s, cfg = imported, imported["cfg"]
-    if guidance == "vjp":
-        out = s["tmp"] / "graphs-vjp"
-        assert build_tool.main(["--config", base_config(s["tmp"] / "base-vjp.yaml", {"rtc": {"guidance": "vjp"}}),
-                                "--out", str(out), "--from-hf", str(s["ckpt"]), "--backend", "onnxruntime"]) == 0
-        cfg = load_config(str(out / "config.yaml"))
-        names = [m["name"] for m in json.loads((out / "manifest.json").read_text())["graphs"]]
-        assert any(n.startswith("action_expert_vjp_") for n in names), names  # execution.mode auto: rtc
-    image, state, padded = random_frame(21, cfg.action.state_dim)
-    rt = VLARuntime(cfg)
-    try:
-        rt.set_instruction(INSTRUCTION)
-        leftover = rt.infer(image, seq=4, state=padded - 0.2).raw_actions[3:]
-        plain = rt.infer(image, seq=5, state=padded)
-        guided = [rt.infer(image, seq=5, state=padded, rtc=RTCGuidance(
-            leftover, inference_delay=d, execution_horizon=h, schedule=sch, max_guidance_weight=w,
-            flavour=guidance)) for sch, d, h, w in RTC_CASES]
-    finally:
-        rt.close()
-    noise = np.random.default_rng(cfg.action.seed + 5).standard_normal(
-        (cfg.action.action_horizon, cfg.action.action_dim)).astype(np.float32)
-    cases = [{"prev_chunk": "prev_chunk", "inference_delay": d, "execution_horizon": h, "schedule": sch.upper(),
-              "max_guidance_weight": w, "guidance": guidance} for sch, d, h, w in RTC_CASES]
-    _, want = lerobot(s, f"rtc-{guidance}", image, state, prompt(s, state)[1], noise, rtc=cases, prev=leftover)
-    np.testing.assert_allclose(plain.actions, want["actions"], atol=TOLERANCE * max(1.0, np.abs(want["actions"]).max()))
-    for i, frame in enumerate(guided):
-        ref = want[f"actions_rtc_{i}"]
-        err = float(np.abs(frame.actions - ref).max())
-        assert err <= TOLERANCE * max(1.0, float(np.abs(ref).max())), (RTC_CASES[i], err)
-        assert np.abs(frame.actions - plain.actions).max() > 100 * TOLERANCE, RTC_CASES[i]
+    s = imported
+    image, state, _ = random_frame(21, s["cfg"].action.state_dim)
+
+    def run_lerobot(noise, cases, leftover):
+        return lerobot(s, f"rtc-{guidance}", image, state, prompt(s, state)[1], noise, rtc=cases, prev=leftover)[1]
+    check_rtc_against_lerobot(s, guidance, base_config, INSTRUCTION, image, state, run_lerobot, TOLERANCE)

@@ -30,7 +30,6 @@ from rclpy.qos import qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
 from synflux_ros.build import export as build_tool  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
-from synflux_ros.model.heads.rtc import RTCGuidance  # noqa: E402
 from synflux_ros.model.tokenizer import load_tokenizer  # noqa: E402
 from synflux_ros.msg import ActionChunk  # noqa: E402
 from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
@@ -38,6 +37,7 @@ from synflux_ros.tools import harness as testing  # noqa: E402
 from synflux_ros.tools.harness import chunk_for_frame, spin_until  # noqa: E402
 
 from checkpoints import write_tokenizer  # noqa: E402
+from pi0_reference import check_rtc_against_lerobot  # noqa: E402
 from smolvla_reference import REF_PY, reference  # noqa: E402
 
 INSTRUCTION = "pick up the red block"
@@ -45,7 +45,6 @@ TOLERANCE = 1e-4
 CAMERAS = ("top", "wrist")
 JOINTS = [f"joint_{i}" for i in range(7)]
 SIDE = 48  # the checkpoint's image size: 6x6 patches of 8, shuffled by 2 into 3x3 tokens per camera
-RTC_CASES = [("linear", 2, 6, 10.0), ("exp", 3, 8, 5.0)]  # schedule, inference delay, execution horizon, weight
 
 pytestmark = [pytest.mark.reference,
               pytest.mark.skipif(not REF_PY.exists(), reason="the LeRobot reference venv is missing "
@@ -202,37 +201,12 @@ def test_real_time_chunking_equals_lerobots(imported, guidance):
     and delays, with the lerobot guidance and with the vjp guidance (its action_expert_vjp graphs, through the
     cross-attention layers and the causal action tokens) against LeRobot's step with torch autograd; the guided
     chunks differ from the plain one."""
-    s, cfg = imported, imported["cfg"]
-    if guidance == "vjp":
-        out = s["tmp"] / "graphs-vjp"
-        assert build_tool.main(["--config", base_config(s["tmp"] / "base-vjp.yaml", {"rtc": {"guidance": "vjp"}}),
-                                "--out", str(out), "--from-hf", str(s["ckpt"]), "--backend", "onnxruntime"]) == 0
-        cfg = load_config(str(out / "config.yaml"))
-        names = [m["name"] for m in json.loads((out / "manifest.json").read_text())["graphs"]]
-        assert any(n.startswith("action_expert_vjp_") for n in names), names
+    s = imported
     images, state = frame_inputs(21)
-    padded = np.r_[state, np.zeros(cfg.action.state_dim - len(state), np.float32)]
-    rt = VLARuntime(cfg)
-    try:
-        rt.set_instruction(INSTRUCTION)
-        leftover = rt.infer(images, seq=4, state=padded - 0.2).raw_actions[3:]
-        plain = rt.infer(images, seq=5, state=padded)
-        guided = [rt.infer(images, seq=5, state=padded, rtc=RTCGuidance(
-            leftover, inference_delay=d, execution_horizon=h, schedule=sch, max_guidance_weight=w,
-            flavour=guidance)) for sch, d, h, w in RTC_CASES]
-    finally:
-        rt.close()
-    noise = np.random.default_rng(cfg.action.seed + 5).standard_normal(
-        (cfg.action.action_horizon, cfg.action.action_dim)).astype(np.float32)
-    cases = [{"prev_chunk": "prev_chunk", "inference_delay": d, "execution_horizon": h, "schedule": sch.upper(),
-              "max_guidance_weight": w, "guidance": guidance} for sch, d, h, w in RTC_CASES]
-    _, want = lerobot(s, f"rtc-{guidance}", images, state, prompt_ids(s), noise, rtc=cases, prev=leftover)
-    np.testing.assert_allclose(plain.actions, want["actions"], atol=TOLERANCE * max(1.0, np.abs(want["actions"]).max()))
-    for i, frame in enumerate(guided):
-        ref = want[f"actions_rtc_{i}"]
-        err = float(np.abs(frame.actions - ref).max())
-        assert err <= TOLERANCE * max(1.0, float(np.abs(ref).max())), (RTC_CASES[i], err)
-        assert np.abs(frame.actions - plain.actions).max() > 100 * TOLERANCE, RTC_CASES[i]
+
+    def run_lerobot(noise, cases, leftover):
+        return lerobot(s, f"rtc-{guidance}", images, state, prompt_ids(s), noise, rtc=cases, prev=leftover)[1]
+    check_rtc_against_lerobot(s, guidance, base_config, INSTRUCTION, images, state, run_lerobot, TOLERANCE)
 
 
 def test_self_attn_mode_equals_lerobot(imported):

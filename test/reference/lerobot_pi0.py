@@ -644,16 +644,48 @@ def gather_options(args, defaults: dict) -> dict:
     return opts
 
 
-def checkpoint_options(args) -> dict:
-    """Defaults, then the --options JSON (inline or @file), then explicit flags."""
-    opts = gather_options(args, CHECKPOINT_DEFAULTS)
+def checkpoint_options(args, defaults: dict | None = None, validate=None) -> dict:
+    """Defaults (π0's, or a policy's own ``defaults`` checked by its ``validate``), then the --options JSON (inline
+    or @file), then explicit flags; n_action_steps defaults to chunk_size, the norms to the policy's."""
+    opts = gather_options(args, CHECKPOINT_DEFAULTS if defaults is None else defaults)
     if opts["n_action_steps"] is None:
         opts["n_action_steps"] = opts["chunk_size"]
     for key in ("state_norm", "action_norm"):
         if opts[key] is None:
-            opts[key] = POLICY_NORMS.get(opts["policy"], "MEAN_STD")
-    validate_options(opts)
+            opts[key] = POLICY_NORMS.get(opts.get("policy"), "MEAN_STD")
+    (validate or validate_options)(opts)
     return opts
+
+
+def feature_config(opts: dict) -> dict:
+    """The config fields of a small LeRobot policy's features: its cameras (square images of ``image_size``), its
+    state and action sizes and their normalisation modes; on the CPU."""
+    from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
+    size = opts["image_size"]
+    inputs = {f"observation.images.{cam}": PolicyFeature(type=FeatureType.VISUAL, shape=(3, size, size))
+              for cam in opts["cameras"]}
+    inputs["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(opts["state_dim"],))
+    return {"input_features": inputs,
+            "output_features": {"action": PolicyFeature(type=FeatureType.ACTION, shape=(opts["action_dim"],))},
+            "normalization_mapping": {"VISUAL": NormalizationMode.IDENTITY,
+                                      "STATE": NormalizationMode(opts["state_norm"]),
+                                      "ACTION": NormalizationMode(opts["action_norm"])},
+            "device": "cpu"}
+
+
+def dataset_stats(opts: dict) -> dict:
+    """Seeded statistics of the state and the actions, for every normalisation mode."""
+    rng = np.random.default_rng(opts["seed"])
+    return {"observation.state": make_stats(rng, opts["state_dim"]), "action": make_stats(rng, opts["action_dim"])}
+
+
+def save_checkpoint(out: Path, policy, preprocessor, postprocessor, dims: dict, dims_file: str = DIMS_FILE) -> None:
+    """The policy and its processors saved by LeRobot, and the sidecar of the sizes LeRobot's config cannot name."""
+    out.mkdir(parents=True, exist_ok=True)
+    policy.save_pretrained(out)
+    preprocessor.save_pretrained(out)
+    postprocessor.save_pretrained(out)
+    (out / dims_file).write_text(json.dumps(dims, indent=2) + "\n")
 
 
 def validate_options(o: dict) -> None:
@@ -833,17 +865,11 @@ def make_checkpoint(args) -> dict:
 
     opts = checkpoint_options(args)
     semantics = prepare_lerobot(args.transformers_shim)
-    from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
 
     _, policy_cls, config_cls, make_processors = policy_modules(opts["policy"])
     dims = dims_from_options(opts)
     apply_model_dims(dims)
     size = opts["image_size"]
-    input_features = {
-        f"observation.images.{cam}": PolicyFeature(type=FeatureType.VISUAL, shape=(3, size, size))
-        for cam in opts["cameras"]
-    }
-    input_features["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(opts["state_dim"],))
     extra = {}
     if opts["tokenizer_max_length"] is not None:
         extra["tokenizer_max_length"] = opts["tokenizer_max_length"]
@@ -857,34 +883,17 @@ def make_checkpoint(args) -> dict:
         max_action_dim=opts["max_action_dim"],
         num_inference_steps=opts["num_inference_steps"],
         image_resolution=(size, size),
-        input_features=input_features,
-        output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(opts["action_dim"],))},
-        normalization_mapping={
-            "VISUAL": NormalizationMode.IDENTITY,
-            "STATE": NormalizationMode(opts["state_norm"]),
-            "ACTION": NormalizationMode(opts["action_norm"]),
-        },
-        device="cpu",
+        **feature_config(opts),
         **extra,
     )
     torch.manual_seed(opts["seed"])
     policy = policy_cls(config)
     randomize_weights(policy, opts["seed"])
-
-    rng = np.random.default_rng(opts["seed"])
-    stats = {
-        "observation.state": make_stats(rng, opts["state_dim"]),
-        "action": make_stats(rng, opts["action_dim"]),
-    }
     with tokenizer_not_loaded():
-        preprocessor, postprocessor = make_processors(config, dataset_stats=stats)
+        preprocessor, postprocessor = make_processors(config, dataset_stats=dataset_stats(opts))
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    policy.save_pretrained(out)
-    preprocessor.save_pretrained(out)
-    postprocessor.save_pretrained(out)
-    (out / DIMS_FILE).write_text(json.dumps(dims, indent=2) + "\n")
+    save_checkpoint(out, policy, preprocessor, postprocessor, dims)
     result = {"checkpoint": str(out), "semantics": semantics, "files": sorted(p.name for p in out.iterdir())}
     if opts["policy"] != "pi0":
         result["policy"] = opts["policy"]

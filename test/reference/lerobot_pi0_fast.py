@@ -143,15 +143,17 @@ from lerobot_pi0 import (  # noqa: E402  (also sets HF_HUB_OFFLINE: nothing here
     PATCH_SIZE,
     VOCAB_SIZE,
     add_option_flags,
-    gather_options,
+    checkpoint_options,
+    dataset_stats,
+    feature_config,
     gemma_dims,
     install_torchvision_placeholder,
     load_processors,
-    make_stats,
     patch_model_dims,
     prepare_lerobot,
     print_result,
     randomize_weights,
+    save_checkpoint,
     verify_weights,
     vision_dims,
 )
@@ -512,15 +514,6 @@ LEROBOT_DEFAULTS = ("tokenizer_max_length", "max_action_tokens", "max_decoding_s
                     "validate_action_token_prefix", "use_kv_cache")
 
 
-def checkpoint_options(args) -> dict:
-    """Defaults, then the --options JSON (inline or @file), then explicit flags."""
-    opts = gather_options(args, CHECKPOINT_DEFAULTS)
-    if opts["n_action_steps"] is None:
-        opts["n_action_steps"] = opts["chunk_size"]
-    validate_options(opts)
-    return opts
-
-
 def validate_options(o: dict) -> None:
     problems = []
     if o["image_size"] % PATCH_SIZE:
@@ -584,19 +577,13 @@ def make_checkpoint(args) -> dict:
     tiny_dims.json."""
     import torch
 
-    opts = checkpoint_options(args)
+    opts = checkpoint_options(args, CHECKPOINT_DEFAULTS, validate_options)
     semantics = prepare_lerobot(args.transformers_shim)
-    from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
     from lerobot.policies.pi0_fast.configuration_pi0_fast import PI0FastConfig
     from lerobot.policies.pi0_fast.modeling_pi0_fast import PI0FastPolicy
     from lerobot.policies.pi0_fast.processor_pi0_fast import make_pi0_fast_pre_post_processors
 
     size = opts["image_size"]
-    input_features = {
-        f"observation.images.{cam}": PolicyFeature(type=FeatureType.VISUAL, shape=(3, size, size))
-        for cam in opts["cameras"]
-    }
-    input_features["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(opts["state_dim"],))
     extra = {key: opts[key] for key in LEROBOT_DEFAULTS if opts[key] is not None}
     config = PI0FastConfig(
         dtype=opts["dtype"],
@@ -605,14 +592,7 @@ def make_checkpoint(args) -> dict:
         max_state_dim=opts["max_state_dim"],
         max_action_dim=opts["max_action_dim"],
         image_resolution=(size, size),
-        input_features=input_features,
-        output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(opts["action_dim"],))},
-        normalization_mapping={
-            "VISUAL": NormalizationMode.IDENTITY,
-            "STATE": NormalizationMode(opts["state_norm"]),
-            "ACTION": NormalizationMode(opts["action_norm"]),
-        },
-        device="cpu",
+        **feature_config(opts),
         **extra,
     )
 
@@ -621,21 +601,12 @@ def make_checkpoint(args) -> dict:
     dims = dims_from_options(opts)
     dims["tokenizers"] = write_stand_ins(out, config.fast_skip_tokens)
     apply_dims(dims)
-    rng = np.random.default_rng(opts["seed"])
-    stats = {
-        "observation.state": make_stats(rng, opts["state_dim"]),
-        "action": make_stats(rng, opts["action_dim"]),
-    }
     with hub_stand_ins(out, config):
         torch.manual_seed(opts["seed"])
         policy = PI0FastPolicy(config)
         randomize_weights(policy, opts["seed"])
-        preprocessor, postprocessor = make_pi0_fast_pre_post_processors(config, dataset_stats=stats)
-
-    policy.save_pretrained(out)
-    preprocessor.save_pretrained(out)
-    postprocessor.save_pretrained(out)
-    (out / DIMS_FILE).write_text(json.dumps(dims, indent=2) + "\n")
+        preprocessor, postprocessor = make_pi0_fast_pre_post_processors(config, dataset_stats=dataset_stats(opts))
+    save_checkpoint(out, policy, preprocessor, postprocessor, dims)
     return {
         "checkpoint": str(out),
         "policy": POLICY_TYPE,

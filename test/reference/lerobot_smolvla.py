@@ -68,13 +68,15 @@ from lerobot_pi0 import (  # noqa: E402  (also sets HF_HUB_OFFLINE: nothing here
     PretokenizedPrompt,
     add_option_flags,
     compute_chunks,
-    gather_options,
+    checkpoint_options,
+    dataset_stats,
+    feature_config,
     install_torchvision_placeholder,
     load_processors,
-    make_stats,
     pi0_weight_value,
     print_result,
     randomize_weights,
+    save_checkpoint,
     read_inputs,
     read_rtc_cases,
     tokenizer_not_loaded,
@@ -200,15 +202,6 @@ ATTENTION_MODES = ("cross_attn", "self_attn")
 PADDINGS = ("longest", "max_length")
 
 
-def checkpoint_options(args) -> dict:
-    """Defaults, then the --options JSON (inline or @file), then explicit flags."""
-    opts = gather_options(args, CHECKPOINT_DEFAULTS)
-    if opts["n_action_steps"] is None:
-        opts["n_action_steps"] = opts["chunk_size"]
-    validate_options(opts)
-    return opts
-
-
 def validate_options(o: dict) -> None:
     problems = []
     side = o["image_size"] // o["patch_size"] if o["patch_size"] > 0 else 0
@@ -316,19 +309,13 @@ def make_checkpoint(args) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    opts = checkpoint_options(args)
+    opts = checkpoint_options(args, CHECKPOINT_DEFAULTS, validate_options)
     install_torchvision_placeholder()
-    from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
     from lerobot.policies.smolvla.configuration_smolvla import SmolVLAConfig
     from lerobot.policies.smolvla.modeling_smolvla import SmolVLAPolicy
     from lerobot.policies.smolvla.processor_smolvla import make_smolvla_pre_post_processors
 
     size = opts["image_size"]
-    input_features = {
-        f"observation.images.{cam}": PolicyFeature(type=FeatureType.VISUAL, shape=(3, size, size))
-        for cam in opts["cameras"]
-    }
-    input_features["observation.state"] = PolicyFeature(type=FeatureType.STATE, shape=(opts["state_dim"],))
     config = SmolVLAConfig(
         chunk_size=opts["chunk_size"],
         n_action_steps=opts["n_action_steps"],
@@ -346,35 +333,18 @@ def make_checkpoint(args) -> dict:
         num_vlm_layers=opts["num_vlm_layers"],
         self_attn_every_n_layers=opts["self_attn_every_n_layers"],
         expert_width_multiplier=opts["expert_width_multiplier"],
-        input_features=input_features,
-        output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(opts["action_dim"],))},
-        normalization_mapping={
-            "VISUAL": NormalizationMode.IDENTITY,
-            "STATE": NormalizationMode(opts["state_norm"]),
-            "ACTION": NormalizationMode(opts["action_norm"]),
-        },
-        device="cpu",
+        **feature_config(opts),
     )
     dims = dims_from_options(opts, config.vlm_model_name)
     apply_dims(dims)
     torch.manual_seed(opts["seed"])
     policy = SmolVLAPolicy(config)
     randomize_weights(policy, opts["seed"], rule=smolvla_weight_value)
-
-    rng = np.random.default_rng(opts["seed"])
-    stats = {
-        "observation.state": make_stats(rng, opts["state_dim"]),
-        "action": make_stats(rng, opts["action_dim"]),
-    }
     with tokenizer_not_loaded():
-        preprocessor, postprocessor = make_smolvla_pre_post_processors(config, dataset_stats=stats)
+        preprocessor, postprocessor = make_smolvla_pre_post_processors(config, dataset_stats=dataset_stats(opts))
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    policy.save_pretrained(out)
-    preprocessor.save_pretrained(out)
-    postprocessor.save_pretrained(out)
-    (out / DIMS_FILE).write_text(json.dumps(dims, indent=2) + "\n")
+    save_checkpoint(out, policy, preprocessor, postprocessor, dims, DIMS_FILE)
 
     layers = layer_counts(load_file(out / "model.safetensors"))
     expected = {"text": opts["num_vlm_layers"], "expert": opts["num_vlm_layers"], "vision": opts["vision_depth"]}
