@@ -19,6 +19,7 @@ from ..core.config import ConfigError, load_config
 APP_NAME = "synflux"
 IMPORT_PATH = "synflux_ros.serve.app:build_app"
 DEPLOYMENTS = {"vla": "vla_policy", "vlm": "vlm_chat"}
+INLINE_KIB = 4096
 
 
 def _autoscale(text: str) -> tuple[int, int]:
@@ -51,6 +52,10 @@ def parser() -> argparse.ArgumentParser:
                    "start a local Ray")
     p.add_argument("--num-cpus", type=int, default=0, help="local Ray: CPUs it may use (default all)")
     p.add_argument("--object-store-mib", type=int, default=256, help="local Ray: object store size")
+    p.add_argument("--inline-kib", type=int, default=None,
+                   help="local Ray: messages up to this size pass between the proxy and a replica inside the call "
+                   f"rather than through the object store (Ray's max_direct_call_object_size, 100 KiB by default: "
+                   "a 224x224 camera frame is 147 KiB; default {INLINE_KIB} KiB)")
     p.add_argument("--temp-dir", default="", help="local Ray: its session files and sockets (default: Ray's, "
                    "$RAY_TMPDIR or $TMPDIR, then /tmp, plus /ray; a shorter one under /tmp where that makes socket "
                    "paths longer than the 107 bytes Linux allows)")
@@ -76,6 +81,8 @@ def serve_config(a: argparse.Namespace) -> dict:
         raise ConfigError(f"--graph-dir: {a.graph_dir!r} is not a directory")
     if a.replicas < 1:
         raise ConfigError(f"--replicas: {a.replicas} (at least 1)")
+    if a.inline_kib is not None and a.inline_kib < 1:
+        raise ConfigError(f"--inline-kib: {a.inline_kib} (at least 1)")
     args = {"config": os.path.abspath(a.config)}
     if a.graph_dir:
         args["graph_dir"] = os.path.abspath(a.graph_dir)
@@ -128,12 +135,25 @@ def ray_temp_dir(requested: str) -> tuple[str, str]:
                    f"using {short} (--temp-dir sets it)")
 
 
+def local_ray_options(a: argparse.Namespace, temp_dir: str) -> dict:
+    """``ray.init``'s arguments for a Ray of synflux-serve's own. Observations pass inside the proxy's calls to
+    a replica up to ``--inline-kib``: through the object store, a 224x224 frame cost ~1 ms more per request and
+    CPU in the raylet (docs/serving.md)."""
+    # address "local": a Ray of its own, even where another runs on this machine (ray start)
+    return {"address": "local", "num_cpus": a.num_cpus or None, "object_store_memory": a.object_store_mib * 2**20,
+            "include_dashboard": False, "namespace": "serve", "_temp_dir": temp_dir,
+            "_system_config": {"max_direct_call_object_size": (a.inline_kib or INLINE_KIB) * 1024}}
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     from .app import application  # Ray and FastAPI load only once the arguments hold
     try:
         if a.address and a.temp_dir:
             raise ConfigError("--temp-dir is for a local Ray; a cluster joined with --address keeps its own")
+        if a.address and a.inline_kib is not None:
+            raise ConfigError("--inline-kib is for a local Ray; a cluster joined with --address keeps its own "
+                              "(start its head with RAY_max_direct_call_object_size set)")
         temp_dir, why = ray_temp_dir(a.temp_dir) if not a.address else ("", "")
         config = serve_config(a)
         app_cfg = config["applications"][0]
@@ -154,11 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.address:
         ray.init(address=a.address, namespace="serve")
     else:
-        # address "local": a Ray of its own, even where another runs on this machine (ray start)
         if why:
             print(f"synflux-serve: {why}", flush=True)
-        ray.init(address="local", num_cpus=a.num_cpus or None, object_store_memory=a.object_store_mib * 2**20,
-                 include_dashboard=False, namespace="serve", _temp_dir=temp_dir)
+        ray.init(**local_ray_options(a, temp_dir))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -42,6 +42,8 @@ def test_dry_run_writes_a_serve_config_file_ray_accepts(tmp_path, capsys):
     (["--config", VLA, "--backend", "tpu"], "unknown backend 'tpu'"),
     (["--config", VLA, "--temp-dir", "/tmp/" + "d" * 40], "is too long for Ray's socket paths: at most 43"),
     (["--config", VLA, "--temp-dir", "/tmp/r", "--address", "auto"], "--temp-dir is for a local Ray"),
+    (["--config", VLA, "--inline-kib", "0"], "--inline-kib: 0 (at least 1)"),
+    (["--config", VLA, "--inline-kib", "512", "--address", "auto"], "--inline-kib is for a local Ray"),
 ])
 def test_bad_arguments_exit_2_naming_the_fault(argv, needle, capsys):
     assert cli.main(argv + ["--dry-run"]) == 2
@@ -87,3 +89,15 @@ def test_a_local_ray_gets_a_temp_dir_its_socket_paths_fit_in(monkeypatch):
     monkeypatch.setenv("RAY_TMPDIR", "/tmp/r")  # Ray's own variable comes first
     assert cli.ray_temp_dir("") == ("/tmp/r/ray", "")
     assert cli.ray_temp_dir("/tmp/mine") == ("/tmp/mine", "")
+
+
+def test_a_local_ray_passes_camera_frames_inside_the_proxys_calls():
+    """Ray's default puts objects over 100 KiB (a 224x224 frame is 147 KiB) in the object store between the
+    proxy and a replica; synflux-serve's local Ray raises the bound to --inline-kib."""
+    a = cli.parser().parse_args(["--config", VLA])
+    options = cli.local_ray_options(a, "/tmp/r")
+    assert options["address"] == "local" and options["_temp_dir"] == "/tmp/r"
+    assert options["_system_config"]["max_direct_call_object_size"] == cli.INLINE_KIB * 1024 > 224 * 224 * 3
+    a = cli.parser().parse_args(["--config", VLA, "--inline-kib", "256", "--num-cpus", "2"])
+    options = cli.local_ray_options(a, "")
+    assert options["_system_config"]["max_direct_call_object_size"] == 256 * 1024 and options["num_cpus"] == 2
