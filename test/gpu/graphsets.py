@@ -3,7 +3,7 @@
 Building one needs torch (``synflux-build``); a GPU machine may not have it, so they are built ahead
 into ``.gpu-carry/graphs/<config stem>/`` (ignored by git, carried to the device) with::
 
-    python test/gpu/graphsets.py            # vlm_demo.yaml and vla_demo_orin.yaml
+    python test/gpu/graphsets.py            # every config of CONFIGS
 
 and :func:`graph_set` copies a carried set (or builds one where torch is importable).
 """
@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 CARRY = os.path.join(ROOT, ".gpu-carry", "graphs")
 CONFIG = os.path.join(ROOT, "config")
-CONFIGS = ("vlm_demo.yaml", "vla_demo_orin.yaml", "vla_pi0.yaml+vjp")
+CONFIGS = ("vlm_demo.yaml", "vla_demo_orin.yaml", "vla_pi0.yaml+vjp", "vla_smolvla.yaml", "vla_pi05.yaml+vjp")
 """``+vjp``: the config with Real-Time Chunking's vjp guidance (adds the action_expert_vjp graphs and engine)."""
 
 

@@ -106,6 +106,19 @@ def vla_vjp(tmp_path_factory, device):
     return _graph_set(tmp_path_factory, device, "vla_pi0.yaml+vjp")
 
 
+@pytest.fixture(scope="module")
+def vla_smolvla(tmp_path_factory, device):
+    """SmolVLA at demo size: two cameras, the state as the prefill's input, cross-attention keys and values
+    that the prefill writes into the cache."""
+    return _graph_set(tmp_path_factory, device, "vla_smolvla.yaml")
+
+
+@pytest.fixture(scope="module")
+def vla_pi05_vjp(tmp_path_factory, device):
+    """π0.5 at demo size (adaptive-RMSNorm expert, the state in the prompt) with the vjp guidance."""
+    return _graph_set(tmp_path_factory, device, "vla_pi05.yaml+vjp")
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 
 class CountingCudart:
@@ -553,7 +566,7 @@ def test_stages_run_concurrently_on_their_streams(device, trt, vlm):
         close_all(ex, ref)
 
 
-@pytest.mark.parametrize("which", ["vlm", "vla", "vla_vjp"])
+@pytest.mark.parametrize("which", ["vlm", "vla", "vla_vjp", "vla_smolvla", "vla_pi05_vjp"])
 def test_synflux_validate_against_onnxruntime(device, trt, request, which):
     """``synflux-validate --backend tensorrt`` (every graph, then the whole model) with CUDA graphs on."""
     from synflux_ros.build.validate import validate
@@ -561,5 +574,5 @@ def test_synflux_validate_against_onnxruntime(device, trt, request, which):
     rows = validate(graphs, "tensorrt", options={"cuda_graphs": True})
     failed = [f"{r.check}: diff {r.max_abs_diff:.3g} cos {r.cosine:.6f} {r.detail}" for r in rows if not r.passed]
     assert rows and not failed, failed
-    if which == "vla_vjp":  # the vjp engine's route ran: velocity and correction of each span
+    if which.endswith("_vjp"):  # the vjp engine's route ran: velocity and correction of each span
         assert sum(r.check.startswith("action_expert_vjp_") for r in rows) == 4, [r.check for r in rows]
