@@ -54,8 +54,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--object-store-mib", type=int, default=256, help="local Ray: object store size")
     p.add_argument("--inline-kib", type=int, default=None,
                    help="local Ray: messages up to this size pass between the proxy and a replica inside the call "
-                   f"rather than through the object store (Ray's max_direct_call_object_size, 100 KiB by default: "
-                   "a 224x224 camera frame is 147 KiB; default {INLINE_KIB} KiB)")
+                   "rather than through the object store (Ray's max_direct_call_object_size, 100 KiB by default: "
+                   f"a 224x224 camera frame is 147 KiB; default {INLINE_KIB} KiB)")
     p.add_argument("--temp-dir", default="", help="local Ray: its session files and sockets (default: Ray's, "
                    "$RAY_TMPDIR or $TMPDIR, then /tmp, plus /ray; a shorter one under /tmp where that makes socket "
                    "paths longer than the 107 bytes Linux allows)")
