@@ -714,12 +714,16 @@ class ExecutionConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RemoteConfig:
-    """``executor.backend: remote``: the model runs on a ``synflux-serve`` policy endpoint; the node sends each
-    frame there (its images fitted to the model's resolution and JPEG-compressed, as configured)."""
-    url: str = _spec("", doc="ws:// or wss:// address of the endpoint, e.g. ws://gpu-server:8000/")
+    """``executor.backend: remote``: the model runs on a ``synflux-serve`` endpoint. A vla config's node sends
+    each frame to its policy endpoint (its images fitted to the model's resolution and JPEG-compressed, as
+    configured); a vlm config's node sends each chat turn to its chat API."""
+    url: str = _spec("", doc="the endpoint: ws:// or wss:// for a vla config (ws://gpu-server:8000/), the chat "
+                             "API's base http:// or https:// for a vlm config (http://gpu-server:8000/v1)")
     api_key_file: str = _spec("", doc="file holding the endpoint's API key (relative: to the config file)")
     connect_timeout: float = _spec(5.0, min=0.01, doc="seconds to open the connection")
     request_timeout: float = _spec(2.0, min=0.01, doc="seconds a chunk may take on the wire and the server")
+    turn_timeout: float = _spec(120.0, min=0.01, doc="vlm: seconds a chat turn may take, from the request to "
+                                                      "the reply's last piece")
     compression: str = _spec("jpeg", choices=("jpeg", "raw"), doc="how images travel (raw: uint8 arrays)")
     jpeg_quality: int = _spec(90, min=1, max=100)
     resize: bool = _spec(True, doc="downscale each image to fit the model's resolution before sending (the "
@@ -728,8 +732,8 @@ class RemoteConfig:
     backoff_max: float = _spec(10.0, min=0.0, doc="the longest wait between reconnection attempts")
 
     def __post_init__(self):
-        if self.url and not self.url.startswith(("ws://", "wss://")):
-            raise ConfigError(f"remote.url: {self.url!r} is not a ws:// or wss:// address")
+        if self.url and not self.url.startswith(("ws://", "wss://", "http://", "https://")):
+            raise ConfigError(f"remote.url: {self.url!r} is not a ws://, wss://, http:// or https:// address")
         if self.backoff_max < self.backoff_min:
             raise ConfigError(f"remote.backoff_max: {self.backoff_max} is below remote.backoff_min "
                               f"{self.backoff_min}")
@@ -856,11 +860,14 @@ class ModelConfig:
         if self.mode == "vla":
             self.serve.image_keys(self.vision.cameras)
         if self.executor.backend == "remote":
-            if self.mode != "vla":
-                raise ConfigError("executor.backend: remote runs vla configs (a chat model is reached through "
-                                  "synflux-serve's chat API directly)")
             if not self.remote.url:
                 raise ConfigError("remote.url: executor.backend remote needs the endpoint's address")
+            want = ("ws://", "wss://") if self.mode == "vla" else ("http://", "https://")
+            if not self.remote.url.startswith(want):
+                what = "policy endpoint (ws:// or wss://)" if self.mode == "vla" else \
+                    "chat API's base (http:// or https://, e.g. http://gpu-server:8000/v1)"
+                raise ConfigError(f"remote.url: a {self.mode} config reaches synflux-serve's {what}; got "
+                                  f"{self.remote.url!r}")
         if self.execution.mode == "rtc" and (self.action is None or self.action.head_type != "flow_matching"):
             raise ConfigError("execution.mode: rtc guides a flow-matching head; this model's head is "
                               f"{self.action.head_type if self.action else 'none'}")

@@ -2,7 +2,8 @@
 
 Services ``chat`` and ``end_session``; publishes ``/diagnostics``. A refused request answers
 ``success: false`` with the reason in ``error`` and the node keeps serving. The model runs one turn at a
-time; a cleanup waits for the turn in flight to be answered (docs/internals/nodes.md).
+time; a cleanup waits for the turn in flight to be answered (docs/internals/nodes.md). With
+``executor.backend: remote`` the turns run on a synflux-serve chat endpoint (:mod:`..runtimes.remote_chat`).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import traceback
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 
 from ..model.image import ImageError, decode_raw
+from ..runtimes.remote import RemoteError
+from ..runtimes.remote_chat import RemoteVLMRuntime
 from ..runtimes.sessions import RequestError
 from ..runtimes.vlm import ChatRequest, VLMRuntime
 from ..srv import Chat, EndSession
@@ -51,11 +54,11 @@ class VLMNode(SynfluxNode):
         self._chat_services = []
         self._lock = threading.Lock()  # statistics, read by diagnostics
         self._serving = threading.Lock()  # held while a service uses the runtime
-        self._ttft, self._tok_per_s = [], []
+        self._ttft, self._tok_per_s, self._network = [], [], []
         self._last_refusal = ""
 
     def setup(self, p: dict, cfg) -> str:
-        self.runtime = self.load_runtime(VLMRuntime, cfg)
+        self.runtime = self.load_runtime(RemoteVLMRuntime if cfg.executor.backend == "remote" else VLMRuntime, cfg)
         # Created once and kept for the node's life: destroying a service at cleanup could drop the answer
         # of a turn that has just finished; while inactive the services refuse instead.
         if not self._chat_services:
@@ -65,8 +68,9 @@ class VLMNode(SynfluxNode):
                 ResponseSender(self, self.create_service(EndSession, "end_session", self._on_end,
                                                          callback_group=group))]
         s = cfg.session
-        return (f"{cfg.name!r} on {cfg.executor.backend!r}: {s.max_sessions} sessions of {cfg.llm.max_seq_len} "
-                f"tokens (eviction {s.eviction})")
+        where = f" at {cfg.remote.url}" if cfg.executor.backend == "remote" else ""
+        return (f"{cfg.name!r} on {cfg.executor.backend!r}{where}: {s.max_sessions} sessions of "
+                f"{cfg.llm.max_seq_len} tokens (eviction {s.eviction})")
 
     def teardown(self) -> None:
         # _active is already False: once a turn in flight has finished, no request reaches the runtime.
@@ -103,6 +107,8 @@ class VLMNode(SynfluxNode):
             result = self.runtime.chat(chat_request(request, images))
         except RequestError as exc:
             return self._refuse(response, str(exc))
+        except RemoteError as exc:  # the server is away or failed the turn: said, counted, and serving goes on
+            return self._refuse(response, f"remote: {exc}")
         except Exception as exc:  # keep serving; the caller learns what happened
             self.get_logger().error(f"chat failed: {exc}\n{traceback.format_exc()}")
             return self._refuse(response, f"internal error: {type(exc).__name__}: {exc}")
@@ -121,7 +127,9 @@ class VLMNode(SynfluxNode):
             decode_s = max((result.total_ms - result.ttft_ms) / 1e3, 1e-9)
             if result.generated_tokens > 1:
                 self._tok_per_s.append((result.generated_tokens - 1) / decode_s)
-            del self._ttft[:-100], self._tok_per_s[:-100]
+            if result.network_ms is not None:  # a remote turn: its time less the server's
+                self._network.append(result.network_ms)
+            del self._ttft[:-100], self._tok_per_s[:-100], self._network[:-100]
         return response
 
     def _on_end(self, request, response):
@@ -140,16 +148,19 @@ class VLMNode(SynfluxNode):
         rt = self.runtime
         with self._lock:
             ttft, tps = median(self._ttft), median(self._tok_per_s)
+        devices = rt.devices
         values = {"backend": self.cfg.executor.backend, "model": self.cfg.name,
-                  "sessions_open": len(rt.sessions), "sessions_max": rt.kv_pool.num_slots,
+                  "sessions_open": len(rt.sessions), "sessions_max": rt.max_sessions,
                   "sessions_evicted": rt.sessions.evicted, "turns_served": rt.turns_served,
                   "requests_refused": rt.requests_refused, "ttft_median_ms": ttft, "decode_tokens_per_s": tps,
                   "device_memory_mib": rt.executor.device_bytes / 2**20, "last_refusal": self._last_refusal,
                   "responses_resent": sum(r.resent for r in self._chat_services),
                   "responses_lost": sum(r.lost for r in self._chat_services),
-                  "vision_device": rt.executor.device_of("vision_encoder"),
-                  "llm_device": rt.executor.device_of(f"decode_{self.cfg.llm.decode_buckets[0]}")}
-        return OK, f"{len(rt.sessions)}/{rt.kv_pool.num_slots} sessions", values
+                  "vision_device": devices["vision"], "llm_device": devices["llm"]}
+        if isinstance(rt, RemoteVLMRuntime):
+            with self._lock:
+                values.update(turns_failed=rt.turns_failed, network_median_ms=median(self._network))
+        return OK, f"{len(rt.sessions)}/{rt.max_sessions} sessions", values
 
 
 def main(args=None) -> int:

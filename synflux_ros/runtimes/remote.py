@@ -33,7 +33,7 @@ class RemoteError(RuntimeError):
     """The server could not be reached or did not answer in time; the text says which and what follows."""
 
 
-class _Link:
+class NoDevice:
     """What stands where a local runtime has its executor: no device memory on the robot."""
     device_bytes = 0
 
@@ -59,6 +59,18 @@ def jpeg(image: np.ndarray, quality: int) -> bytes:
     return buf.getvalue()
 
 
+def read_key(cfg: ModelConfig) -> str:
+    """The endpoint's API key from ``remote.api_key_file`` (relative to the config file); "" without one."""
+    if not cfg.remote.api_key_file:
+        return ""
+    path = cfg.relative_to_source(cfg.remote.api_key_file)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"remote.api_key_file: cannot read {path!r} ({exc.strerror})") from None
+
+
 def put(obs: dict, path: tuple[str, ...], value) -> None:
     """``value`` at a key path of the observation (nested maps made as needed)."""
     for key in path[:-1]:
@@ -75,16 +87,9 @@ class RemoteVLARuntime(StagedVLA):
         if cfg.mode != "vla" or cfg.executor.backend != "remote":
             raise ConfigError("RemoteVLARuntime needs a vla config with executor.backend remote")
         self.cfg, self.remote = cfg, cfg.remote
-        self.executor = _Link()
+        self.executor = NoDevice()
         self._connect_fn = connect
-        self._key = ""
-        if self.remote.api_key_file:
-            path = cfg.relative_to_source(self.remote.api_key_file)
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    self._key = fh.read().strip()
-            except OSError as exc:
-                raise ConfigError(f"remote.api_key_file: cannot read {path!r} ({exc.strerror})") from None
+        self._key = read_key(cfg)
         self.horizon, self.action_dim = cfg.action.action_horizon, cfg.action.published_dim
         self._ws = None
         self._lock = threading.Lock()

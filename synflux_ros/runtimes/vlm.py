@@ -65,6 +65,7 @@ class ChatResult:
     stopped_by_eos: bool
     evicted_session: str | None = None
     token_ids: list[int] = field(default_factory=list)
+    network_ms: float | None = None  # a remote turn: its time less the server's (executor.backend remote)
 
 
 @dataclass
@@ -130,6 +131,68 @@ def check_chat_setup(cfg: ModelConfig, tokenizer: Tokenizer, template) -> None:
         raise ConfigError("text.eos_token_ids: no end-of-sequence id (set it or use a tokenizer that has one)")
 
 
+def check_turn(cfg: ModelConfig, special_strings, session_id: str, prompt: str, num_images: int,
+               system: str | None = None) -> None:
+    """The checks of a chat turn that cost nothing: session id, prompt (and system prompt) size in bytes, the
+    tokenizer's ``special_strings`` in them, and the number of images."""
+    if not isinstance(session_id, str) or not session_id.strip():
+        raise RequestError("session_id is empty")
+    if len(session_id) > MAX_SESSION_ID_CHARS:
+        raise RequestError(f"session_id has {len(session_id)} characters (limit {MAX_SESSION_ID_CHARS})")
+    _utf8("session_id", session_id)
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise RequestError("prompt is empty")
+    limit = cfg.session.max_prompt_bytes
+    # Each character is at least one byte: a prompt this long is refused without encoding it.
+    if len(prompt) > limit:
+        raise RequestError(f"prompt has {len(prompt)} characters, over the limit of {limit} bytes "
+                           f"(session.max_prompt_bytes)")
+    size = len(_utf8("prompt", prompt))
+    if size > limit:
+        raise RequestError(f"prompt has {size} bytes, over the limit of {limit} bytes (session.max_prompt_bytes)")
+    if system is not None and not isinstance(system, str):
+        raise RequestError(f"system prompt must be text, got {type(system).__name__}")
+    if system:
+        size = len(_utf8("system prompt", system))
+        if size > limit:
+            raise RequestError(f"system prompt has {size} bytes, over the limit of {limit} bytes "
+                               f"(session.max_prompt_bytes)")
+    for name, text in (("prompt", prompt), ("system prompt", system or "")):
+        found = sorted(t for t in special_strings if t and t in text)
+        if found:
+            raise RequestError(f"{name} contains the special token {found[0]!r}, which the chat template would "
+                               f"turn into a control token; remove it")
+    if num_images and cfg.vision is None:
+        raise RequestError(f"{num_images} images attached, but {cfg.name!r} is a text-only model (its "
+                           f"config has no vision section): send the prompt without images")
+    limit = cfg.session.max_images_per_turn
+    if num_images > limit:
+        raise RequestError(f"{num_images} images attached, at most {limit} per turn "
+                           f"(session.max_images_per_turn)")
+
+
+def checked_images(cfg: ModelConfig, req: ChatRequest, special_strings=()) -> list:
+    """``req``'s images after :func:`check_turn` and a check of each (HxWx3 uint8, within the pixel limit)."""
+    images = req.images
+    if not isinstance(images, (list, tuple)):
+        raise RequestError(f"images must be a list of arrays, got {type(images).__name__}")
+    check_turn(cfg, special_strings, req.session_id, req.prompt, len(images), req.system)
+    max_pixels = cfg.vision.max_input_pixels if cfg.vision is not None else 0
+    for i, img in enumerate(images):
+        if not isinstance(img, np.ndarray) or img.ndim != 3 or img.shape[2] != 3 or img.dtype != np.uint8:
+            what = f"shape {img.shape}, dtype {img.dtype}" if isinstance(img, np.ndarray) else \
+                type(img).__name__
+            raise RequestError(f"images[{i}]: expected an HxWx3 uint8 RGB array, got {what}")
+        height, width = img.shape[:2]
+        if height == 0 or width == 0:
+            raise RequestError(f"images[{i}]: zero-size image (width {width}, height {height})")
+        try:
+            check_image_size(width, height, max_pixels)
+        except ImageError as exc:
+            raise RequestError(f"images[{i}]: {exc}") from None
+    return list(images)
+
+
 class VLMRuntime(ModelRuntime):
     """Multi-turn chat: one KV-cache slot per session, each turn prefilling only its new tokens (or, with
     ``session.reuse_kv_cache: false``, the whole history). One turn runs at a time."""
@@ -182,62 +245,22 @@ class VLMRuntime(ModelRuntime):
         return SamplingParams(max_new, temperature, top_p, self._eos)
 
     def check_limits(self, session_id: str, prompt: str, num_images: int, system: str | None = None) -> None:
-        """The checks that cost nothing: session id, prompt (and system prompt) size in bytes and special
-        tokens, and the number of images. A caller that still has to decode the images runs these first;
-        :meth:`chat` runs them too."""
-        if not isinstance(session_id, str) or not session_id.strip():
-            raise RequestError("session_id is empty")
-        if len(session_id) > MAX_SESSION_ID_CHARS:
-            raise RequestError(f"session_id has {len(session_id)} characters (limit {MAX_SESSION_ID_CHARS})")
-        _utf8("session_id", session_id)
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise RequestError("prompt is empty")
-        limit = self.cfg.session.max_prompt_bytes
-        # Each character is at least one byte: a prompt this long is refused without encoding it.
-        if len(prompt) > limit:
-            raise RequestError(f"prompt has {len(prompt)} characters, over the limit of {limit} bytes "
-                               f"(session.max_prompt_bytes)")
-        size = len(_utf8("prompt", prompt))
-        if size > limit:
-            raise RequestError(f"prompt has {size} bytes, over the limit of {limit} bytes (session.max_prompt_bytes)")
-        if system is not None and not isinstance(system, str):
-            raise RequestError(f"system prompt must be text, got {type(system).__name__}")
-        if system:
-            size = len(_utf8("system prompt", system))
-            if size > limit:
-                raise RequestError(f"system prompt has {size} bytes, over the limit of {limit} bytes "
-                                   f"(session.max_prompt_bytes)")
-        for name, text in (("prompt", prompt), ("system prompt", system or "")):
-            found = sorted(t for t in self.tokenizer.special_strings if t and t in text)
-            if found:
-                raise RequestError(f"{name} contains the special token {found[0]!r}, which the chat template would "
-                                   f"turn into a control token; remove it")
-        if num_images and self.cfg.vision is None:
-            raise RequestError(f"{num_images} images attached, but {self.cfg.name!r} is a text-only model (its "
-                               f"config has no vision section): send the prompt without images")
-        limit = self.cfg.session.max_images_per_turn
-        if num_images > limit:
-            raise RequestError(f"{num_images} images attached, at most {limit} per turn "
-                               f"(session.max_images_per_turn)")
+        """The checks that cost nothing (:func:`check_turn`). A caller that still has to decode the images runs
+        these first; :meth:`chat` runs them too."""
+        check_turn(self.cfg, self.tokenizer.special_strings, session_id, prompt, num_images, system)
 
     def _validate(self, req: ChatRequest) -> None:
-        images = req.images
-        if not isinstance(images, (list, tuple)):
-            raise RequestError(f"images must be a list of arrays, got {type(images).__name__}")
-        self.check_limits(req.session_id, req.prompt, len(images), req.system)
-        max_pixels = self.cfg.vision.max_input_pixels if self.cfg.vision is not None else 0
-        for i, img in enumerate(images):
-            if not isinstance(img, np.ndarray) or img.ndim != 3 or img.shape[2] != 3 or img.dtype != np.uint8:
-                what = f"shape {img.shape}, dtype {img.dtype}" if isinstance(img, np.ndarray) else \
-                    type(img).__name__
-                raise RequestError(f"images[{i}]: expected an HxWx3 uint8 RGB array, got {what}")
-            height, width = img.shape[:2]
-            if height == 0 or width == 0:
-                raise RequestError(f"images[{i}]: zero-size image (width {width}, height {height})")
-            try:
-                check_image_size(width, height, max_pixels)
-            except ImageError as exc:
-                raise RequestError(f"images[{i}]: {exc}") from None
+        checked_images(self.cfg, req, self.tokenizer.special_strings)
+
+    @property
+    def max_sessions(self) -> int:
+        return self.kv_pool.num_slots
+
+    @property
+    def devices(self) -> dict[str, str]:
+        """Where the vision encoder and the language model run ("" without a vision encoder)."""
+        return {"vision": self.executor.device_of("vision_encoder") if self.cfg.vision is not None else "",
+                "llm": self.executor.device_of(f"decode_{self.cfg.llm.decode_buckets[0]}")}
 
     # ---------------------------------------------------------------- chat
     def _render(self, system: str, messages: list[Message], images: dict) -> list:

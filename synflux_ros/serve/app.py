@@ -322,7 +322,8 @@ class VLMDeployment(_Replica):
             yield sse(chunks.event({"content": rest}))
         yield sse(chunks.event({}, chat.finish_reason(result)))
         if include_usage:
-            yield sse({**chunks.event({}), "choices": [], "usage": chat.usage(result)})
+            yield sse({**chunks.event({}), "choices": [], "usage": chat.usage(result),
+                       "server_timing": chat.server_timing(result)})
         yield "data: [DONE]\n\n"
 
 

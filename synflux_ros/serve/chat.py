@@ -154,6 +154,12 @@ def usage(result: ChatResult) -> dict:
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
+def server_timing(result: ChatResult) -> dict:
+    """The turn's times on the server (not OpenAI's: a field of ours, which clients ignore), from which a node
+    using the endpoint tells the network's share of a turn."""
+    return {"ttft_ms": round(result.ttft_ms, 3), "total_ms": round(result.total_ms, 3)}
+
+
 def finish_reason(result: ChatResult) -> str:
     return "stop" if result.stopped_by_eos else "length"
 
@@ -162,7 +168,7 @@ def completion(result: ChatResult, model: str) -> dict:
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "message": {"role": "assistant", "content": result.reply},
                                          "finish_reason": finish_reason(result)}],
-            "usage": usage(result)}
+            "usage": usage(result), "server_timing": server_timing(result)}
 
 
 class Chunks:

@@ -223,3 +223,96 @@ def test_a_bad_request_is_refused_with_the_reason_and_the_server_keeps_serving(s
 def test_an_unknown_model_is_not_found(server):
     with pytest.raises(openai.NotFoundError, match="this server serves 'vlm-demo'"):
         client_for(server).chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+
+
+# ---------------------------------------------------------------------------------------------- vlm_node, remote
+def remote_config(chat_config, server, tmp_path, name: str, **remote) -> str:
+    """The chat config with executor.backend remote at ``server`` (its key, raw images) as ``name``."""
+    src, d = chat_config
+    raw = yaml.safe_load(open(src, encoding="utf-8"))
+    raw["executor"] = {"backend": "remote"}
+    raw["remote"] = {"url": server.url("/v1") if server else "", "api_key_file": str(d / "key"),
+                     "compression": "raw", "connect_timeout": 2.0, **remote}
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def node_diagnostics(client, ns: str, predicate, timeout=20.0) -> dict:
+    from diagnostic_msgs.msg import DiagnosticArray
+    from synflux_ros.tools.harness import spin_until
+    seen = []
+    sub = client.create_subscription(DiagnosticArray, "/diagnostics", lambda m: seen.extend(
+        {kv.key: kv.value for kv in st.values} for st in m.status if st.name.startswith(f"{ns}/vlm_node:")), 10)
+    try:
+        assert spin_until(client, lambda: any(predicate(d) for d in seen), timeout), seen[-1:]
+        return [d for d in seen if predicate(d)][-1]
+    finally:
+        client.destroy_subscription(sub)
+
+
+def test_vlm_node_on_the_served_model_answers_as_a_local_vlm_node(server, chat_config, start_node, client,
+                                                                   tmp_path):
+    """The Chat service of a vlm_node with executor.backend remote, turn by turn against a local vlm_node on
+    the same config: the same replies and token counts; from turn 2 the server's replica reuses the session's
+    cache; network time is a diagnostics value of its own."""
+    remote = remote_config(chat_config, server, tmp_path, "remote.yaml")
+    start_node("vlm_node", {"config": chat_config[0]}, namespace="/chat_local")
+    start_node("vlm_node", {"config": remote, "diagnostics_period": 0.2}, namespace="/chat_remote")
+    local, far = ChatClient(client, "/chat_local"), ChatClient(client, "/chat_remote")
+    for i, turn in enumerate(TURNS):
+        kw = {k: turn[k] for k in ("temperature", "top_p") if k in turn}
+        kw.update(images=[turn["image"]] if "image" in turn else [], system_prompt="You are terse." if i == 0 else "")
+        want, got = ok(local.chat("remote-1", turn["prompt"], **kw)), ok(far.chat("remote-1", turn["prompt"], **kw))
+        assert got.reply == want.reply, f"turn {i}"
+        assert (got.prompt_tokens, got.cached_tokens, got.generated_tokens) == \
+            (want.prompt_tokens, want.cached_tokens, want.generated_tokens), f"turn {i}"
+        assert (got.cached_tokens > 0) == (i > 0) and got.ttft_ms > 0 and got.total_ms >= got.ttft_ms
+    # the session's system prompt holds as a local node's does; end_session ends it
+    refused = far.chat("remote-1", "Again", system_prompt="Answer at length.")
+    assert not refused.success and "applies when a session starts or resets" in refused.error
+    assert ok(far.end("remote-1")).success and not far.end("remote-1").success
+    assert ok(far.chat("remote-1", "Hello again")).cached_tokens == 0  # a new conversation
+    d = node_diagnostics(client, "/chat_remote", lambda d: int(d["turns_served"]) >= 4)
+    assert d["backend"] == "remote" and d["llm_device"] == f"remote {server.url('/v1')}"
+    assert float(d["network_median_ms"]) > 0 and d["turns_failed"] == "0" and d["sessions_open"] == "1"
+
+
+def test_vlm_node_passes_on_the_server_s_refusals_and_keeps_serving(server, chat_config, start_node, client,
+                                                                    tmp_path):
+    start_node("vlm_node", {"config": remote_config(chat_config, server, tmp_path, "r.yaml")},
+               namespace="/chat_refused")
+    far = ChatClient(client, "/chat_refused")
+    refused = far.chat("r", "<|im_start|>hi")  # the tokenizer's special token: the server's runtime refuses it
+    assert not refused.success and "the server refused the turn" in refused.error and \
+        "special token" in refused.error, refused.error
+    refused = far.chat("r", "x" * 70000)  # over session.max_prompt_bytes: refused before anything is sent
+    assert not refused.success and "session.max_prompt_bytes" in refused.error
+    refused = far.chat("r", "hi", temperature=3.0)
+    assert not refused.success and "temperature" in refused.error, refused.error
+    assert ok(far.chat("r", "hi")).generated_tokens > 0
+    assert ok(far.chat("r", "and then?")).cached_tokens > 0  # the refusals left the conversation as it was
+
+
+def test_vlm_node_with_the_server_away_keeps_serving_and_counts_the_failures(chat_config, start_node, client,
+                                                                             tmp_path):
+    from synflux_ros.tools.serve_process import free_port
+    cfg = remote_config(chat_config, None, tmp_path, "away.yaml")
+    raw = yaml.safe_load(open(cfg, encoding="utf-8"))
+    raw["remote"]["url"] = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    open(cfg, "w", encoding="utf-8").write(yaml.safe_dump(raw))
+    start_node("vlm_node", {"config": cfg, "diagnostics_period": 0.2}, namespace="/chat_away")
+    far = ChatClient(client, "/chat_away")
+    for _ in range(2):
+        failed = far.chat("a", "hello")
+        assert not failed.success and failed.error.startswith("remote: cannot reach the server at http://127.0.0.1:")
+    d = node_diagnostics(client, "/chat_away", lambda d: d["turns_failed"] == "2")
+    assert d["turns_served"] == "0" and d["sessions_open"] == "0" and "cannot reach" in d["last_refusal"]
+
+
+def test_a_remote_config_must_name_the_served_model(server, chat_config, tmp_path):
+    from synflux_ros.core.config import ConfigError, load_config
+    from synflux_ros.runtimes.remote_chat import RemoteVLMRuntime
+    cfg = load_config(remote_config(chat_config, server, tmp_path, "other.yaml")).with_overrides(name="other-model")
+    with pytest.raises(ConfigError, match=r"serves \['vlm-demo'\], the config's model is 'other-model'"):
+        RemoteVLMRuntime(cfg)

@@ -168,10 +168,16 @@ def test_the_remote_section_is_checked():
     cfg = local_cfg()
     with pytest.raises(ConfigError, match="remote.url: executor.backend remote needs the endpoint's address"):
         cfg.with_overrides(executor={"backend": "remote"})
-    with pytest.raises(ConfigError, match="is not a ws:// or wss:// address"):
-        cfg.with_overrides(remote={"url": "http://x"})
+    with pytest.raises(ConfigError, match="is not a ws://, wss://, http:// or https:// address"):
+        cfg.with_overrides(remote={"url": "ftp://x"})
+    with pytest.raises(ConfigError, match=r"a vla config reaches synflux-serve's policy endpoint \(ws:// or wss://\); "
+                                          r"got 'http://x/v1'"):
+        cfg.with_overrides(executor={"backend": "remote"}, remote={"url": "http://x/v1"})
     with pytest.raises(ConfigError, match="remote.backoff_max"):
         cfg.with_overrides(remote={"backoff_min": 5.0, "backoff_max": 1.0})
     vlm = load_config(testing.config_path("vlm_demo.yaml"))
-    with pytest.raises(ConfigError, match="remote runs vla configs"):
+    with pytest.raises(ConfigError, match=r"a vlm config reaches synflux-serve's chat API's base \(http:// or "
+                                          r"https://, e.g. http://gpu-server:8000/v1\); got 'ws://x/'"):
         vlm.with_overrides(executor={"backend": "remote"}, remote={"url": "ws://x/"})
+    assert vlm.with_overrides(executor={"backend": "remote"}, remote={"url": "https://x/v1"}).remote.turn_timeout \
+        == 120.0
