@@ -720,6 +720,8 @@ class RemoteConfig:
     url: str = _spec("", doc="the endpoint: ws:// or wss:// for a vla config (ws://gpu-server:8000/), the chat "
                              "API's base http:// or https:// for a vlm config (http://gpu-server:8000/v1)")
     api_key_file: str = _spec("", doc="file holding the endpoint's API key (relative: to the config file)")
+    ca_file: str = _spec("", doc="the CA certificate (PEM) to trust for wss:// and https:// (relative: to the "
+                                 "config file); empty = the system's trust store")
     connect_timeout: float = _spec(5.0, min=0.01, doc="seconds to open the connection")
     request_timeout: float = _spec(2.0, min=0.01, doc="seconds a chunk may take on the wire and the server")
     turn_timeout: float = _spec(120.0, min=0.01, doc="vlm: seconds a chat turn may take, from the request to "

@@ -15,6 +15,7 @@ next attempt is.
 from __future__ import annotations
 
 import io
+import ssl
 import threading
 import time
 from typing import Callable
@@ -71,6 +72,20 @@ def read_key(cfg: ModelConfig) -> str:
         raise ConfigError(f"remote.api_key_file: cannot read {path!r} ({exc.strerror})") from None
 
 
+def tls_context(cfg: ModelConfig) -> ssl.SSLContext | None:
+    """The TLS context of a ``wss://`` or ``https://`` endpoint: the system's trust store, or ``remote.ca_file``
+    alone (a fleet's own CA, a server's self-signed certificate); None for plain ``ws://`` and ``http://``."""
+    if not cfg.remote.url.startswith(("wss://", "https://")):
+        return None
+    if not cfg.remote.ca_file:
+        return ssl.create_default_context()
+    path = cfg.relative_to_source(cfg.remote.ca_file)
+    try:
+        return ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"remote.ca_file: cannot load {path!r} as PEM certificates ({exc})") from None
+
+
 def put(obs: dict, path: tuple[str, ...], value) -> None:
     """``value`` at a key path of the observation (nested maps made as needed)."""
     for key in path[:-1]:
@@ -90,11 +105,13 @@ class RemoteVLARuntime(StagedVLA):
         self.executor = NoDevice()
         self._connect_fn = connect
         self._key = read_key(cfg)
+        self._tls = tls_context(cfg)
         self.horizon, self.action_dim = cfg.action.action_horizon, cfg.action.published_dim
         self._ws = None
         self._lock = threading.Lock()
         self._retry_at = 0.0
         self._backoff = 0.0
+        self._cause = ""  # why the last attempt failed, said while the next one waits
         self.failures = 0
         self.metadata: dict = {}
         if cfg.action.state_dim and len(cfg.serve.state_keys) != 1:
@@ -122,21 +139,21 @@ class RemoteVLARuntime(StagedVLA):
         from websockets.sync.client import connect
         headers = {"Authorization": f"Api-Key {self._key}"} if self._key else None
         return connect(self.remote.url, compression=None, max_size=MAX_REPLY_BYTES, additional_headers=headers,
-                       open_timeout=self.remote.connect_timeout, close_timeout=1.0)
+                       open_timeout=self.remote.connect_timeout, close_timeout=1.0, ssl=self._tls)
 
     def _ensure_connected(self):
         if self._ws is not None:
             return self._ws
         now = time.monotonic()
         if now < self._retry_at:
-            raise RemoteError(f"the server at {self.remote.url} is unreachable; next attempt in "
+            raise RemoteError(f"the server at {self.remote.url} is unreachable ({self._cause}); next attempt in "
                               f"{self._retry_at - now:.1f} s")
         try:
             ws = self._open()
             meta = wire.unpack(ws.recv(timeout=self.remote.connect_timeout), 1 << 20)
         except Exception as exc:  # refused, timed out, TLS, HTTP 403 (key), a malformed frame
-            self._failed()
-            raise RemoteError(f"cannot connect to {self.remote.url}: {type(exc).__name__}: {exc}; next attempt in "
+            self._failed(f"{type(exc).__name__}: {exc}")
+            raise RemoteError(f"cannot connect to {self.remote.url}: {self._cause}; next attempt in "
                               f"{self._backoff:.1f} s") from None
         self._check_metadata(meta, ws)
         self._ws, self.metadata, self._backoff = ws, meta, 0.0
@@ -151,8 +168,9 @@ class RemoteVLARuntime(StagedVLA):
             raise ConfigError(f"remote.url: {self.remote.url} serves {meta.get('model')!r} with {got}, the config "
                               f"says {want}")
 
-    def _failed(self) -> None:
+    def _failed(self, cause: str) -> None:
         self.failures += 1
+        self._cause = cause
         self._backoff = min(self.remote.backoff_max, max(self.remote.backoff_min, self._backoff * 2))
         self._retry_at = time.monotonic() + self._backoff
         self._drop()
@@ -206,11 +224,11 @@ class RemoteVLARuntime(StagedVLA):
                 ws.send(wire.pack(obs))
                 reply = ws.recv(timeout=self.remote.request_timeout)
             except TimeoutError:
-                self._failed()
+                self._failed(f"no reply within {self.remote.request_timeout:g} s")
                 raise RemoteError(f"no reply from {self.remote.url} within {self.remote.request_timeout:g} s "
                                   f"(remote.request_timeout); reconnecting in {self._backoff:.1f} s") from None
             except Exception as exc:
-                self._failed()
+                self._failed(f"{type(exc).__name__}: {exc}")
                 raise RemoteError(f"the connection to {self.remote.url} failed: {type(exc).__name__}: {exc}; "
                                   f"reconnecting in {self._backoff:.1f} s") from None
             if isinstance(reply, str):  # the server refused the request and closes the connection

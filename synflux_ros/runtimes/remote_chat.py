@@ -20,7 +20,6 @@ import base64
 import http.client
 import io
 import json
-import ssl
 import threading
 import time
 from collections import OrderedDict
@@ -30,7 +29,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..core.config import ConfigError, ModelConfig
-from .remote import RemoteError, NoDevice, jpeg, read_key
+from .remote import NoDevice, RemoteError, jpeg, read_key, tls_context
 from .sessions import RequestError
 from .vlm import ChatRequest, ChatResult, check_turn, checked_images
 
@@ -108,6 +107,7 @@ class RemoteVLMRuntime:
         self._host, self._port = parts.hostname, parts.port or (443 if self._secure else 80)
         self._base = parts.path.rstrip("/")
         self._key = read_key(cfg)
+        self._tls = tls_context(cfg)
         self.executor = NoDevice()
         self.sessions = Conversations(cfg.session.max_sessions, cfg.session.eviction)
         self._conn: http.client.HTTPConnection | None = None  # the turn's own, closed after it
@@ -152,7 +152,7 @@ class RemoteVLMRuntime:
         try:
             if self._secure:
                 conn = http.client.HTTPSConnection(self._host, self._port, timeout=self.remote.connect_timeout,
-                                                   context=ssl.create_default_context())
+                                                   context=self._tls)
             else:
                 conn = http.client.HTTPConnection(self._host, self._port, timeout=self.remote.connect_timeout)
             self._conn = conn

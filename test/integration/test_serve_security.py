@@ -2,9 +2,7 @@
 and the chat endpoint under malformed and mutated JSON, staying up."""
 from __future__ import annotations
 
-import datetime
 import http.client
-import ipaddress
 import json
 import os
 import subprocess
@@ -14,6 +12,7 @@ import numpy as np
 import pytest
 
 from synflux_ros.tools import harness as testing
+from tls_certs import self_signed
 
 pytestmark = pytest.mark.serve
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (make serve-venv)")
@@ -22,29 +21,6 @@ from synflux_ros.tools.serve_process import ServeProcess  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 OPENPI_PY = REPO / ".venv-openpi" / "bin" / "python"
 CLIENT = REPO / "test" / "reference" / "openpi_client_run.py"
-
-
-def self_signed(directory: Path) -> tuple[str, str]:
-    """A certificate for 127.0.0.1 and its key (PEM), as an operator would make with openssl."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "synflux-serve test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_file, key_file = directory / "server.crt", directory / "server.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return str(cert_file), str(key_file)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +68,32 @@ def test_openpi_s_client_over_wss(tls_server, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert "error" not in result and np.load(tmp_path / "actions_0.npy").shape == (16, 7)
+
+
+def test_vla_node_on_the_served_model_over_wss_trusts_its_ca_file(tls_server, start_node, client, tmp_path):
+    """executor.backend remote over wss://: with remote.ca_file the node trusts the server's certificate and
+    chunks come; without it the system's trust store refuses the server and each frame fails saying so."""
+    import yaml
+    from synflux_ros.tools.harness import rgb_image
+    from ros_clients import Harness
+    raw = yaml.safe_load(open(testing.config_path("vla_demo_orin.yaml"), encoding="utf-8"))
+    raw["executor"] = {"backend": "remote"}
+    raw["remote"] = {"url": f"wss://127.0.0.1:{tls_server.port}/", "ca_file": tls_server.cert, "compression": "raw",
+                     "resize": False, "request_timeout": 10.0, "backoff_min": 0.2, "backoff_max": 1.0}
+    (tmp_path / "wss.yaml").write_text(yaml.safe_dump(raw))
+    del raw["remote"]["ca_file"]
+    (tmp_path / "untrusting.yaml").write_text(yaml.safe_dump(raw))
+    start_node("vla_node", {"config": str(tmp_path / "wss.yaml")}, namespace="/wss")
+    start_node("vla_node", {"config": str(tmp_path / "untrusting.yaml"), "diagnostics_period": 0.2},
+               namespace="/untrusting")
+    trusted = Harness(client, "/wss")
+    trusted.wait_connected()
+    trusted.publish_until_chunks(2, lambda s, t: rgb_image(448, 448, s, t))
+    assert all(c.horizon == 16 for c in trusted.chunks)
+    refused = Harness(client, "/untrusting")
+    refused.wait_connected()
+    d = refused.publish_until_diag(rgb_image(448, 448, 1, 10**9), lambda d: int(d["frames_failed"]) >= 2, timeout=60)
+    assert "CERTIFICATE_VERIFY_FAILED" in d["last_error"] and d["frames_published"] == "0", d["last_error"]
 
 
 # ---------------------------------------------------------------------------------------- chat under fuzz

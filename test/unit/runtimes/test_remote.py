@@ -123,8 +123,8 @@ def test_an_unreachable_server_fails_frames_saying_why_and_is_retried_with_backo
     remote = RemoteVLARuntime(remote_cfg(), connect=server.connect)  # the node starts regardless
     state = np.zeros(8, np.float32)
     assert remote.failures == 1
-    with pytest.raises(RemoteError, match="unreachable; next attempt in"):
-        remote.infer(frame_image(0), seq=0, state=state)  # within the backoff: fails at once
+    with pytest.raises(RemoteError, match=r"unreachable \(ConnectionRefusedError: .*\); next attempt in"):
+        remote.infer(frame_image(0), seq=0, state=state)  # within the backoff: fails at once, with the cause
     time.sleep(0.1)
     with pytest.raises(RemoteError, match="cannot connect to ws://policy:8000/: ConnectionRefusedError"):
         remote.infer(frame_image(0), seq=0, state=state)

@@ -4,6 +4,7 @@ behind (the session as it was). synflux-serve's real endpoint: test/integration/
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -24,7 +25,8 @@ class Endpoint:
     """An HTTP server on loopback: ``GET /v1/models`` lists ``models``; each ``POST /v1/chat/completions`` is
     recorded (headers, body) and answered by ``reply(body)`` -> (status, bytes), or not at all (None)."""
 
-    def __init__(self):
+    def __init__(self, cert: tuple[str, str] | None = None):
+        """``cert``: (certificate, key) files: serve https."""
         self.models = [MODEL]
         self.requests: list[tuple[dict, dict]] = []
         self.reply = lambda body: (200, stream(["Hello", " there"], 12, 0))
@@ -56,12 +58,18 @@ class Endpoint:
 
         self.release = threading.Event()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.scheme = "http"
+        if cert is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*cert)
+            self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
+            self.scheme = "https"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        return f"{self.scheme}://127.0.0.1:{self.httpd.server_address[1]}/v1"
 
     def close(self):
         self.release.set()
@@ -185,3 +193,21 @@ def test_the_served_model_must_be_the_config_s(endpoint, tmp_path):
     with pytest.raises(RemoteError, match="cannot reach the server at http://127.0.0.1:9/v1"):
         rt.chat(ChatRequest("s", "hi"))
     assert rt.turns_failed == 1 and len(rt.sessions) == 0
+
+
+def test_https_with_the_server_s_own_certificate(tmp_path):
+    """remote.ca_file makes the node trust a server's self-signed certificate; without it the system's trust
+    store refuses the server and the turn fails saying so."""
+    from tls_certs import self_signed
+    cert = self_signed(tmp_path)
+    endpoint = Endpoint(cert)
+    try:
+        rt = runtime_for(endpoint.url, tmp_path, ca_file=cert[0])
+        assert rt.chat(ChatRequest("s", "hello")).reply == "Hello there"
+        untrusting = runtime_for(endpoint.url, tmp_path)
+        with pytest.raises(RemoteError, match="CERTIFICATE_VERIFY_FAILED"):
+            untrusting.chat(ChatRequest("s", "hello"))
+        with pytest.raises(ConfigError, match="remote.ca_file: cannot load"):
+            runtime_for(endpoint.url, tmp_path, ca_file=str(tmp_path / "missing.pem"))
+    finally:
+        endpoint.close()
