@@ -16,6 +16,7 @@ config file written by ``synflux-serve --write-config`` runs under ``serve run``
 # No "from __future__ import annotations": FastAPI reads the handlers' annotations as objects (WebSocket).
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hmac
 import json
@@ -126,6 +127,9 @@ class VLADeployment(_Replica):
     def __init__(self, args: dict):
         super().__init__(args, "vla")
         self.policy = VLAPolicy(self.cfg)
+        # one thread computes every request (they run one at a time anyway): its caches stay warm between
+        # requests, where the event loop's default pool would hand each request to whichever thread is idle
+        self._infer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="policy")
 
     @vla_api.get("/healthz")
     def healthz(self):
@@ -156,7 +160,7 @@ class VLADeployment(_Replica):
                     raise RequestError("expected a binary msgpack message, got a text frame")
                 obs = wire.unpack(msg["bytes"], self.max_bytes)
                 t0 = time.monotonic()
-                result = await asyncio.to_thread(self.policy.infer, obs, seq)
+                result = await asyncio.get_running_loop().run_in_executor(self._infer, self.policy.infer, obs, seq)
                 infer_ms = (time.monotonic() - t0) * 1e3
             except (wire.WireError, RequestError) as exc:
                 self.counts["requests_refused"] += 1
