@@ -131,24 +131,21 @@ class SynfluxNode(ManagedNode):
 
     # lifecycle -----------------------------------------------------------
     def on_configure(self, state: State) -> TransitionCallbackReturn:
-        made = {}
-
-        def configure():
+        def configure():  # all of it: whatever raises is reported once and undone (try_configure)
             p = read(self, self.PARAMS)
             if p["diagnostics_period"] <= 0:
                 raise self.fail("diagnostics_period", f"must be > 0, got {p['diagnostics_period']!r}")
             cfg = load_node_config(self, self.MODE, p["config"], p["executor"], p["graph_dir"])
             self.get_logger().info(f"loading {cfg.name!r} on {cfg.executor.backend!r}")
-            made.update(p=p, cfg=cfg, summary=self.setup(p, cfg))
+            summary = self.setup(p, cfg)
+            self.cfg = cfg
+            self._diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+            self._timer = self.create_timer(p["diagnostics_period"], self._publish_diagnostics,
+                                            callback_group=MutuallyExclusiveCallbackGroup())
+            self.get_logger().info(f"configured {summary}, "
+                                   f"{self.runtime.executor.device_bytes / 2**20:.1f} MiB device memory")
         if not self.try_configure(configure):  # a failed configure does not poison the next attempt
             return TransitionCallbackReturn.FAILURE
-        p, cfg, summary = made["p"], made["cfg"], made["summary"]
-        self.cfg = cfg
-        self._diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
-        self._timer = self.create_timer(p["diagnostics_period"], self._publish_diagnostics,
-                                        callback_group=MutuallyExclusiveCallbackGroup())
-        self.get_logger().info(f"configured {summary}, "
-                               f"{self.runtime.executor.device_bytes / 2**20:.1f} MiB device memory")
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
