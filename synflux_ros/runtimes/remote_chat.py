@@ -111,6 +111,7 @@ class RemoteVLMRuntime:
         self.executor = NoDevice()
         self.sessions = Conversations(cfg.session.max_sessions, cfg.session.eviction)
         self._conn: http.client.HTTPConnection | None = None  # the turn's own, closed after it
+        self._sock = self._resp = None
         self._lock = threading.Lock()  # one turn at a time, as the local runtime
         self.turns_served = self.requests_refused = self.turns_failed = 0
         try:
@@ -141,9 +142,14 @@ class RemoteVLMRuntime:
         return headers
 
     def _drop(self) -> None:
+        """Close the turn's response and connection, whatever state they are in."""
+        if self._resp is not None:
+            self._resp.close()
+            self._resp = None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        self._sock = None
 
     def _request(self, method: str, path: str, body: bytes | None, headers: dict, timeout: float):
         """The response of one request on a connection of its own (its status read, its body not); a failure
@@ -157,9 +163,11 @@ class RemoteVLMRuntime:
                 conn = http.client.HTTPConnection(self._host, self._port, timeout=self.remote.connect_timeout)
             self._conn = conn
             conn.connect()
-            conn.sock.settimeout(timeout)
+            self._sock = conn.sock  # the reply's reads go on it after http.client lets go of it (HTTP/1.0)
+            self._sock.settimeout(timeout)
             conn.request(method, self._base + path, body=body, headers=headers)
-            return conn.getresponse()
+            self._resp = conn.getresponse()
+            return self._resp
         except (OSError, http.client.HTTPException) as exc:
             self._drop()
             if isinstance(exc, TimeoutError):
@@ -276,8 +284,13 @@ class RemoteVLMRuntime:
         """The streamed reply's text, the time to its first piece (ms), and what the last events said (the
         finish reason, the usage, the server's timing)."""
         pieces, ttft, final, size = [], None, {}, 0
+        deadline = t0 + self.remote.turn_timeout
         try:
             while True:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise TimeoutError
+                self._sock.settimeout(left)  # the whole turn, not each piece, is bounded
                 line = resp.readline(MAX_REPLY_BYTES)
                 size += len(line)
                 if not line or size > MAX_REPLY_BYTES:

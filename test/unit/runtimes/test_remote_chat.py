@@ -53,6 +53,16 @@ class Endpoint:
                 if answer is None:  # silent: hold the connection until the client gives up
                     outer.release.wait(10)
                     return
+                if answer == "trickle":  # a streamed reply whose pieces come slowly, without end
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    for _ in range(20):
+                        self.wfile.write(b'data: {"choices": [{"index": 0, "delta": {"content": "."}}]}\n\n')
+                        self.wfile.flush()
+                        if outer.release.wait(0.3):
+                            break
+                    return
                 status, data = answer
                 self._send(status, data, "text/event-stream" if status == 200 else "application/json")
 
@@ -148,7 +158,10 @@ def test_refusals_and_failures_leave_the_session_as_it_was(endpoint, tmp_path):
     endpoint.reply = lambda body: None
     with pytest.raises(RemoteError, match=r"no answer from http://127.0.0.1:\d+/v1 within 1 s"):
         rt.chat(ChatRequest("s", "again"))
-    assert (rt.requests_refused, rt.turns_failed, rt.turns_served) == (2, 4, 1)
+    endpoint.reply = lambda body: "trickle"  # a piece every 0.3 s: each within the timeout, the turn not
+    with pytest.raises(RemoteError, match=r"within 1 s \(remote.turn_timeout\)"):
+        rt.chat(ChatRequest("s", "again"))
+    assert (rt.requests_refused, rt.turns_failed, rt.turns_served) == (2, 5, 1)
     endpoint.reply = lambda body: (200, stream(["ok"], 4, 9))
     rt.chat(ChatRequest("s", "last"))
     assert [m["role"] for m in endpoint.requests[-1][1]["messages"]] == ["user", "assistant", "user"]
