@@ -169,9 +169,11 @@ class RemoteVLMRuntime:
             self._resp = conn.getresponse()
             return self._resp
         except (OSError, http.client.HTTPException) as exc:
+            connected = self._sock is not None
             self._drop()
             if isinstance(exc, TimeoutError):
-                raise RemoteError(f"no answer from {self.remote.url} within {timeout:g} s") from None
+                limit = f"{timeout:g} s" if connected else f"{self.remote.connect_timeout:g} s (remote.connect_timeout)"
+                raise RemoteError(f"no answer from {self.remote.url} within {limit}") from None
             raise RemoteError(f"cannot reach the server at {self.remote.url}: {type(exc).__name__}: {exc}") from None
 
     def _check_model(self) -> None:
@@ -180,14 +182,21 @@ class RemoteVLMRuntime:
             resp = self._request("GET", "/models", None, self._headers(), self.remote.connect_timeout)
             data = self._json_body(resp)
             self._drop()
-        if resp.status != 200:
-            raise ConfigError(f"remote.url: {self.remote.url}/models answered {resp.status}: {_error_text(data)}")
+        if resp.status in (401, 403):
+            raise ConfigError(f"remote.url: {self.remote.url}/models answered {resp.status}: {_error_text(data)} "
+                              f"(remote.api_key_file)")
+        if resp.status != 200:  # a server still deploying (Ray's proxy: 404, 503): the node starts regardless
+            raise RemoteError(f"{self.remote.url}/models answered {resp.status}: {_error_text(data)}")
         ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)] if isinstance(data, dict) else []
         if self.cfg.name not in ids:
             raise ConfigError(f"remote.url: {self.remote.url} serves {ids}, the config's model is {self.cfg.name!r}")
 
     def _json_body(self, resp) -> object:
-        raw = resp.read(MAX_REPLY_BYTES + 1)
+        try:
+            raw = resp.read(MAX_REPLY_BYTES + 1)
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop()
+            raise RemoteError(f"the reply from {self.remote.url} broke off: {type(exc).__name__}: {exc}") from None
         if len(raw) > MAX_REPLY_BYTES:
             self._drop()
             raise RemoteError(f"the server at {self.remote.url} sent more than {MAX_REPLY_BYTES} bytes")
@@ -254,6 +263,7 @@ class RemoteVLMRuntime:
                             ("top_p", req.top_p)):
             if value is not None:
                 body[name] = value
+        sent = time.perf_counter()  # the network's share is counted from here: encoding the images is not
         resp = self._request("POST", "/chat/completions", json.dumps(body).encode("utf-8"),
                              self._headers(req.session_id), self.remote.turn_timeout)
         if resp.status != 200:
@@ -264,18 +274,23 @@ class RemoteVLMRuntime:
             raise RemoteError(f"the server at {self.remote.url} failed the turn ({resp.status}): {_error_text(data)}")
         reply, ttft, final = self._read_stream(resp, t0)
         self._drop()
-        total = (time.perf_counter() - t0) * 1e3
-        usage = final.get("usage") or {}
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-        server = final.get("server_timing") or {}
-        network = max(0.0, total - float(server["total_ms"])) if "total_ms" in server else None
+        now = time.perf_counter()
+        total = (now - t0) * 1e3
+        try:
+            usage = final.get("usage") or {}
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+            prompt, generated = int(usage.get("prompt_tokens", 0)) - cached, int(usage.get("completion_tokens", 0))
+            server = final.get("server_timing") or {}
+            network = max(0.0, (now - sent) * 1e3 - float(server["total_ms"])) if "total_ms" in server else None
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise RemoteError(f"the reply from {self.remote.url} has a malformed usage or server_timing: "
+                              f"{type(exc).__name__}: {exc}") from None
         # the session holds the turn only once it is answered: a failed turn leaves it as it was
         conv, evicted = self.sessions.open(req.session_id)
         conv.system, conv.messages = system, history + [message, {"role": "assistant", "content": reply}]
         conv.turns = 1 if fresh else conv.turns + 1
         self.turns_served += 1
-        return ChatResult(reply=reply, prompt_tokens=int(usage.get("prompt_tokens", 0)) - cached,
-                          cached_tokens=cached, generated_tokens=int(usage.get("completion_tokens", 0)),
+        return ChatResult(reply=reply, prompt_tokens=prompt, cached_tokens=cached, generated_tokens=generated,
                           ttft_ms=ttft if ttft is not None else total, total_ms=total,
                           stopped_by_eos=final.get("finish_reason") == "stop", evicted_session=evicted,
                           network_ms=network)
@@ -294,6 +309,7 @@ class RemoteVLMRuntime:
                 line = resp.readline(MAX_REPLY_BYTES)
                 size += len(line)
                 if not line or size > MAX_REPLY_BYTES:
+                    self._drop()
                     raise RemoteError(f"the reply from {self.remote.url} ended before its [DONE] event")
                 line = line.strip()
                 if not line.startswith(b"data:"):
@@ -302,9 +318,11 @@ class RemoteVLMRuntime:
                 if data == b"[DONE]":
                     break
                 event = json.loads(data)
+                if not isinstance(event, dict):
+                    raise ValueError(f"an event that is not an object: {data[:80]!r}")
                 if "error" in event:  # the runtime refused or failed the turn after the stream began
                     self._drop()
-                    if (event["error"] or {}).get("type") == "invalid_request_error":
+                    if isinstance(event["error"], dict) and event["error"].get("type") == "invalid_request_error":
                         raise RequestError(f"the server refused the turn: {_error_text(event)}")
                     raise RemoteError(f"the server at {self.remote.url} failed the turn: {_error_text(event)}")
                 for choice in event.get("choices") or []:
@@ -320,7 +338,7 @@ class RemoteVLMRuntime:
                         final[key] = event[key]
         except RequestError:
             raise
-        except (OSError, http.client.HTTPException, ValueError) as exc:  # ValueError: an event that is not JSON
+        except (OSError, http.client.HTTPException, ValueError, TypeError, AttributeError) as exc:  # a bad event
             self._drop()
             if isinstance(exc, TimeoutError):
                 raise RemoteError(f"no answer from {self.remote.url} within {self.remote.turn_timeout:g} s "
@@ -330,6 +348,8 @@ class RemoteVLMRuntime:
 
 
 def _error_text(data) -> str:
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        return str(data["error"].get("message", data["error"]))
-    return str(data)[:200]
+    """An OpenAI error body's message (``{"error": {"message": ...}}``), or what came instead, shortened."""
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message", error))[:500]
+    return str(error if isinstance(error, str) else data)[:200]

@@ -17,6 +17,7 @@ config file written by ``synflux-serve --write-config`` runs under ``serve run``
 
 import asyncio
 import concurrent.futures
+import contextvars
 import dataclasses
 import hmac
 import json
@@ -160,7 +161,9 @@ class VLADeployment(_Replica):
                     raise RequestError("expected a binary msgpack message, got a text frame")
                 obs = wire.unpack(msg["bytes"], self.max_bytes)
                 t0 = time.monotonic()
-                result = await asyncio.get_running_loop().run_in_executor(self._infer, self.policy.infer, obs, seq)
+                context = contextvars.copy_context()  # Ray Serve's request context, as asyncio.to_thread passes it
+                result = await asyncio.get_running_loop().run_in_executor(
+                    self._infer, context.run, self.policy.infer, obs, seq)
                 infer_ms = (time.monotonic() - t0) * 1e3
             except (wire.WireError, RequestError) as exc:
                 self.counts["requests_refused"] += 1
@@ -190,6 +193,9 @@ class VLADeployment(_Replica):
             pass
 
     def __del__(self):
+        pool = getattr(self, "_infer", None)
+        if pool is not None:
+            pool.shutdown(wait=True)  # the request in its call finishes before the runtime closes
         policy = getattr(self, "policy", None)
         if policy is not None:
             policy.close()

@@ -28,6 +28,7 @@ class Endpoint:
     def __init__(self, cert: tuple[str, str] | None = None):
         """``cert``: (certificate, key) files: serve https."""
         self.models = [MODEL]
+        self.models_status = 200
         self.requests: list[tuple[dict, dict]] = []
         self.reply = lambda body: (200, stream(["Hello", " there"], 12, 0))
         outer = self
@@ -44,13 +45,20 @@ class Endpoint:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self._send(200, json.dumps({"object": "list", "data": [{"id": m} for m in outer.models]}).encode())
+                self._send(outer.models_status,
+                           json.dumps({"object": "list", "data": [{"id": m} for m in outer.models]}).encode())
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append((dict(self.headers), body))
                 answer = outer.reply(body)
                 if answer is None:  # silent: hold the connection until the client gives up
+                    outer.release.wait(10)
+                    return
+                if answer == "stall":  # an error status whose body never comes
+                    self.send_response(500)
+                    self.send_header("Content-Length", "100")
+                    self.end_headers()
                     outer.release.wait(10)
                     return
                 if answer == "trickle":  # a streamed reply whose pieces come slowly, without end
@@ -224,3 +232,28 @@ def test_https_with_the_server_s_own_certificate(tmp_path):
             runtime_for(endpoint.url, tmp_path, ca_file=str(tmp_path / "missing.pem"))
     finally:
         endpoint.close()
+
+
+@pytest.mark.parametrize("answer,needle", [
+    ("stall", r"broke off: TimeoutError"),  # a 500 whose body stalls
+    ((200, b"data: 5\n\n"), "an event that is not an object"),
+    ((200, b'data: {"error": "text"}\n\n'), "failed the turn: text"),
+    ((200, b'data: {"choices": 3}\n\ndata: [DONE]\n\n'), "broke off: TypeError"),
+    ((200, b'data: {"choices": [], "usage": {"prompt_tokens": "many"}}\n\ndata: [DONE]\n\n'),
+     "malformed usage or server_timing"),
+])
+def test_a_broken_reply_fails_the_turn_as_a_remote_error(endpoint, tmp_path, answer, needle):
+    rt = runtime_for(endpoint.url, tmp_path)
+    endpoint.reply = lambda body: answer
+    with pytest.raises(RemoteError, match=needle):
+        rt.chat(ChatRequest("s", "hello"))
+    assert rt.turns_failed == 1 and len(rt.sessions) == 0 and rt._conn is None  # counted, nothing kept open
+
+
+def test_a_server_still_deploying_does_not_stop_the_node(endpoint, tmp_path):
+    endpoint.models_status = 503  # Ray's proxy before the application is up
+    rt = runtime_for(endpoint.url, tmp_path)
+    assert rt.chat(ChatRequest("s", "hello")).reply == "Hello there"
+    endpoint.models_status = 401
+    with pytest.raises(ConfigError, match=r"answered 401: .* \(remote.api_key_file\)"):
+        runtime_for(endpoint.url, tmp_path)
