@@ -21,7 +21,7 @@ from ...core.config import ConfigError, ModelConfig
 from ...core.contract import TIME_MAX_PERIOD, TIME_MIN_PERIOD
 from .checkpoint import copy_checked, read_config
 from .lerobot_pi0 import (
-    _EXPORT_LAYOUT, _key, _layers, _need, _norm, _shapes, _vision_names, lerobot_policy_type, state_joints)
+    _EXPORT_LAYOUT, _key, _layers, _need, _norm, _shapes, _vision_names, lerobot_policy_type, prefix_buckets, state_joints)
 
 ROOT = "vlm_with_expert."
 VLM = ROOT + "vlm.model."
@@ -101,8 +101,8 @@ def _cross_layers(shapes: dict, depth: int, kv_width: int, top: dict, path: str)
 
 
 def config_from_lerobot_smolvla(hf_dir: str, base: ModelConfig) -> ModelConfig:
-    """``base`` with everything the SmolVLA checkpoint in ``hf_dir`` fixes, and one prefill bucket and one
-    action-expert span of the prefix's size (cameras' tokens + ``tokenizer_max_length`` + the state row); KV
+    """``base`` with everything the SmolVLA checkpoint in ``hf_dir`` fixes, an action-expert span of the prefix's
+    size (cameras' tokens + ``tokenizer_max_length`` + the state row) and prefill buckets up to it; KV
     dtype, executor and the joint names (``action.state_joints``) stay from ``base``."""
     path, top = read_config(hf_dir)
     if top.get("type") != POLICY_TYPE:
@@ -176,7 +176,8 @@ def config_from_lerobot_smolvla(hf_dir: str, base: ModelConfig) -> ModelConfig:
              "architecture": "llama", "rope_theta": 10000.0, "embed_scale": math.sqrt(width),
              "tie_word_embeddings": LM_HEAD not in shapes or TEXT + "embed_tokens.weight" not in shapes,
              "mrope_section": [], "prefill_attention": "bidirectional",
-             "prefill_buckets": [prefix], "decode_buckets": [span], "max_seq_len": span},
+             "prefill_buckets": prefix_buckets(tokens * len(cameras) + 1, max_instr), "decode_buckets": [span],
+             "max_seq_len": span},
         action={"head_type": "flow_matching", "action_dim": max_action, "output_dim": action_true,
                 "action_horizon": int(top.get("chunk_size", 50)), "num_denoise_steps": int(top.get("num_steps", 10)),
                 "expert_hidden_dim": e_width,
