@@ -81,3 +81,49 @@ def hf_image_processor(**size):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     return Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
                                     image_mean=list(MEAN), image_std=list(STD), **size)
+
+
+# LeRobot's checkpoint layout, for the import tests that run without LeRobot (test/unit/build/test_lerobot_*.py)
+
+def siglip_shapes(prefix: str, width: int, layers: int, mlp: int, patch: int, positions: int) -> dict:
+    """Tensor name -> shape of a SigLIP tower under ``prefix`` (patch and position embeddings, ``layers`` encoder
+    layers with biased projections and LayerNorms, the post-LayerNorm)."""
+    t = {prefix + "embeddings.patch_embedding.weight": (width, 3, patch, patch),
+         prefix + "embeddings.patch_embedding.bias": (width,),
+         prefix + "embeddings.position_embedding.weight": (positions, width),
+         prefix + "post_layernorm.weight": (width,), prefix + "post_layernorm.bias": (width,)}
+    for i in range(layers):
+        p = f"{prefix}encoder.layers.{i}."
+        for n in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            t[f"{p}self_attn.{n}.weight"], t[f"{p}self_attn.{n}.bias"] = (width, width), (width,)
+        for n in ("layer_norm1", "layer_norm2"):
+            t[f"{p}{n}.weight"], t[f"{p}{n}.bias"] = (width,), (width,)
+        t.update({p + "mlp.fc1.weight": (mlp, width), p + "mlp.fc1.bias": (mlp,), p + "mlp.fc2.weight": (width, mlp),
+                  p + "mlp.fc2.bias": (width,)})
+    return t
+
+
+def flow_head_shapes(expert: int, state_out: int, padded: int = 32) -> dict:
+    """Tensor name -> shape of the flow-matching projections around the action expert (``expert`` wide; the state
+    projection to ``state_out``: pi0's suffix token, SmolVLA's prefix row), on ``padded`` state/action values."""
+    return {"model.state_proj.weight": (state_out, padded), "model.state_proj.bias": (state_out,),
+            "model.action_in_proj.weight": (expert, padded), "model.action_in_proj.bias": (expert,),
+            "model.action_time_mlp_in.weight": (expert, 2 * expert), "model.action_time_mlp_in.bias": (expert,),
+            "model.action_time_mlp_out.weight": (expert, expert), "model.action_time_mlp_out.bias": (expert,),
+            "model.action_out_proj.weight": (padded, expert), "model.action_out_proj.bias": (padded,)}
+
+
+def write_lerobot_processors(d, stats: dict, norm_map: dict) -> None:
+    """LeRobot's policy_preprocessor.json / policy_postprocessor.json in ``d`` with a (un)normaliser step of
+    ``norm_map`` (feature type -> mode), its statistics ``stats`` (name -> torch tensor) in the state files."""
+    import json
+    from safetensors.torch import save_file
+    for name, step, reg in (("policy_preprocessor", 5, "normalizer_processor"),
+                            ("policy_postprocessor", 0, "unnormalizer_processor")):
+        state_file = f"{name}_step_{step}_{reg}.safetensors"
+        save_file(stats, os.path.join(str(d), state_file))
+        steps = [{"registry_name": "device_processor", "config": {}}] * step + [{
+            "registry_name": reg, "config": {"eps": 1e-8, "features": {}, "norm_map": norm_map},
+            "state_file": state_file}]
+        with open(os.path.join(str(d), f"{name}.json"), "w", encoding="utf-8") as fh:
+            json.dump({"name": name, "steps": steps}, fh)

@@ -688,14 +688,24 @@ def save_checkpoint(out: Path, policy, preprocessor, postprocessor, dims: dict, 
     (out / dims_file).write_text(json.dumps(dims, indent=2) + "\n")
 
 
-def validate_options(o: dict) -> None:
+def add_run_flags(rn: argparse.ArgumentParser) -> None:
+    """The ``run`` subcommand's flags every flow-matching policy's runner shares: where the chunk goes, the
+    Real-Time Chunking cases, timing, threads."""
+    rn.add_argument("--out", help=".npz to write: actions [chunk, action dim] float32, actions_normalized, "
+                                  "state_normalized, lang_tokens, lang_mask")
+    rn.add_argument("--rtc", metavar="JSON", help="Real-Time Chunking cases, a JSON list of {prev_chunk (an array "
+                                                  "in --inputs), inference_delay, execution_horizon, schedule, "
+                                                  "max_guidance_weight, guidance: lerobot|vjp}; writes "
+                                                  "actions_rtc_<i> and actions_normalized_rtc_<i>")
+    rn.add_argument("--time", type=int, default=0, metavar="N", help="also time N calls of predict_action_chunk "
+                                                                     "(with --rtc, also N of the first case's)")
+    rn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+
+def shape_problems(o: dict) -> list[str]:
+    """What is wrong in the options every policy's make-checkpoint shares (heads, cameras, state and action sizes,
+    steps, normalisation modes); each runner adds its own checks."""
     problems = []
-    if o["policy"] not in POLICIES:
-        problems.append(f"policy must be one of {', '.join(POLICIES)}")
-    if o["tokenizer_max_length"] is not None and o["tokenizer_max_length"] < 1:
-        problems.append("tokenizer_max_length must be positive")
-    if o["image_size"] % PATCH_SIZE:
-        problems.append(f"image_size must be a multiple of {PATCH_SIZE}")
     if o["vision_width"] % o["vision_heads"]:
         problems.append("vision_width must be a multiple of vision_heads")
     if o["num_heads"] % o["num_kv_heads"]:
@@ -712,6 +722,17 @@ def validate_options(o: dict) -> None:
     for key in ("state_norm", "action_norm"):
         if o[key] not in NORM_MODES:
             problems.append(f"{key} must be one of {', '.join(NORM_MODES)}")
+    return problems
+
+
+def validate_options(o: dict) -> None:
+    problems = shape_problems(o)
+    if o["policy"] not in POLICIES:
+        problems.append(f"policy must be one of {', '.join(POLICIES)}")
+    if o["tokenizer_max_length"] is not None and o["tokenizer_max_length"] < 1:
+        problems.append("tokenizer_max_length must be positive")
+    if o["image_size"] % PATCH_SIZE:
+        problems.append(f"image_size must be a multiple of {PATCH_SIZE}")
     if o["dtype"] not in ("float32", "bfloat16"):
         problems.append("dtype must be float32 or bfloat16")
     if problems:
@@ -1328,16 +1349,7 @@ def main(argv=None) -> None:
                                                     "[n], state float32 [state dim], noise float32 [chunk, 32]")
     rn.add_argument("--task", default=DEFAULT_TASK, help="π0.5: the task its prompt states, reported with the "
                                                          "state as the result's \"prompt\" (default %(default)r)")
-    rn.add_argument("--out", help=".npz to write: actions [chunk, action dim] float32, actions_normalized, "
-                                  "state_normalized, lang_tokens, lang_mask")
-    rn.add_argument("--rtc", metavar="JSON", help="Real-Time Chunking cases, a JSON list of {prev_chunk (an array "
-                                                  "in --inputs), inference_delay, execution_horizon, schedule, "
-                                                  "max_guidance_weight, guidance: lerobot|vjp}; writes "
-                                                  "actions_rtc_<i> and "
-                                                  "actions_normalized_rtc_<i>")
-    rn.add_argument("--time", type=int, default=0, metavar="N", help="also time N calls of predict_action_chunk "
-                                                                     "(with --rtc, also N of the first case's)")
-    rn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_run_flags(rn)
 
     args = parser.parse_args(argv)
     print_result({"check": check, "make-checkpoint": make_checkpoint, "run": run}[args.command], args)

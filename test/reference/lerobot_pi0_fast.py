@@ -154,6 +154,7 @@ from lerobot_pi0 import (  # noqa: E402  (also sets HF_HUB_OFFLINE: nothing here
     print_result,
     randomize_weights,
     save_checkpoint,
+    shape_problems,
     verify_weights,
     vision_dims,
 )
@@ -515,24 +516,11 @@ LEROBOT_DEFAULTS = ("tokenizer_max_length", "max_action_tokens", "max_decoding_s
 
 
 def validate_options(o: dict) -> None:
-    problems = []
+    problems = shape_problems(o)
     if o["image_size"] % PATCH_SIZE:
         problems.append(f"image_size must be a multiple of {PATCH_SIZE}")
-    if o["vision_width"] % o["vision_heads"]:
-        problems.append("vision_width must be a multiple of vision_heads")
-    if o["num_heads"] % o["num_kv_heads"]:
-        problems.append("num_heads must be a multiple of num_kv_heads")
     if o["head_dim"] % 2:
         problems.append("head_dim must be even (RoPE)")
-    cams = o["cameras"]
-    if not cams or len(set(cams)) != len(cams) or not all(c.replace("_", "").isalnum() for c in cams):
-        problems.append("cameras must be one or more distinct names of letters, digits and _")
-    if not 0 < o["state_dim"] <= o["max_state_dim"]:
-        problems.append("state_dim must be in 1..max_state_dim")
-    if not 0 < o["action_dim"] <= o["max_action_dim"]:
-        problems.append("action_dim must be in 1..max_action_dim")
-    if not 0 < o["n_action_steps"] <= o["chunk_size"]:
-        problems.append("n_action_steps must be in 1..chunk_size")
     for key in ("tokenizer_max_length", "max_action_tokens", "max_decoding_steps"):
         if o[key] is not None and o[key] < 1:
             problems.append(f"{key} must be positive")
@@ -542,9 +530,6 @@ def validate_options(o: dict) -> None:
     for key in ("validate_action_token_prefix", "use_kv_cache"):
         if o[key] is not None and not isinstance(o[key], bool):
             problems.append(f"{key} must be true or false")
-    for key in ("state_norm", "action_norm"):
-        if o[key] not in NORM_MODES:
-            problems.append(f"{key} must be one of {', '.join(NORM_MODES)}")
     if o["dtype"] not in ("float32", "bfloat16"):
         problems.append("dtype must be float32 or bfloat16")
     if problems:

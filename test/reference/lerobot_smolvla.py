@@ -67,6 +67,7 @@ from lerobot_pi0 import (  # noqa: E402  (also sets HF_HUB_OFFLINE: nothing here
     NORM_MODES,
     PretokenizedPrompt,
     add_option_flags,
+    add_run_flags,
     compute_chunks,
     checkpoint_options,
     dataset_stats,
@@ -77,6 +78,7 @@ from lerobot_pi0 import (  # noqa: E402  (also sets HF_HUB_OFFLINE: nothing here
     print_result,
     randomize_weights,
     save_checkpoint,
+    shape_problems,
     read_inputs,
     read_rtc_cases,
     tokenizer_not_loaded,
@@ -203,16 +205,12 @@ PADDINGS = ("longest", "max_length")
 
 
 def validate_options(o: dict) -> None:
-    problems = []
+    problems = shape_problems(o)
     side = o["image_size"] // o["patch_size"] if o["patch_size"] > 0 else 0
     if o["patch_size"] < 1 or o["image_size"] % o["patch_size"]:
         problems.append("image_size must be a multiple of patch_size")
     elif o["scale_factor"] < 1 or side % o["scale_factor"]:
         problems.append("image_size / patch_size must be a multiple of scale_factor")
-    if o["vision_width"] % o["vision_heads"]:
-        problems.append("vision_width must be a multiple of vision_heads")
-    if o["num_heads"] % o["num_kv_heads"]:
-        problems.append("num_heads must be a multiple of num_kv_heads")
     if o["head_dim"] % 2:
         problems.append("head_dim must be even (RoPE)")
     expert_width = int(o["vlm_width"] * o["expert_width_multiplier"])
@@ -232,20 +230,8 @@ def validate_options(o: dict) -> None:
         problems.append("vocab_size must be at least 2")
     if o["tokenizer_max_length"] < 1:
         problems.append("tokenizer_max_length must be positive")
-    cams = o["cameras"]
-    if not cams or len(set(cams)) != len(cams) or not all(c.replace("_", "").isalnum() for c in cams):
-        problems.append("cameras must be one or more distinct names of letters, digits and _")
-    if not 0 < o["state_dim"] <= o["max_state_dim"]:
-        problems.append("state_dim must be in 1..max_state_dim")
-    if not 0 < o["action_dim"] <= o["max_action_dim"]:
-        problems.append("action_dim must be in 1..max_action_dim")
-    if not 0 < o["n_action_steps"] <= o["chunk_size"]:
-        problems.append("n_action_steps must be in 1..chunk_size")
     if o["num_steps"] < 1:
         problems.append("num_steps must be positive")
-    for key in ("state_norm", "action_norm"):
-        if o[key] not in NORM_MODES:
-            problems.append(f"{key} must be one of {', '.join(NORM_MODES)}")
     if problems:
         raise SystemExit("; ".join(problems))
 
@@ -609,15 +595,7 @@ def main(argv=None) -> None:
                                                     "max_action_dim]")
     rn.add_argument("--task", default=DEFAULT_TASK, help="the task lang_tokens stand for, reported with LeRobot's "
                                                          "\"\\n\" as the result's \"prompt\" (default %(default)r)")
-    rn.add_argument("--out", help=".npz to write: actions [chunk, action dim] float32, actions_normalized, "
-                                  "state_normalized, lang_tokens, lang_mask")
-    rn.add_argument("--rtc", metavar="JSON", help="Real-Time Chunking cases, a JSON list of {prev_chunk (an array "
-                                                  "in --inputs), inference_delay, execution_horizon, schedule, "
-                                                  "max_guidance_weight, guidance: lerobot|vjp}; writes "
-                                                  "actions_rtc_<i> and actions_normalized_rtc_<i>")
-    rn.add_argument("--time", type=int, default=0, metavar="N", help="also time N calls of predict_action_chunk "
-                                                                     "(with --rtc, also N of the first case's)")
-    rn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_run_flags(rn)
 
     tk = sub.add_parser("tokens", help="the language tokens LeRobot's SmolVLA preprocessor makes of a task")
     tk.add_argument("--checkpoint", required=True, help="SmolVLA checkpoint directory (its policy_preprocessor.json)")

@@ -17,6 +17,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from synflux_ros.build.torch_models import build_graph_modules, config_from_hf  # noqa: E402
 from synflux_ros.build.torch_models.lerobot_pi0 import prefix_buckets  # noqa: E402
 from synflux_ros.core.config import ConfigError, load_config  # noqa: E402
+from checkpoints import flow_head_shapes, siglip_shapes, write_lerobot_processors  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
 JOINTS = [f"j{i}" for i in range(5)]
@@ -43,23 +44,8 @@ def shapes() -> dict:
     t = {"model.paligemma_with_expert.paligemma.lm_head.weight": (257152, W),
          "model.paligemma_with_expert.paligemma.model.multi_modal_projector.linear.weight": (W, VW),
          "model.paligemma_with_expert.paligemma.model.multi_modal_projector.linear.bias": (W,),
-         VIS + "embeddings.patch_embedding.weight": (VW, 3, 14, 14), VIS + "embeddings.patch_embedding.bias": (VW,),
-         VIS + "embeddings.position_embedding.weight": (16, VW), VIS + "post_layernorm.weight": (VW,),
-         VIS + "post_layernorm.bias": (VW,),
          "model.paligemma_with_expert.gemma_expert.lm_head.weight": (257152, E),  # unused by pi0, saved anyway
-         "model.state_proj.weight": (E, 32), "model.state_proj.bias": (E,),
-         "model.action_in_proj.weight": (E, 32), "model.action_in_proj.bias": (E,),
-         "model.action_time_mlp_in.weight": (E, 2 * E), "model.action_time_mlp_in.bias": (E,),
-         "model.action_time_mlp_out.weight": (E, E), "model.action_time_mlp_out.bias": (E,),
-         "model.action_out_proj.weight": (32, E), "model.action_out_proj.bias": (32,)}
-    for i in range(LAYERS):
-        p = f"{VIS}encoder.layers.{i}."
-        for n in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            t[f"{p}self_attn.{n}.weight"], t[f"{p}self_attn.{n}.bias"] = (VW, VW), (VW,)
-        for n in ("layer_norm1", "layer_norm2"):
-            t[f"{p}{n}.weight"], t[f"{p}{n}.bias"] = (VW,), (VW,)
-        t.update({p + "mlp.fc1.weight": (64, VW), p + "mlp.fc1.bias": (64,), p + "mlp.fc2.weight": (VW, 64),
-                  p + "mlp.fc2.bias": (VW,)})
+         **siglip_shapes(VIS, VW, LAYERS, 64, 14, 16), **flow_head_shapes(E, E)}
     t.update(gemma_layers(VLM, W, 128))
     t.update(gemma_layers(EXP, E, 96))
     return t
@@ -80,15 +66,7 @@ def write_checkpoint(d: Path, cameras=("top", "wrist"), state_mode="MEAN_STD", d
              "observation.state.q01": torch.zeros(5), "observation.state.q99": torch.ones(5),
              "action.mean": torch.zeros(6), "action.std": torch.ones(6), "action.min": -torch.ones(6),
              "action.max": torch.ones(6)}
-    safetensors_torch.save_file(stats, str(d / "policy_preprocessor_step_5_normalizer_processor.safetensors"))
-    safetensors_torch.save_file(stats, str(d / "policy_postprocessor_step_0_unnormalizer_processor.safetensors"))
-    norm_map = {"VISUAL": "IDENTITY", "STATE": state_mode, "ACTION": "MIN_MAX"}
-    for name, step, reg in (("policy_preprocessor", 5, "normalizer_processor"),
-                            ("policy_postprocessor", 0, "unnormalizer_processor")):
-        steps = [{"registry_name": "device_processor", "config": {}}] * step + [{
-            "registry_name": reg, "config": {"eps": 1e-8, "features": {}, "norm_map": norm_map},
-            "state_file": f"{name}_step_{step}_{reg}.safetensors"}]
-        (d / f"{name}.json").write_text(json.dumps({"name": name, "steps": steps}))
+    write_lerobot_processors(d, stats, {"VISUAL": "IDENTITY", "STATE": state_mode, "ACTION": "MIN_MAX"})
     return tensors
 
 

@@ -16,6 +16,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from synflux_ros.build.torch_models import build_graph_modules, config_from_hf  # noqa: E402
 from synflux_ros.core.config import ConfigError, load_config  # noqa: E402
+from checkpoints import flow_head_shapes, siglip_shapes, write_lerobot_processors  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
 JOINTS = [f"j{i}" for i in range(5)]
@@ -42,22 +43,7 @@ def llama_layers(prefix: str, width: int, mlp: int, cross=()) -> dict:
 def shapes(cross=(1, 3)) -> dict:
     t = {"model.vlm_with_expert.vlm.lm_head.weight": (512, W), TEXT + "embed_tokens.weight": (512, W),
          "model.vlm_with_expert.vlm.model.connector.modality_projection.proj.weight": (W, 4 * VW),  # shuffle by 2
-         VIS + "embeddings.patch_embedding.weight": (VW, 3, P, P), VIS + "embeddings.patch_embedding.bias": (VW,),
-         VIS + "embeddings.position_embedding.weight": (36, VW), VIS + "post_layernorm.weight": (VW,),
-         VIS + "post_layernorm.bias": (VW,),
-         "model.state_proj.weight": (W, 32), "model.state_proj.bias": (W,),
-         "model.action_in_proj.weight": (E, 32), "model.action_in_proj.bias": (E,),
-         "model.action_time_mlp_in.weight": (E, 2 * E), "model.action_time_mlp_in.bias": (E,),
-         "model.action_time_mlp_out.weight": (E, E), "model.action_time_mlp_out.bias": (E,),
-         "model.action_out_proj.weight": (32, E), "model.action_out_proj.bias": (32,)}
-    for i in range(2):
-        p = f"{VIS}encoder.layers.{i}."
-        for n in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            t[f"{p}self_attn.{n}.weight"], t[f"{p}self_attn.{n}.bias"] = (VW, VW), (VW,)
-        for n in ("layer_norm1", "layer_norm2"):
-            t[f"{p}{n}.weight"], t[f"{p}{n}.bias"] = (VW,), (VW,)
-        t.update({p + "mlp.fc1.weight": (64, VW), p + "mlp.fc1.bias": (64,), p + "mlp.fc2.weight": (VW, 64),
-                  p + "mlp.fc2.bias": (VW,)})
+         **siglip_shapes(VIS, VW, 2, 64, P, 36), **flow_head_shapes(E, W)}  # the state projects into the prefix
     t.update(llama_layers(TEXT, W, 96))
     t.update(llama_layers(EXP, E, 256, cross))
     return t
@@ -78,14 +64,7 @@ def write_checkpoint(d: Path, drop: str = "", cross=(1, 3), cameras=("top", "wri
         **config}))
     stats = {"observation.state.mean": torch.arange(5.0), "observation.state.std": torch.full((5,), 2.0),
              "action.mean": torch.zeros(6), "action.std": torch.ones(6)}
-    norm_map = {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"}
-    for name, step, reg in (("policy_preprocessor", 5, "normalizer_processor"),
-                            ("policy_postprocessor", 0, "unnormalizer_processor")):
-        safetensors_torch.save_file(stats, str(d / f"{name}_step_{step}_{reg}.safetensors"))
-        steps = [{"registry_name": "device_processor", "config": {}}] * step + [{
-            "registry_name": reg, "config": {"eps": 1e-8, "features": {}, "norm_map": norm_map},
-            "state_file": f"{name}_step_{step}_{reg}.safetensors"}]
-        (d / f"{name}.json").write_text(json.dumps({"name": name, "steps": steps}))
+    write_lerobot_processors(d, stats, {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"})
     return tensors
 
 
