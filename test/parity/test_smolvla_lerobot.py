@@ -88,8 +88,8 @@ def imported(tmp_path_factory):
     assert (act.state_input, act.expert_attention, act.action_attention) == ("prefix", "cross_attn", "causal")
     assert cfg.vision.cameras == CAMERAS and cfg.vision.token_merge == "pixel_shuffle"
     assert act.state_norm.mode == "mean_std" and act.output_dim == 6 and act.expert_hidden_dim == 36
-    # prompts shorter than tokenizer_max_length (48) take smaller prefill buckets: 2 x 9 image tokens, the state row
-    assert cfg.llm.prefill_buckets == (35, 51, 67) and cfg.llm.max_seq_len == 72
+    # prompts of up to 32 tokens take a smaller prefill bucket: 2 x 9 image tokens, the prompt, the state row
+    assert cfg.llm.prefill_buckets == (51, 67) and cfg.llm.max_seq_len == 72
     return dict(tmp=tmp, ckpt=ckpt, out=out, cfg=cfg, tok=load_tokenizer(cfg, shipped=str(out / "tokenizer.json")))
 
 
@@ -136,7 +136,7 @@ def test_the_prompt_is_lerobots(imported):
                     "--task", INSTRUCTION)
     assert got["ids"] == prompt_ids(s) and got["prompt"] == INSTRUCTION + "\n"
     # LeRobot pads SmolVLA's prompt to the longest in the batch (none here); the node prefills its 27 rows in the
-    # bucket of 35, where the largest holds 67: the actions below are computed at the smaller size
+    # bucket of 51, where the largest holds 67: the actions below are computed at the smaller size
     assert 2 * 9 + len(got["ids"]) + 1 == 27
     assert s["cfg"].tokenizer.prompt_special_tokens
 

@@ -144,9 +144,9 @@ def _norm(kind: str, feature: str, hf_dir: str, pipeline: str, step: str, dim: i
 
 
 def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
-    """``base`` with everything the pi0 checkpoint in ``hf_dir`` fixes (docs/internals/build.md), an action-expert
-    span and KV cache of the prefix's size (cameras' tokens + ``tokenizer_max_length``) and prefill buckets up to
-    it (:func:`prefix_buckets`); KV dtype, executor and the joint names (``action.state_joints``, which the checkpoint does not
+    """``base`` with everything the pi0 checkpoint in ``hf_dir`` fixes (docs/internals/build.md) and buckets of the
+    prefix's size (cameras' tokens + ``tokenizer_max_length``: one prefill bucket, one action-expert span, the
+    KV cache); KV dtype, executor and the joint names (``action.state_joints``, which the checkpoint does not
     name) stay from ``base``."""
     path, top = read_config(hf_dir)
     if top.get("type") not in POLICY_TYPES:
@@ -185,8 +185,8 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
     joints = state_joints(base, path, state_true, action_true, max_state, max_action)
     tokens = (res[0] // p_h) ** 2
     max_instr = int(top.get("tokenizer_max_length", 200 if pi05 or fast else 48))
-    # The prefix (cameras and the longest instruction) is the whole context: the largest prefill bucket, and the
-    # action expert's attention span, of its size; shorter prompts take smaller buckets.
+    # The prefix (cameras and the longest instruction) is the whole context: one prefill bucket, and the action
+    # expert's attention span, of its size.
     prefix = tokens * len(cameras) + max_instr
     vision = {"architecture": "vit", "resolution": [res[0], res[1]], "tile_size": [res[0], res[1]],
               "tokens_per_tile": tokens, "patch_size": p_h, "hidden_dim": v_width,
@@ -205,13 +205,12 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
              "action_norm": _norm("ACTION", "action", hf_dir, "policy_postprocessor", "unnormalizer_processor",
                                   action_true)}
     if fast:
-        return _pi0_fast_config(hf_dir, path, top, base, vision, llm, norms, tokens * len(cameras) + 1, max_instr,
-                                joints, max_state, action_true)
+        return _pi0_fast_config(hf_dir, path, top, base, vision, llm, norms, prefix + 1, max_instr, joints, max_state,
+                                action_true)
     cfg = base.with_overrides(
         mode="vla",
         vision=vision,
-        llm={**llm, "prefill_buckets": prefix_buckets(tokens * len(cameras), max_instr), "decode_buckets": [prefix],
-             "max_seq_len": prefix},
+        llm={**llm, "prefill_buckets": [prefix], "decode_buckets": [prefix], "max_seq_len": prefix},
         action={"head_type": "flow_matching", "action_dim": max_action, "output_dim": action_true,
                 "action_horizon": int(top.get("chunk_size", 50)),
                 "num_denoise_steps": int(top.get("num_inference_steps", 10)),
@@ -224,20 +223,6 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
                    "instruction_bos": "<bos>"},
     )
     return cfg
-
-
-def prefix_buckets(fixed: int, max_text: int, smallest: int = 16, keep: float = 0.85) -> list[int]:
-    """The prefill buckets of a bidirectional prefix of ``fixed`` rows (the cameras' tokens, a state row) and a
-    prompt of up to ``max_text`` tokens. The largest holds the longest prompt; below it, prompts of a power of two
-    of tokens (``smallest`` and up) get a bucket of their own where that computes at most ``keep`` of the next
-    larger bucket's rows. LeRobot pads every prompt to ``max_text``; the padded rows are masked out, so the
-    smallest bucket that fits computes the same prefix with fewer rows (one more graph each)."""
-    buckets = [fixed + max_text]
-    sizes = [1 << k for k in range(max(smallest, 1).bit_length() - 1, max_text.bit_length())]
-    for text in reversed([t for t in sizes if smallest <= t < max_text]):
-        if fixed + text <= keep * buckets[0]:
-            buckets.insert(0, fixed + text)
-    return buckets
 
 
 def state_joints(base: ModelConfig, path: str, state_true: int, action_true: int, max_state: int,
@@ -268,11 +253,10 @@ def _check_expert(shapes: dict, depth: int, q_out: int, kv_out: int, hf_dir: str
                           f"the language model's ({q_out} / {kv_out})")
 
 
-def _pi0_fast_config(hf_dir, path, top, base, vision, llm, norms, fixed, max_instr, joints, max_state,
+def _pi0_fast_config(hf_dir, path, top, base, vision, llm, norms, prefix, max_instr, joints, max_state,
                      action_dim) -> ModelConfig:
-    """pi0-FAST: the backbone generates FAST tokens after [cameras | <bos> prompt | <bos>] (``fixed`` rows and the
-    prompt's); the cache holds them and ``max_decoding_steps`` more (rounded up to 8 positions: TensorRT's aligned
-    KV views)."""
+    """pi0-FAST: the backbone generates FAST tokens after [cameras | <bos> prompt | <bos>] (``prefix`` positions);
+    the cache holds them and ``max_decoding_steps`` more (rounded up to 8 positions: TensorRT's aligned KV views)."""
     if float(top.get("temperature", 0.0)) != 0.0:
         raise ConfigError(f"{path}: temperature {top['temperature']}: only greedy decoding (0) is supported")
     if not top.get("validate_action_token_prefix", True):
@@ -287,11 +271,10 @@ def _pi0_fast_config(hf_dir, path, top, base, vision, llm, norms, fixed, max_ins
     fast = fast_settings(settings)
     clean = os.path.join(fast_dir, "tokenizer_config.json")
     steps = int(top.get("max_decoding_steps", 256))
-    span = -(-(fixed + max_instr + steps) // 8) * 8
+    span = -(-(prefix + steps) // 8) * 8
     return base.with_overrides(
         mode="vla", vision=vision,
-        llm={**llm, "prefill_buckets": prefix_buckets(fixed, max_instr), "decode_buckets": [span],
-             "max_seq_len": span},
+        llm={**llm, "prefill_buckets": [prefix], "decode_buckets": [span], "max_seq_len": span},
         action={"head_type": "autoregressive", "token_codec": "fast", "action_dim": action_dim, "output_dim": 0,
                 "action_horizon": int(top.get("n_action_steps", top.get("chunk_size", 50))),
                 "state_dim": max_state, "state_joints": joints, "state_input": "prompt",

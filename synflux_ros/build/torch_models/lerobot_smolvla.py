@@ -21,7 +21,7 @@ from ...core.config import ConfigError, ModelConfig
 from ...core.contract import TIME_MAX_PERIOD, TIME_MIN_PERIOD
 from .checkpoint import copy_checked, read_config
 from .lerobot_pi0 import (
-    _EXPORT_LAYOUT, _key, _layers, _need, _norm, _shapes, _vision_names, lerobot_policy_type, prefix_buckets, state_joints)
+    _EXPORT_LAYOUT, _key, _layers, _need, _norm, _shapes, _vision_names, lerobot_policy_type, state_joints)
 
 ROOT = "vlm_with_expert."
 VLM = ROOT + "vlm.model."
@@ -100,6 +100,21 @@ def _cross_layers(shapes: dict, depth: int, kv_width: int, top: dict, path: str)
     return ("cross_attn" if mode == "cross_attn" else "joint"), every
 
 
+def prefill_buckets(fixed: int, max_text: int, smallest: int = 16, keep: float = 0.85) -> list[int]:
+    """The prefill buckets of a prefix of ``fixed`` rows (the cameras' tokens, the state row) and a prompt of up
+    to ``max_text`` tokens: one of the longest prompt, and one for prompts of the largest power of two of tokens
+    (``smallest`` or more) whose bucket computes at most ``keep`` of its rows, where there is such a power.
+    LeRobot pads SmolVLA's prompt to the longest in the batch, not to ``tokenizer_max_length`` (pi0's
+    processors pad to it): with one bucket the usual instruction of a few words would compute up to a third
+    more rows than LeRobot. The padded rows are masked out; each bucket is one more graph (a copy of the
+    backbone's weights on openvino's CPU plugin), so there is one extra at most."""
+    largest = fixed + max_text
+    for k in range((max_text - 1).bit_length() - 1, max(smallest, 1).bit_length() - 2, -1):
+        if (1 << k) >= smallest and fixed + (1 << k) <= keep * largest:
+            return [fixed + (1 << k), largest]
+    return [largest]
+
+
 def config_from_lerobot_smolvla(hf_dir: str, base: ModelConfig) -> ModelConfig:
     """``base`` with everything the SmolVLA checkpoint in ``hf_dir`` fixes, an action-expert span of the prefix's
     size (cameras' tokens + ``tokenizer_max_length`` + the state row) and prefill buckets up to it; KV
@@ -176,7 +191,7 @@ def config_from_lerobot_smolvla(hf_dir: str, base: ModelConfig) -> ModelConfig:
              "architecture": "llama", "rope_theta": 10000.0, "embed_scale": math.sqrt(width),
              "tie_word_embeddings": LM_HEAD not in shapes or TEXT + "embed_tokens.weight" not in shapes,
              "mrope_section": [], "prefill_attention": "bidirectional",
-             "prefill_buckets": prefix_buckets(tokens * len(cameras) + 1, max_instr), "decode_buckets": [span],
+             "prefill_buckets": prefill_buckets(tokens * len(cameras) + 1, max_instr), "decode_buckets": [span],
              "max_seq_len": span},
         action={"head_type": "flow_matching", "action_dim": max_action, "output_dim": action_true,
                 "action_horizon": int(top.get("chunk_size", 50)), "num_denoise_steps": int(top.get("num_steps", 10)),

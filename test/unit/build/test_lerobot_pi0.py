@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from synflux_ros.build.torch_models import build_graph_modules, config_from_hf  # noqa: E402
-from synflux_ros.build.torch_models.lerobot_pi0 import prefix_buckets  # noqa: E402
 from synflux_ros.core.config import ConfigError, load_config  # noqa: E402
 from checkpoints import flow_head_shapes, siglip_shapes, write_lerobot_processors  # noqa: E402
 
@@ -97,16 +96,6 @@ def test_the_config_comes_from_the_checkpoint(tmp_path):
     write_checkpoint(quant, state_mode="QUANTILES")
     sn = config_from_hf(str(quant), base()).action.state_norm
     assert sn.mode == "bounds" and sn.high == (1.0,) * 5
-
-
-def test_prompts_shorter_than_the_longest_take_smaller_prefill_buckets():
-    # SmolVLA's 2 cameras of 64 tokens and the state row, 48 prompt tokens: a 16-token prompt saves 18 % of the rows
-    assert prefix_buckets(129, 48) == [145, 177]
-    # pi0.5's 256 image tokens and a 200-token prompt: every halving of the prompt saves 15 % or more
-    assert prefix_buckets(256, 200) == [272, 320, 384, 456]
-    # pi0's 3 cameras of 256 tokens: a shorter prompt saves under 15 %, so one bucket (one graph) suffices
-    assert prefix_buckets(768, 48) == [816]
-    assert prefix_buckets(0, 48) == [16, 32, 48] and prefix_buckets(4, 16) == [20] and prefix_buckets(1, 1) == [2]
 
 
 def test_the_weights_land_where_the_graphs_read_them(tmp_path):
@@ -193,7 +182,7 @@ def test_a_pi0_fast_checkpoint_imports_as_the_fast_codec(tmp_path):
         (12.0, -300, True, 64)
     assert act.fast_tokenizer == str(tmp_path / "fast" / "tokenizer.json")
     prefix = 2 * 16 + 30 + 1  # two cameras, the prompt, the second <bos>
-    assert llm.prefill_buckets == (prefix - 30 + 16, prefix) and llm.max_seq_len == -(-(prefix + 64) // 8) * 8
+    assert llm.prefill_buckets == (prefix,) and llm.max_seq_len == -(-(prefix + 64) // 8) * 8
     assert (cfg.tokenizer.prompt_template, cfg.tokenizer.prompt_end_token) == (PI0_FAST_PROMPT, "<bos>")
     gm = build_graph_modules(cfg, hf_dir=str(tmp_path))
     assert gm.source["model_type"] == "lerobot_pi0_fast" and any(n.startswith("decode_") for n in gm.modules)
