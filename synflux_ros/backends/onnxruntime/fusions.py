@@ -365,8 +365,8 @@ def _rules():
             x * Gather(cos_table, pos) + Concat(-x[..., h:], x[..., :h]) * Gather(sin_table, pos)
 
         (``decoder.apply_rope`` on ``decoder.rope_lookup``; x [heads, T, Dh], tables [N, Dh] whose two halves
-        are equal, as ``rope_table`` makes them) -> ``com.microsoft.RotaryEmbedding`` over the table's first
-        half. When x is ``Transpose(y, [1, 0, 2])`` of y [T, heads, Dh] the kernel reads y as [1, T, heads*Dh]
+        are equal, as ``rope_table`` makes them; or constant cos/sin [T, Dh], the rows of positions 0 .. T-1 the
+        exporter folded) -> ``com.microsoft.RotaryEmbedding`` over the table's first half. When x is ``Transpose(y, [1, 0, 2])`` of y [T, heads, Dh] the kernel reads y as [1, T, heads*Dh]
         (no transposes around it); otherwise x as [1, heads, T, Dh]."""
 
         def __init__(self):
@@ -399,6 +399,15 @@ def _rules():
                     or _ints(lo_end) != [half]:
                 return result.fail("x is not split into two halves")
             gathers = [_producer(v, "Gather") for v in (cos, sin)]
+            if gathers == [None, None]:  # rows of fixed positions 0 .. T-1, folded into constants (SmolVLA's
+                for v in (cos, sin):     # cross-attention queries): the table is those rows
+                    value = _const(v)
+                    if value is None or value.shape != (t, dh) or value.dtype != np.float32:
+                        return result.fail("cos/sin are neither gathered from a table nor float32 [T, Dh] constants")
+                    if not np.array_equal(value[:, :half], value[:, half:]):
+                        return result.fail("the constant's two halves differ (not a rotate-half table)")
+                    self._halves.setdefault(v.name, (np.ascontiguousarray(value[:, :half]), None))
+                return result
             if None in gathers or any(_attr(g, "axis", 0) != 0 for g in gathers):
                 return result.fail("cos/sin are not rows gathered from a table")
             if gathers[0].inputs[1] is not gathers[1].inputs[1]:
@@ -427,8 +436,12 @@ def _rules():
         def rewrite(self, op, x, cos, sin, **_):
             heads, t, dh = _static_shape(x)
             g_cos, g_sin = _producer(cos, "Gather"), _producer(sin, "Gather")
-            pos = op.Unsqueeze(g_cos.inputs[1], op.Constant(value_ints=[0]))
-            cos_half, sin_half = self._half(op, g_cos.inputs[0]), self._half(op, g_sin.inputs[0])
+            if g_cos is None:  # constant rows of positions 0 .. T-1
+                pos = op.Constant(value=ir.tensor(np.arange(t, dtype=np.int64)[None, :]))
+                cos_half, sin_half = self._half(op, cos), self._half(op, sin)
+            else:
+                pos = op.Unsqueeze(g_cos.inputs[1], op.Constant(value_ints=[0]))
+                cos_half, sin_half = self._half(op, g_cos.inputs[0]), self._half(op, g_sin.inputs[0])
             source = _producer(x, "Transpose")
             if source is not None and list(_attr(source, "perm", [])) == [1, 0, 2] and \
                     _static_shape(source.inputs[0]) == (t, heads, dh):

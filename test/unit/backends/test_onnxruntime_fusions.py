@@ -28,6 +28,9 @@ from synflux_ros.core.contract import graph_set  # noqa: E402
 from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402
 from synflux_ros.model.backbone import LLMBackbone  # noqa: E402
 from synflux_ros.runtimes.base import create_executor  # noqa: E402
+from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
+from synflux_ros.tools.harness import config_path  # noqa: E402
+from checkpoints import demo_size  # noqa: E402
 
 HAVE_ONNXSCRIPT = True
 try:
@@ -278,6 +281,45 @@ def test_logits_and_new_kv_equal_the_portable_graphs(gset):
         assert np.abs(want["logits"]).max() > 1e-3  # not trivially equal
     plain.close()
     fused.close()
+
+
+# A flow-matching VLA's prefill and action-expert graphs, fused as bench.pi0 runs them
+VLA_FUSIONS = ["rms_norm", "skip_rms_norm", "rotary"]
+
+
+@needs_onnxscript
+@pytest.mark.parametrize("name", ["vla_pi0.yaml", "vla_pi05.yaml", "vla_smolvla.yaml"])
+def test_flow_matching_chunks_equal_the_portable_graphs(name, tmp_path):
+    """Every rotary embedding of the prefill and the action expert becomes RotaryEmbedding (SmolVLA's
+    cross-attention queries too: their cos/sin rows are constants of positions 0 .. T-1), and the chunk is the
+    portable graphs' (demo widths, two cameras for SmolVLA, the state in the prompt for pi0.5)."""
+    import yaml
+    with open(config_path(name), encoding="utf-8") as fh:
+        raw = demo_size(yaml.safe_load(fh))
+    (tmp_path / name).write_text(yaml.safe_dump(raw))
+    cfg = load_config(str(tmp_path / name))
+    build_tool.build(cfg, str(tmp_path / "graphs"), seed=5)
+    rng = np.random.default_rng(1)
+    side = cfg.vision.resolution
+    images = [rng.integers(0, 256, (side[1], side[0], 3), np.uint8) for _ in cfg.vision.cameras or [None]]
+    state = np.zeros(cfg.action.state_dim, np.float32)
+    state[:len(cfg.action.state_joints)] = rng.uniform(-1, 1, len(cfg.action.state_joints))
+    chunks, runtimes = {}, {}
+    for label, options in (("portable", {}), ("fused", {"fusions": VLA_FUSIONS})):
+        rt = runtimes[label] = VLARuntime(cfg.with_overrides(executor={
+            "backend": "onnxruntime", "graph_dir": str(tmp_path / "graphs"),
+            "options": {"intra_op_num_threads": 1, **options}}))
+        rt.set_instruction("pick up the red block")
+        chunks[label] = rt.infer(images if len(images) > 1 else images[0], seq=3, state=state).actions
+    fused = fused_dir(runtimes["fused"].executor)
+    for rt in runtimes.values():
+        rt.close()
+    np.testing.assert_allclose(chunks["fused"], chunks["portable"], rtol=0, atol=1e-4)
+    assert np.abs(chunks["portable"]).max() > 1e-3  # not trivially equal
+    for graph in (f"prefill_{cfg.llm.prefill_buckets[-1]}", f"action_expert_{cfg.llm.decode_buckets[-1]}"):
+        counts = ops(fused / f"{graph}.onnx")
+        # the rotate-half's Neg is the only one in these graphs: none left means every rotary was fused
+        assert counts.get("com.microsoft.RotaryEmbedding", 0) > 0 and counts.get("Neg", 0) == 0, f"{graph}: {counts}"
 
 
 def _greedy(graph_dir, prompt, steps, **options):
