@@ -34,7 +34,7 @@ from ..tools import harness
 from ..tools.serve_process import ServeProcess
 
 MACHINE = "2-core x86_64 VM, no GPU"
-BENCH = "bench.serve: synflux-serve (Ray Serve, openpi protocol) on loopback, demo VLA on onnxruntime"
+BENCH = "bench.serve: synflux-serve (Ray Serve, openpi protocol and OpenAI's chat API) on loopback, onnxruntime"
 TARGETS = {"overhead_ms": 5.0, "scaling": 1.7}
 ROBOTS = 4
 
@@ -46,7 +46,8 @@ def row(metric, value, unit, note="", reference=None, ratio=None) -> dict:
 
 
 WIDE = {"llm": {"hidden_dim": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2, "head_dim": 32}}
-"""The wider VLA's changes to the demo's config: backbone, vision tower and action expert 256 wide, 4 layers."""
+"""The wider VLA's changes to the demo's config: a backbone and action expert 256 wide with 4 layers (the vision
+tower takes the width too, and keeps its 2 layers)."""
 
 
 def setup(work: str, name: str = "demo", changes: dict | None = None) -> str:
@@ -201,7 +202,6 @@ def main(argv=None) -> int:
     ap.add_argument("--jsonl", help="append the rows (docs/benchmarks/results.jsonl's fields) to this file")
     args = ap.parse_args(argv)
     config = setup(os.path.abspath(args.work))
-    wide = setup(os.path.abspath(args.work), "wide", WIDE)
     warmup = 10
     images = frames(args.requests + warmup)
     rows, verdicts = [], []
@@ -209,6 +209,7 @@ def main(argv=None) -> int:
     log = os.path.join(os.path.abspath(args.work), "serve-bench.log")
     if not args.skip_policy:
         policy_rows(args, config, images, warmup, log, rows, verdicts)
+        wide = setup(os.path.abspath(args.work), "wide", WIDE)
         scaling_rows(args, wide, in_process(wide, images[:warmup + 20], warmup), log, rows, verdicts,
                      "wide VLA (256 wide, 4 layers)")
     if args.chat_config:

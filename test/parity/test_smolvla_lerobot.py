@@ -30,6 +30,7 @@ from rclpy.qos import qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
 from synflux_ros.build import export as build_tool  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
+from synflux_ros.core.contract import select_bucket  # noqa: E402
 from synflux_ros.model.tokenizer import load_tokenizer  # noqa: E402
 from synflux_ros.msg import ActionChunk  # noqa: E402
 from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
@@ -137,7 +138,7 @@ def test_the_prompt_is_lerobots(imported):
     assert got["ids"] == prompt_ids(s) and got["prompt"] == INSTRUCTION + "\n"
     # LeRobot pads SmolVLA's prompt to the longest in the batch (none here); the node prefills its 27 rows in the
     # bucket of 51, where the largest holds 67: the actions below are computed at the smaller size
-    assert 2 * 9 + len(got["ids"]) + 1 == 27
+    assert 2 * 9 + len(got["ids"]) + 1 == 27 and select_bucket(s["cfg"].llm.prefill_buckets, 27) == 51
     assert s["cfg"].tokenizer.prompt_special_tokens
 
 

@@ -365,9 +365,11 @@ def _rules():
             x * Gather(cos_table, pos) + Concat(-x[..., h:], x[..., :h]) * Gather(sin_table, pos)
 
         (``decoder.apply_rope`` on ``decoder.rope_lookup``; x [heads, T, Dh], tables [N, Dh] whose two halves
-        are equal, as ``rope_table`` makes them; or constant cos/sin [T, Dh], the rows of positions 0 .. T-1 the
-        exporter folded) -> ``com.microsoft.RotaryEmbedding`` over the table's first half. When x is ``Transpose(y, [1, 0, 2])`` of y [T, heads, Dh] the kernel reads y as [1, T, heads*Dh]
-        (no transposes around it); otherwise x as [1, heads, T, Dh]."""
+        are equal, as ``rope_table`` makes them) -> ``com.microsoft.RotaryEmbedding`` over the table's first
+        half. Constant cos/sin [T, Dh] (rows the exporter folded, e.g. for SmolVLA's cross-attention queries at
+        fixed positions) become a table of their own T rows, read at positions 0 .. T-1. When x is
+        ``Transpose(y, [1, 0, 2])`` of y [T, heads, Dh] the kernel reads y as [1, T, heads*Dh] (no transposes
+        around it); otherwise x as [1, heads, T, Dh]."""
 
         def __init__(self):
             super().__init__("TableRotaryEmbedding")
@@ -399,8 +401,8 @@ def _rules():
                     or _ints(lo_end) != [half]:
                 return result.fail("x is not split into two halves")
             gathers = [_producer(v, "Gather") for v in (cos, sin)]
-            if gathers == [None, None]:  # rows of fixed positions 0 .. T-1, folded into constants (SmolVLA's
-                for v in (cos, sin):     # cross-attention queries): the table is those rows
+            if gathers == [None, None]:  # rows folded into constants (SmolVLA's cross-attention queries): a
+                for v in (cos, sin):     # table of those T rows, read at positions 0 .. T-1
                     value = _const(v)
                     if value is None or value.shape != (t, dh) or value.dtype != np.float32:
                         return result.fail("cos/sin are neither gathered from a table nor float32 [T, Dh] constants")
@@ -436,7 +438,7 @@ def _rules():
         def rewrite(self, op, x, cos, sin, **_):
             heads, t, dh = _static_shape(x)
             g_cos, g_sin = _producer(cos, "Gather"), _producer(sin, "Gather")
-            if g_cos is None:  # constant rows of positions 0 .. T-1
+            if g_cos is None:  # the constant rows as a table, row i for x's row i
                 pos = op.Constant(value=ir.tensor(np.arange(t, dtype=np.int64)[None, :]))
                 cos_half, sin_half = self._half(op, cos), self._half(op, sin)
             else:
