@@ -12,6 +12,10 @@ Each work-around lives here, so that an rclpy or rmw upgrade has one module to c
 * :func:`_ensure_send_failure_hook`: that warning is the only sign of the failure, so a
   ``warnings.showwarning`` hook counts it per thread (rclpy emits it in the sending thread) and keeps it
   off stderr.
+* :func:`linger_after_responses`: a reliable writer destroyed right after it wrote a sample takes the sample
+  with it when the reader has not acknowledged it yet (rmw_fastrtps has no writer linger), so a response
+  written just before the node is destroyed may not reach its client. The process waits
+  :data:`RESPONSE_LINGER_S` after the last response before it destroys the node.
 * :class:`NodeExecutor`: ``MultiThreadedExecutor.shutdown`` destroys the executor's guard condition before
   it joins its worker threads, so a callback already handed to a worker takes its message and then fails
   on the destroyed guard condition. It joins rclpy's private worker pool (``_executor``) first.
@@ -26,6 +30,9 @@ from rclpy.executors import MultiThreadedExecutor
 
 RESPONSE_RESEND_S = 5.0
 """How long a service response is sent again while the client's response reader is not matched."""
+RESPONSE_LINGER_S = 0.3
+"""How long the process keeps a node after its last service response, for the response to reach the client."""
+_last_response = [float("-inf")]  # time.monotonic() of the last response a ResponseSender sent
 _SEND_TIMEOUT = "failed to send response (timeout)"
 _send_failures = threading.local()
 
@@ -69,6 +76,7 @@ class ResponseSender:
             self._send(response, header)
             attempts += 1
             if getattr(_send_failures, "count", 0) == before:
+                _last_response[0] = time.monotonic()
                 if attempts > 1:
                     self.resent += 1
                     self.node.get_logger().info(f"{self.name}: response delivered on attempt "
@@ -82,6 +90,16 @@ class ResponseSender:
                     f"reached")
                 return
             time.sleep(0.05)
+
+
+def linger_after_responses(linger_s: float = RESPONSE_LINGER_S) -> float:
+    """Sleep until ``linger_s`` has passed since the last response a :class:`ResponseSender` sent (no wait
+    when none was sent that recently); returns the seconds slept. Called before the node is destroyed."""
+    wait = _last_response[0] + linger_s - time.monotonic()
+    if wait <= 0:
+        return 0.0
+    time.sleep(wait)
+    return wait
 
 
 class NodeExecutor(MultiThreadedExecutor):

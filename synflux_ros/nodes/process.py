@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 import rclpy
@@ -16,7 +17,7 @@ from rclpy.executors import ExternalShutdownException
 from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.signals import SignalHandlerOptions
 
-from .dds_workarounds import NodeExecutor
+from .dds_workarounds import NodeExecutor, linger_after_responses
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 """The interpreter's thread switch interval in a node process (Python's default is 5 ms): the pipeline
@@ -24,6 +25,9 @@ stages hand the GIL to each other while devices work, and each hand-off can wait
 
 SPIN_SLICE_S = 0.1
 """Longest wait of the main thread in the executor; it bounds the delay between a signal and shutdown."""
+DRAIN_S = 0.2
+"""After a signal, how long the executor still starts callbacks that are ready: a service request that had
+arrived but not yet started (a loaded machine) is served and answered, not left without a response."""
 
 LIVE_THREADS_MESSAGE = "threads still alive after shutdown"
 
@@ -98,9 +102,11 @@ def run_lifecycle_node(factory: Callable[[], Any], args=None) -> int:
     Returns the process exit code: 1 when autostart configuration fails (the error is logged once,
     naming the node and the bad value); 0 after SIGINT or SIGTERM, also when one arrives
     while the model is loading (the load is abandoned; see :class:`ShutdownSignals`). On the way out the
-    executor's running callbacks finish, the node's resources are released (pipeline threads joined,
-    device memory freed), the node and then the ROS context are shut down, and any thread still alive
-    after that is reported on stderr.
+    executor starts, for :data:`DRAIN_S`, the callbacks that are ready (requests that arrived before the
+    signal), the running callbacks finish, a service response sent in the last
+    :data:`~.dds_workarounds.RESPONSE_LINGER_S` gets that long to arrive, the node's resources are released
+    (pipeline threads joined, device memory freed), the node and then the ROS context are shut down, and any
+    thread still alive after that is reported on stderr.
     """
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     signals = ShutdownSignals()
@@ -130,6 +136,9 @@ def run_lifecycle_node(factory: Callable[[], Any], args=None) -> int:
             if own_handlers:
                 while not signals.received and rclpy.ok():
                     executor.spin_once(timeout_sec=SPIN_SLICE_S)
+                drain = time.monotonic() + DRAIN_S
+                while time.monotonic() < drain and rclpy.ok():  # the callbacks started here finish below
+                    executor.spin_once(timeout_sec=0.02)
             else:
                 executor.spin()
     except ShutdownRequested:
@@ -142,6 +151,7 @@ def run_lifecycle_node(factory: Callable[[], Any], args=None) -> int:
             node.get_logger().info(f"{signals.received}: shutting down{abandoned}")
         if executor is not None:
             executor.shutdown()  # callbacks in progress finish before what they use is torn down
+        linger_after_responses()  # a response just sent reaches its client before the node goes
         if node is not None:
             node.release_resources()
             node.destroy_node()

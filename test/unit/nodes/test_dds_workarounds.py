@@ -24,7 +24,7 @@ import rclpy  # noqa: E402
 from rclpy.context import Context  # noqa: E402
 from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 
-from synflux_ros.nodes.dds_workarounds import NodeExecutor, ResponseSender  # noqa: E402
+from synflux_ros.nodes.dds_workarounds import NodeExecutor, ResponseSender, linger_after_responses  # noqa: E402
 
 TIMEOUT_WARNING = ("failed to send response (timeout): client will not receive response, at "
                    "/project/src/rmw_response.cpp:164")
@@ -78,6 +78,16 @@ def test_a_response_delivered_at_once_is_sent_once():
     sender = ResponseSender(node, srv)
     srv.send_response("reply", "hdr")
     assert srv.calls == 1 and (sender.resent, sender.lost) == (0, 0) and node.logger.lines == []
+
+
+def test_the_process_lingers_after_a_response_before_the_node_goes():
+    node, srv = FakeNode(), FlakyService(failures=0)
+    ResponseSender(node, srv)
+    srv.send_response("reply", "hdr")
+    t0 = time.monotonic()
+    slept = linger_after_responses(0.3)  # right after the response: most of the 0.3 s
+    assert 0.2 < slept <= 0.3 and time.monotonic() - t0 >= slept
+    assert linger_after_responses(0.3) == 0.0  # 0.3 s have passed: no wait
 
 
 def test_an_undeliverable_response_is_counted_and_logged_as_lost():
