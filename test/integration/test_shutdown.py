@@ -42,10 +42,13 @@ SLOW_LOAD_MLP = 163840
 """A flow-matching VLA reads no logits (no head in its graphs): its prefix MLP is made large instead."""
 
 
-def stop_with(proc, sig) -> float:
-    """Send ``sig`` to a node process and return the seconds until it exited (fails past 15 s)."""
+def stop_with(proc, sig, client=None) -> float:
+    """Send ``sig`` to a node process and return the seconds until it exited (fails past 15 s); ``client``,
+    a node of this process, spins meanwhile, as a client waiting for an answer does."""
     t0 = time.monotonic()
     proc.proc.send_signal(sig)
+    if client is not None:
+        spin_until(client, lambda: proc.proc.poll() is not None, 15)
     try:
         proc.proc.wait(15)
     except subprocess.TimeoutExpired:
@@ -127,7 +130,7 @@ def test_vlm_node_stops_while_a_turn_is_generated(sig, start_node, client, make_
                                              max_new_tokens=24, temperature=0.0))
         spin_until(client, future.done, 0.25)
         assert not future.done(), "the turn ended before the signal; make it longer"
-        elapsed = stop_with(proc, sig)
+        elapsed = stop_with(proc, sig, client)
         # The turn in progress is finished and answered before the node exits.
         assert spin_until(client, future.done, 5), "the turn in progress was not answered"
         assert future.result().success, future.result().error
