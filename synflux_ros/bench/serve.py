@@ -5,8 +5,8 @@ thread per replica).
    trip against the median ``VLARuntime.infer`` in process on the same frames (goal <= 5 ms).
 2. Throughput: 4 simulated robots (a thread and a connection each, requests back to back) for ``--seconds``,
    with 1 and with 2 single-thread replicas; chunks per second (goal: 2 replicas >= 1.7x one). Measured on the
-   demo VLA (about 10 ms a chunk in process: Ray's few ms a message weigh most) and on a wider VLA of the kind a
-   server is for (:data:`WIDE`, several times the demo's compute).
+   demo VLA, whose small chunks the serving cost per message weighs on most, and on a wider VLA of the kind a
+   server is for (:data:`WIDE`); the run prints each one's time a chunk in process.
 3. Chat, with ``--chat-config`` (SmolLM2-135M, ``make smollm2``): 8 sessions over 2 replicas, the second turn's
    time to first token (streamed, at the client) with session affinity against Ray's default routing.
 
