@@ -16,6 +16,9 @@ Each work-around lives here, so that an rclpy or rmw upgrade has one module to c
   with it when the reader has not acknowledged it yet (rmw_fastrtps has no writer linger), so a response
   written just before the node is destroyed may not reach its client. The process waits
   :data:`RESPONSE_LINGER_S` after the last response before it destroys the node.
+* :func:`spin_once`: a lifecycle transition running in an executor thread (cleanup) destroys publishers while
+  the main thread builds the next wait set from them; rclpy then raises ``InvalidHandle`` ("destruction was
+  requested") out of ``spin_once`` and the node process died. The wait set is built again on the next call.
 * :class:`NodeExecutor`: ``MultiThreadedExecutor.shutdown`` destroys the executor's guard condition before
   it joins its worker threads, so a callback already handed to a worker takes its message and then fails
   on the destroyed guard condition. It joins rclpy's private worker pool (``_executor``) first.
@@ -26,6 +29,7 @@ import threading
 import time
 import warnings
 
+from rclpy.exceptions import InvalidHandle
 from rclpy.executors import MultiThreadedExecutor
 
 RESPONSE_RESEND_S = 5.0
@@ -100,6 +104,15 @@ def linger_after_responses(linger_s: float = RESPONSE_LINGER_S) -> float:
         return 0.0
     time.sleep(wait)
     return wait
+
+
+def spin_once(executor, timeout_sec: float) -> None:
+    """``executor.spin_once``, where an entity destroyed while the wait set was being built (by a transition in
+    another thread) costs that one wait: rclpy builds the wait set again on the next call."""
+    try:
+        executor.spin_once(timeout_sec=timeout_sec)
+    except InvalidHandle:
+        pass
 
 
 class NodeExecutor(MultiThreadedExecutor):

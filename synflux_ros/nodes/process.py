@@ -17,7 +17,7 @@ from rclpy.executors import ExternalShutdownException
 from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.signals import SignalHandlerOptions
 
-from .dds_workarounds import NodeExecutor, linger_after_responses
+from .dds_workarounds import NodeExecutor, linger_after_responses, spin_once
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 """The interpreter's thread switch interval in a node process (Python's default is 5 ms): the pipeline
@@ -135,10 +135,10 @@ def run_lifecycle_node(factory: Callable[[], Any], args=None) -> int:
         if code == 0:
             if own_handlers:
                 while not signals.received and rclpy.ok():
-                    executor.spin_once(timeout_sec=SPIN_SLICE_S)
+                    spin_once(executor, SPIN_SLICE_S)
                 drain = time.monotonic() + DRAIN_S
                 while time.monotonic() < drain and rclpy.ok():  # the callbacks started here finish below
-                    executor.spin_once(timeout_sec=0.02)
+                    spin_once(executor, 0.02)
             else:
                 executor.spin()
     except ShutdownRequested:

@@ -24,7 +24,8 @@ import rclpy  # noqa: E402
 from rclpy.context import Context  # noqa: E402
 from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 
-from synflux_ros.nodes.dds_workarounds import NodeExecutor, ResponseSender, linger_after_responses  # noqa: E402
+from synflux_ros.nodes.dds_workarounds import (  # noqa: E402
+    NodeExecutor, ResponseSender, linger_after_responses, spin_once)
 
 TIMEOUT_WARNING = ("failed to send response (timeout): client will not receive response, at "
                    "/project/src/rmw_response.cpp:164")
@@ -88,6 +89,30 @@ def test_the_process_lingers_after_a_response_before_the_node_goes():
     slept = linger_after_responses(0.3)  # right after the response: most of the 0.3 s
     assert 0.2 < slept <= 0.3 and time.monotonic() - t0 >= slept
     assert linger_after_responses(0.3) == 0.0  # 0.3 s have passed: no wait
+
+
+def test_an_entity_destroyed_under_the_wait_set_costs_one_wait():
+    from rclpy.exceptions import InvalidHandle
+
+    class Executor:
+        calls = 0
+
+        def spin_once(self, timeout_sec):
+            self.calls += 1
+            if self.calls == 1:
+                raise InvalidHandle("cannot use Destroyable because destruction was requested")
+
+    ex = Executor()
+    spin_once(ex, 0.01)  # what rclpy raised when cleanup destroyed a publisher: not out of the spin loop
+    spin_once(ex, 0.01)
+    assert ex.calls == 2
+
+    class Broken:
+        def spin_once(self, timeout_sec):
+            raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError, match="something else"):
+        spin_once(Broken(), 0.01)
 
 
 def test_an_undeliverable_response_is_counted_and_logged_as_lost():
