@@ -60,10 +60,10 @@ POOLS = ("session", "shared")
 CPU_OPTIONS = {
     # The onnxruntime settings for a CPU (docs/backends/onnxruntime.md): weights prepacked for ORT's matrix
     # kernels (saved once under optimized_model_dir and mapped; otherwise the products pack their weights on
-    # every call, the expert's in each denoising step), and RMSNorm, residual + RMSNorm and the rotary
-    # embedding as ORT's fused kernels.
+    # every call, the expert's in each denoising step), RMSNorm, residual + RMSNorm and the rotary embedding as
+    # ORT's fused kernels, and attention over the prefix's keys up to its length (no padded key masked).
     "prepack": True,
-    "fusions": ["rms_norm", "skip_rms_norm", "rotary"],
+    "fusions": ["rms_norm", "skip_rms_norm", "rotary", "padded_keys"],
 }
 
 

@@ -17,9 +17,9 @@ import numpy as np
 from ...core.config import choices_hint
 from ...graphset import cache, reader as graphset
 
-FUSIONS = ("rms_norm", "skip_rms_norm", "rotary", "attention")
+FUSIONS = ("rms_norm", "skip_rms_norm", "rotary", "attention", "padded_keys")
 """The rewrites this module knows, in the order they are applied."""
-DEFAULT_FUSIONS = ("rms_norm", "rotary", "attention")
+DEFAULT_FUSIONS = ("rms_norm", "rotary", "attention", "padded_keys")
 """What ``fusions: true`` applies (``skip_rms_norm`` gains nothing for decoding: docs/backends/onnxruntime.md)."""
 CACHE_KEY = "ort_fusions"
 """Manifest key of a fused set's fingerprint."""
@@ -575,7 +575,117 @@ def _rules():
             self.in_place.append(_InPlace(view_k, view_v, present_k, present_v, k, v, row, packed is not None))
             return op.Reshape(out, const([t, nh * dh]))
 
-    return ReciprocalOfDivision, SkipRmsNorm, TableRotaryEmbedding, CacheAttention
+    class PaddedKeysAttention(pattern.RewriteRuleClassBase):
+        """``decoder.attend`` whose mask only cuts the keys at a length -> the same attention over the keys up to
+        that length, with no mask where nothing else is masked::
+
+            probs = Softmax(MatMul(qg, Transpose(Unsqueeze(keys, 1))) * scale + Where(allowed, 0, -inf))
+            out = MatMul(probs, Unsqueeze(values, 1))
+
+        with ``allowed`` [T, S] = key position < n (a prefix's padded bucket: ``num_tokens``; SmolVLA's
+        cross-attention to the cache: ``prefix_len``), or [T, S + m] = that for the cached keys, joined to a
+        constant mask of m new keys (the action expert: ``keys = Concat(past_k, k)``). ``n`` is an int64 [1]
+        graph input. The keys (the cached ones in the joint form) are sliced to ``clip(n, ., S)``, so the
+        padded keys are neither multiplied nor masked: onnxruntime's softmax is several times slower on rows
+        holding masked (-inf) scores, and a short prompt in a long bucket masks most of them. What the new keys'
+        mask allows stays as it was (the state token's and causal rows keep their bias)."""
+
+        def __init__(self):
+            super().__init__("PaddedKeysAttention")
+
+        def pattern(self, op, qg, keys, values, ax_k, ax_v, scale, bias):
+            scores = op.MatMul(qg, op.Transpose(op.Unsqueeze(keys, ax_k), perm=[0, 1, 3, 2]))
+            probs = op.Softmax(op.Add(op.Mul(scores, scale), bias), axis=-1)
+            return op.MatMul(probs, op.Unsqueeze(values, ax_v))
+
+        def check(self, context, qg, keys, values, ax_k, ax_v, scale, bias, **_):
+            result = pattern.MatchResult()
+            if not _is_float32(qg, keys, values):
+                return result.fail("attention is not float32")
+            ks, vs, qs = _static_shape(keys), _static_shape(values), _static_shape(qg)
+            if None in (ks, vs, qs) or len(ks) != 3 or len(vs) != 3 or len(qs) != 4 or ks[:2] != vs[:2]:
+                return result.fail("keys/values are not static [KV, S, Dh]")
+            if _ints(ax_k) != [1] or _ints(ax_v) != [1]:
+                return result.fail("unexpected unsqueeze axes")
+            sc = _const(scale)
+            if sc is None or sc.size != 1:
+                return result.fail("scale is not a constant")
+            where = _producer(bias, "Where")
+            if where is None or len(where.inputs) != 3:
+                return result.fail("the scores' mask is not Where(allowed, 0, -inf)")
+            zero, ng = _const(where.inputs[1]), _const(where.inputs[2])
+            if zero is None or zero.size != 1 or zero.reshape(-1)[0] != 0 or ng is None or ng.size != 1 or \
+                    not np.isneginf(ng.reshape(-1)[0]):
+                return result.fail("the scores' mask is not Where(allowed, 0, -inf)")
+            allowed = where.inputs[0]
+            cast = _producer(allowed, "Cast")
+            if cast is not None:
+                if _attr(cast, "to") != ir.DataType.BOOL:
+                    return result.fail("the mask is cast to something other than bool")
+                allowed = cast.inputs[0]
+            rows = qs[2]
+            joined = _producer(allowed, "Concat")
+            own = None
+            if joined is not None:  # [cached keys < n | the new keys' constant mask]
+                if len(joined.inputs) != 2 or _attr(joined, "axis") not in (1, -1):
+                    return result.fail("the mask joins more than the cached and the new keys")
+                allowed, own = joined.inputs[0], _const(joined.inputs[1])
+                parts = [_producer(t, "Concat") for t in (keys, values)]
+                if None in parts or any(len(p.inputs) != 2 or _attr(p, "axis") not in (1, -2) for p in parts):
+                    return result.fail("a joined mask without keys/values joined from the cache and the new rows")
+                cached = [_static_shape(p.inputs[0]) for p in parts]
+                if None in cached or cached[0][0] != ks[0] or cached[1][0] != vs[0]:
+                    return result.fail("the cached keys/values are not static [KV, S, Dh]")
+                span, m = cached[0][1], ks[1] - cached[0][1]
+                if cached[1][1] != span or own is None or own.dtype != np.bool_ or own.shape != (rows, m):
+                    return result.fail("the new keys' mask is not a bool [T, new keys] constant")
+            else:
+                span, parts = ks[1], None
+            expand = _producer(allowed, "Expand")
+            if expand is not None:
+                allowed = expand.inputs[0]
+            less = _producer(allowed, "Less")
+            if less is None:
+                return result.fail("the mask is not 'key position < n'")
+            positions, n = less.inputs
+            r = _const(positions)
+            if r is None or r.dtype.kind not in "iu" or r.reshape(-1).shape != (span,) or r.ndim > 2 or \
+                    not np.array_equal(r.reshape(-1), np.arange(span)):
+                return result.fail("the mask's positions are not 0 .. S-1")
+            if not _graph_input(n) or n.dtype != ir.DataType.INT64 or _static_shape(n) != (1,):
+                return result.fail("the key count is not an int64 [1] graph input")
+            self._match = (n, span, float(sc.reshape(-1)[0]), parts, own)
+            return result
+
+        def rewrite(self, op, qg, keys, values, **_):
+            n, span, scale, parts, own = self._match
+
+            def const(values, dtype=np.int64):
+                return op.Constant(value=ir.tensor(np.asarray(values, dtype)))
+
+            # with no new keys a query needs one key to attend to, as the mask's callers guarantee
+            length = op.Clip(n, const([0 if parts is not None else 1]), const([span]))
+
+            def first(t):
+                return op.Slice(t, const([0]), length, const([1]))
+
+            bias = None
+            if parts is None:
+                keys, values = first(keys), first(values)
+            else:
+                keys = op.Concat(first(parts[0].inputs[0]), parts[0].inputs[1], axis=1)
+                values = op.Concat(first(parts[1].inputs[0]), parts[1].inputs[1], axis=1)
+                if not own.all():  # the new keys' own mask stays: zeros for the cached keys, then it
+                    rows = own.shape[0]
+                    zeros = op.Expand(const([[0.0]], np.float32), op.Concat(const([rows]), length, axis=0))
+                    bias = op.Concat(zeros, const(np.where(own, 0.0, -np.inf), np.float32), axis=1)
+            scores = op.Mul(op.MatMul(qg, op.Transpose(op.Unsqueeze(keys, const([1])), perm=[0, 1, 3, 2])),
+                            const(scale, np.float32))
+            if bias is not None:
+                scores = op.Add(scores, bias)
+            return op.MatMul(op.Softmax(scores, axis=-1), op.Unsqueeze(values, const([1])))
+
+    return ReciprocalOfDivision, SkipRmsNorm, TableRotaryEmbedding, CacheAttention, PaddedKeysAttention
 
 
 def _allowed_cache_position(allowed, s: int, t: int):
@@ -628,7 +738,7 @@ def fuse_model(path: str, fusions=DEFAULT_FUSIONS):
     from onnxscript.rewriter.ort_fusions import rms_normalization
     from onnxscript.rewriter.rules.common import _basic_rules
 
-    reciprocal, skip_rms, rotary, attention = _rules()
+    reciprocal, skip_rms, rotary, attention, padded_keys = _rules()
     proto = onnx.load(path, load_external_data=False)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < _MIN_OPSET:  # onnx's converter: ReduceMean/Split/... take their axes as inputs from opset 18
@@ -658,6 +768,10 @@ def fuse_model(path: str, fusions=DEFAULT_FUSIONS):
         common_passes.RemoveUnusedNodesPass()(model)  # the matched nodes' leftovers (a view's Slice)
         if in_place:
             counts["kv_in_place"], counts["packed_qkv"] = _kv_in_place(model, in_place)
+    if "padded_keys" in fusions:
+        sliced = RewriteRuleSet([padded_keys.rule()]).apply_to_model(model)
+        if sliced:  # (decoder graphs attend causally: recorded where it applies)
+            counts["padded_keys"] = sliced
     if "rms_norm" not in fusions and counts.get("rms_norm"):
         counts.pop("rms_norm")  # only the precursor of skip_rms_norm
     if not any(counts.values()):

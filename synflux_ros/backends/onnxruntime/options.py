@@ -45,8 +45,9 @@ class OnnxRuntimeExecutorOptions(OrtSessionOptions):
     prepack: Any = _spec(
         None, doc="true, false, or a list of graph names, kinds or groups whose sessions prepack their weights; "
                   "default: false with share_weights, true for a quantized graph set")
-    fusions: Any = _spec(False, doc="true, or a list of rms_norm, skip_rms_norm, rotary, attention: rewrite the "
-                                    "decoder graphs at load into onnxruntime's fused kernels (needs onnxscript)")
+    fusions: Any = _spec(False, doc="true, or a list of rms_norm, skip_rms_norm, rotary, attention, padded_keys: "
+                                    "rewrite the decoder graphs at load into onnxruntime's fused kernels (needs "
+                                    "onnxscript)")
     matmulnbits_accuracy_level: int | None = _spec(
         None, min=0, max=4, doc="quantized sets: accuracy_level of the MatMulNBits kernels; 0 computes what the "
                                 "dequantized weights compute, 4 (onnxruntime's default) quantizes activations "
