@@ -276,32 +276,41 @@ def chunks_one_at_a_time(node, ns: str, images: dict, joints, count: int, warmup
                          timeout: float = 3.0) -> list:
     """Frames to a vla_node under ``ns``, one at a time: a JointState of ``joints`` (positions 0.1), then each
     camera's image (``images``: camera name -> HxWx3 uint8 in config order, on ``<ns>/<camera>/image``; the
-    first camera last, as its frame triggers inference), all with one stamp; the next frame goes after this
-    one's chunk arrived, or after ``timeout`` s (best-effort messages can be lost). Returns the ``count``
-    ActionChunks after the first ``warmup``."""
+    first camera last, as its frame triggers inference), all with one stamp. The next frame goes as soon as
+    this one's chunk arrived, or after ``timeout`` s (best-effort messages can be lost), so the node works frame
+    after frame as a timed loop of calls does. Frames are 0.1 s apart: one whose state is not in yet takes the
+    previous frame's (within ``action.state_max_age``). Returns the ``count`` ActionChunks after the first
+    ``warmup``."""
     chunks = []
     sub = node.create_subscription(ActionChunk, f"{ns}/action_chunk", chunks.append, 50)
     pubs = {c: node.create_publisher(Image, f"{ns}/{c}/image", qos_profile_sensor_data) for c in images}
     state_pub = node.create_publisher(JointState, f"{ns}/joint_states", 50)
+
+    def stamped(msg, k: int):
+        msg.header.stamp.sec, msg.header.stamp.nanosec = 100 + k // 10, (k % 10) * 100_000_000
+        return msg
+
+    def is_frame(chunk, k: int) -> bool:
+        return (chunk.header.stamp.sec, chunk.header.stamp.nanosec) == (100 + k // 10, (k % 10) * 100_000_000)
+
     try:
         for pub in [*pubs.values(), state_pub]:
             if not spin_until(node, lambda: pub.get_subscription_count() > 0, 60.0):
                 raise RuntimeError(f"vla_node did not subscribe to {pub.topic_name} within 60 s")
-        got, sec = [], 100
+        got, k = [], 0
+        state_pub.publish(stamped(JointState(name=list(joints), position=[0.1] * len(joints)), k))
+        time.sleep(0.02)  # the first frame's state before it
         while len(got) < count + warmup:
-            sec += 1
-            state = JointState(name=list(joints), position=[0.1] * len(joints))
-            state.header.stamp.sec = sec
-            state_pub.publish(state)
-            time.sleep(0.02)  # the state before the frame: the node matches states to frames as frames arrive
-            for cam, rgb in list(images.items())[::-1]:
+            k += 1
+            state_pub.publish(stamped(JointState(name=list(joints), position=[0.1] * len(joints)), k))
+            for i, (cam, rgb) in enumerate(list(images.items())[::-1]):
+                if i:
+                    time.sleep(0.01)  # the other cameras' images before the first camera's
                 h, w = rgb.shape[:2]
-                msg = Image(height=h, width=w, encoding="rgb8", step=3 * w, data=rgb.tobytes())
-                msg.header.stamp.sec = sec
-                pubs[cam].publish(msg)
-                time.sleep(0.01)
-            if spin_until(node, lambda: any(c.header.stamp.sec == sec for c in chunks), timeout):
-                got.append(next(c for c in chunks if c.header.stamp.sec == sec))
+                pubs[cam].publish(stamped(Image(height=h, width=w, encoding="rgb8", step=3 * w,
+                                                data=rgb.tobytes()), k))
+            if spin_until(node, lambda: any(is_frame(c, k) for c in chunks), timeout):
+                got.append(next(c for c in chunks if is_frame(c, k)))
     finally:
         node.destroy_subscription(sub)
         for pub in [*pubs.values(), state_pub]:
