@@ -510,23 +510,17 @@ def _rules():
             if _ints(p_start) != [0] or _ints(p_end) != [s] or _ints(n_start) != [s] or \
                     (_ints(n_end) or [0])[0] < s + t:
                 return result.fail("probabilities are not split at the cache length")
-            sc = _const(scale)
-            if sc is None or sc.size != 1:
-                return result.fail("scale is not a constant")
-            where = _producer(bias, "Where")
-            if where is None or len(where.inputs) != 3:
-                return result.fail("the scores' mask is not Where(allowed, 0, -inf)")
-            zero, ng = _const(where.inputs[1]), _const(where.inputs[2])
-            if zero is None or zero.size != 1 or zero.reshape(-1)[0] != 0 or ng is None or ng.size != 1 or \
-                    not np.isneginf(ng.reshape(-1)[0]):
-                return result.fail("the scores' mask is not Where(allowed, 0, -inf)")
-            cache_position = _allowed_cache_position(where.inputs[0], s, t)
+            found = _scale_and_mask(scale, bias)
+            if isinstance(found, str):
+                return result.fail(found)
+            sc, allowed = found
+            cache_position = _allowed_cache_position(allowed, s, t)
             if cache_position is None:
                 return result.fail("the mask is not 'position < cache_position, causal among new rows'")
             views = _cache_views(past_k, past_v) if t == 1 else None
             packed = _packed_rotary_qkv(q, k, v, nh, kv, dh, cache_position,
                                         _static_shape(views[0])[1]) if views else None
-            self._match = (cache_position, float(sc.reshape(-1)[0]), nh, kv, t, dh, s, views, packed)
+            self._match = (cache_position, sc, nh, kv, t, dh, s, views, packed)
             return result
 
         def rewrite(self, op, q, past_k, past_v, k, v, **_):
@@ -607,22 +601,10 @@ def _rules():
                 return result.fail("keys/values are not static [KV, S, Dh]")
             if _ints(ax_k) != [1] or _ints(ax_v) != [1]:
                 return result.fail("unexpected unsqueeze axes")
-            sc = _const(scale)
-            if sc is None or sc.size != 1:
-                return result.fail("scale is not a constant")
-            where = _producer(bias, "Where")
-            if where is None or len(where.inputs) != 3:
-                return result.fail("the scores' mask is not Where(allowed, 0, -inf)")
-            zero, ng = _const(where.inputs[1]), _const(where.inputs[2])
-            if zero is None or zero.size != 1 or zero.reshape(-1)[0] != 0 or ng is None or ng.size != 1 or \
-                    not np.isneginf(ng.reshape(-1)[0]):
-                return result.fail("the scores' mask is not Where(allowed, 0, -inf)")
-            allowed = where.inputs[0]
-            cast = _producer(allowed, "Cast")
-            if cast is not None:
-                if _attr(cast, "to") != ir.DataType.BOOL:
-                    return result.fail("the mask is cast to something other than bool")
-                allowed = cast.inputs[0]
+            found = _scale_and_mask(scale, bias)
+            if isinstance(found, str):
+                return result.fail(found)
+            sc, allowed = found
             rows = qs[2]
             joined = _producer(allowed, "Concat")
             own = None
@@ -654,7 +636,7 @@ def _rules():
                 return result.fail("the mask's positions are not 0 .. S-1")
             if not _graph_input(n) or n.dtype != ir.DataType.INT64 or _static_shape(n) != (1,):
                 return result.fail("the key count is not an int64 [1] graph input")
-            self._match = (n, span, float(sc.reshape(-1)[0]), parts, own)
+            self._match = (n, span, sc, parts, own)
             return result
 
         def rewrite(self, op, qg, keys, values, **_):
@@ -688,17 +670,37 @@ def _rules():
     return ReciprocalOfDivision, SkipRmsNorm, TableRotaryEmbedding, CacheAttention, PaddedKeysAttention
 
 
-def _allowed_cache_position(allowed, s: int, t: int):
-    """The int64 [1] graph input ``cache_position`` if ``allowed`` [T, S + T] (optionally cast to bool) is
-    built as the graph modules build it: ``Concat(Less(arange(S)[None], cache_position) (expanded to T
-    rows), tril(ones(T, T)), axis=1)``. None otherwise."""
+def _scale_and_mask(scale, bias):
+    """``(scale, allowed)`` of attention scores ``* scale + bias`` with a constant scale and ``bias =
+    Where(allowed, 0, -inf)`` (``decoder.attention_bias``; ``allowed`` without a cast to bool), or a str
+    saying what differs."""
     import onnx_ir as ir
 
+    sc = _const(scale)
+    if sc is None or sc.size != 1:
+        return "scale is not a constant"
+    where = _producer(bias, "Where")
+    if where is None or len(where.inputs) != 3:
+        return "the scores' mask is not Where(allowed, 0, -inf)"
+    zero, ng = _const(where.inputs[1]), _const(where.inputs[2])
+    if zero is None or zero.size != 1 or zero.reshape(-1)[0] != 0 or ng is None or ng.size != 1 or \
+            not np.isneginf(ng.reshape(-1)[0]):
+        return "the scores' mask is not Where(allowed, 0, -inf)"
+    allowed = where.inputs[0]
     cast = _producer(allowed, "Cast")
     if cast is not None:
         if _attr(cast, "to") != ir.DataType.BOOL:
-            return None
+            return "the mask is cast to something other than bool"
         allowed = cast.inputs[0]
+    return float(sc.reshape(-1)[0]), allowed
+
+
+def _allowed_cache_position(allowed, s: int, t: int):
+    """The int64 [1] graph input ``cache_position`` if ``allowed`` [T, S + T] (a cast to bool taken off, see
+    :func:`_scale_and_mask`) is built as the graph modules build it: ``Concat(Less(arange(S)[None], cache_position) (expanded to T
+    rows), tril(ones(T, T)), axis=1)``. None otherwise."""
+    import onnx_ir as ir
+
     concat = _producer(allowed, "Concat")
     if concat is None or len(concat.inputs) != 2 or _attr(concat, "axis") not in (1, -1):
         return None
