@@ -9,6 +9,10 @@
    1 / max(stage) = 33.3 Hz. Target: measured rate >= 90 % of it.
 3. The same with the vision encoder placed on a second executor (``executor.placement``, simulated
    ``mock:NPU``): the stages overlap across devices as they do on one.
+4. Joint states: the CPU ``vla_node`` (demo config with 8 state joints, no frames) spends while a
+   JointState stream of ``--state-rates`` reaches it, per message, and how many of the messages it took
+   (its ``states_received``). No target: a robot's ``joint_states`` come at 100 to 1000 Hz, and what the node
+   spends on them it takes from inference.
 
 Figures are printed with the ratio to the target; wall-clock figures vary on a shared machine.
 """
@@ -23,7 +27,7 @@ import tempfile
 import numpy as np
 import yaml
 
-from ..tools.harness import NodeProcess, client_node, config_path, ros_env, stream_camera
+from ..tools.harness import NodeProcess, client_node, config_path, ros_env, spin_until, stream_camera
 
 
 def overhead(node, env, seconds: float) -> bool:
@@ -85,14 +89,95 @@ def throughput(node, env, seconds: float, placement: dict | None = None, label: 
     return ratio >= 0.9
 
 
+def _node_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat", encoding="ascii").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def joint_state_cost(node, env, seconds: float, rates) -> None:
+    """[4]: vla_node's CPU while JointStates arrive at each rate of ``rates`` (0: none)."""
+    import threading
+    import time
+
+    from diagnostic_msgs.msg import DiagnosticArray
+    from sensor_msgs.msg import JointState
+
+    with open(config_path("vla_demo_orin.yaml"), encoding="utf-8") as fh:
+        raw = yaml.safe_load(fh)
+    joints = [f"joint_{i}" for i in range(8)]
+    raw["action"].update(state_dim=8, state_joints=joints)
+    cfg = os.path.join(tempfile.mkdtemp(prefix="synflux_bench_"), "vla_states.yaml")
+    with open(cfg, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(raw, fh)
+    received, sent = {}, [0]
+
+    def on_diagnostics(msg):  # the node's count, and what had been sent when it arrived
+        for status in msg.status:
+            if status.name.startswith("/bench_states/vla_node"):
+                values = {kv.key: kv.value for kv in status.values}
+                if "states_received" in values:
+                    received.update(n=int(values["states_received"]), t=time.monotonic(), sent=sent[0])
+
+    sub = node.create_subscription(DiagnosticArray, "/diagnostics", on_diagnostics, 10)
+    pub = node.create_publisher(JointState, "/bench_states/joint_states", 100)
+    print(f"\n[4] vla_node's CPU with a joint_states stream, no frames ({seconds:g} s a rate)")
+    try:
+        with NodeProcess("vla_node", {"config": cfg, "executor": "mock", "diagnostics_period": 0.25}, env=env,
+                         remaps={"__ns": "/bench_states"}) as p:
+            if not p.wait_output("configured", 60):
+                raise RuntimeError(p.output())
+            pid = p.proc.pid
+            for rate in rates:
+                stop = threading.Event()
+
+                def stream(rate=rate, stop=stop):
+                    period, due = 1.0 / rate, time.monotonic()
+                    while not stop.is_set():
+                        msg = JointState(name=joints, position=[0.1] * len(joints))
+                        now = time.time()
+                        msg.header.stamp.sec, msg.header.stamp.nanosec = int(now), int(now % 1 * 1e9)
+                        pub.publish(msg)
+                        sent[0] += 1
+                        due += period
+                        time.sleep(max(0.0, due - time.monotonic()))
+
+                thread = threading.Thread(target=stream, daemon=True) if rate else None
+                if thread:
+                    thread.start()
+                spin_until(node, lambda: False, 1.0)  # settle
+                since = time.monotonic()
+                spin_until(node, lambda: received.get("t", 0) > since, 5.0)
+                first, cpu0, t0 = dict(received), _node_cpu_s(pid), time.monotonic()
+                spin_until(node, lambda: False, seconds)
+                cpu, wall = _node_cpu_s(pid) - cpu0, time.monotonic() - t0
+                mark = time.monotonic()
+                spin_until(node, lambda: received.get("t", 0) > mark, 5.0)
+                stop.set()
+                if thread:
+                    thread.join()
+                # between two of the node's diagnostics: the states it took and those sent until each arrived
+                taken, n = received.get("n", 0) - first.get("n", 0), received.get("sent", 0) - first.get("sent", 0)
+                per = f", {cpu / max(taken, 1) * 1e3:.2f} ms a message taken, {taken} taken of {n} sent" if rate else ""
+                print(f"    {rate:4d} Hz: {cpu / wall:6.1%} of a core{per}")
+    finally:
+        node.destroy_subscription(sub)
+        node.destroy_publisher(pub)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=8.0, help="measurement time per benchmark")
+    ap.add_argument("--state-rates", default="0,100,500",
+                    help="joint_states rates (Hz) of [4], comma-separated; empty: skip [4]")
     args = ap.parse_args(argv)
+    rates = [int(r) for r in args.state_rates.split(",") if r.strip()]
     env = ros_env()
     with client_node("synflux_bench", env) as node:
         results = [overhead(node, env, args.seconds), throughput(node, env, args.seconds),
                    throughput(node, env, args.seconds, {"vision_encoder": "mock:NPU"}, "[3] split placement:")]
+        if rates:
+            joint_state_cost(node, env, args.seconds, rates)
     print(f"\n{sum(results)} of {len(results)} targets met")
     return 0
 
