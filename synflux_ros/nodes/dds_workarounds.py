@@ -22,6 +22,10 @@ Each work-around lives here, so that an rclpy or rmw upgrade has one module to c
 * :class:`NodeExecutor`: ``MultiThreadedExecutor.shutdown`` destroys the executor's guard condition before
   it joins its worker threads, so a callback already handed to a worker takes its message and then fails
   on the destroyed guard condition. It joins rclpy's private worker pool (``_executor``) first.
+* :class:`DedicatedSubscription`: ``MultiThreadedExecutor`` builds its wait set again in Python two or three
+  times per message and its threads pass the interpreter lock back and forth; with the node's short switch
+  interval a 100 Hz ``joint_states`` stream took up to a whole core of the 2-core VM, and at 500 Hz the node
+  took one message in two to eight. A high-rate input gets a node and a single-threaded executor of its own.
 """
 from __future__ import annotations
 
@@ -29,8 +33,9 @@ import threading
 import time
 import warnings
 
+import rclpy
 from rclpy.exceptions import InvalidHandle
-from rclpy.executors import MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
 
 RESPONSE_RESEND_S = 5.0
 """How long a service response is sent again while the client's response reader is not matched."""
@@ -129,3 +134,38 @@ class NodeExecutor(MultiThreadedExecutor):
         if wait_for_threads and pool is not None:
             pool.shutdown(wait=True)
         return super().shutdown(timeout_sec, wait_for_threads=wait_for_threads)
+
+
+class DedicatedSubscription:
+    """A subscription of ``owner``'s to ``topic`` (resolved as ``owner`` resolves it: namespace and remappings)
+    served by a hidden node (``_<owner>_<suffix>``: no parameter services, no rosout) and a
+    ``SingleThreadedExecutor`` in a thread of their own. The callback runs in that thread, concurrently with
+    ``owner``'s callbacks, as it would in a ``MultiThreadedExecutor``'s thread. :meth:`destroy` stops the
+    thread (after a callback in progress) and destroys the node."""
+
+    def __init__(self, owner, msg_type, topic: str, callback, qos, suffix: str):
+        self.topic = owner.resolve_topic_name(topic)
+        self._node = rclpy.create_node(f"_{owner.get_name()}_{suffix}", namespace=owner.get_namespace(),
+                                       context=owner.context, use_global_arguments=False,
+                                       start_parameter_services=False, enable_rosout=False)
+        self._node.create_subscription(msg_type, self.topic, callback, qos)
+        self._executor = SingleThreadedExecutor(context=owner.context)
+        self._executor.add_node(self._node)
+        self._thread = threading.Thread(target=self._spin, name=f"{owner.get_name()}.{suffix}", daemon=True)
+        self._thread.start()
+
+    def _spin(self) -> None:
+        try:
+            self._executor.spin()
+        except ExternalShutdownException:
+            pass  # the context was shut down (rclpy.shutdown at exit)
+
+    def destroy(self, timeout: float = 5.0) -> bool:
+        """Stop serving the subscription; False when the callback still runs after ``timeout`` s (the node is
+        left to the process's exit then)."""
+        self._executor.shutdown(timeout_sec=timeout)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        self._node.destroy_node()
+        return True

@@ -30,6 +30,7 @@ from ..runtimes.execution import ChunkRefused
 from ..runtimes.robot_state import CameraImages, NoFreshState, RobotStateBuffer
 from ..runtimes.remote import RemoteVLARuntime
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
+from .dds_workarounds import DedicatedSubscription
 from .diagnostics import ERROR, OK, WARN, median
 from .lifecycle import SynfluxNode, destroy_entities
 from .params import COMMON_PARAMS, Param
@@ -101,6 +102,7 @@ class VLANode(SynfluxNode):
         self._arrivals = deque(maxlen=RATE_WINDOW)  # (receipt monotonic s, camera stamp s)
         self._last_input_error = ""
         self._subs, self._pubs = [], {}
+        self._state_reader: DedicatedSubscription | None = None
         self._busy_pipelines = []  # pipelines whose stage threads outlived stop()
         self.controller: Controller | None = None
         self._control_loop: ControlLoop | None = None
@@ -153,10 +155,9 @@ class VLANode(SynfluxNode):
                                                        qos_profile_sensor_data, callback_group=inputs))
         if cfg.action.state_dim:
             self._states = RobotStateBuffer(cfg.action)
-        if cfg.action.state_dim or joints:
-            self._subs.append(self.create_subscription(JointState, "joint_states", self._on_joint_state,
-                                                       JOINT_STATE_QOS,
-                                                       callback_group=MutuallyExclusiveCallbackGroup()))
+        if cfg.action.state_dim or joints:  # hundreds of Hz on a robot: an executor of its own
+            self._state_reader = DedicatedSubscription(self, JointState, "joint_states", self._on_joint_state,
+                                                       JOINT_STATE_QOS, "joint_states")
         quiet = SubscriptionEventCallbacks(incompatible_qos=lambda event: None)
         for qos in INSTRUCTION_QOS:
             self._subs.append(self.create_subscription(String, "instruction", self._on_instruction, qos,
@@ -226,6 +227,10 @@ class VLANode(SynfluxNode):
                 for key in self._retired:
                     self._retired[key] += getattr(c, key)
             self.pipeline = None
+        if self._state_reader is not None:
+            if not self._state_reader.destroy():
+                self.get_logger().error("the joint_states callback still runs 5 s after stop")
+            self._state_reader = None
         destroy_entities(self, self._subs, self._pubs)
 
     # ---------------------------------------------------------------- inputs

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from sensor_msgs.msg import JointState
 
-from synflux_ros.tools.harness import chunk_for_frame, rgb_image
+from synflux_ros.tools.harness import chunk_for_frame, rgb_image, spin_until
 
 from ros_clients import Harness
 
@@ -63,3 +64,20 @@ def test_the_state_reaches_the_action_expert(robot):
     other = chunk_for(h, 302 * SECOND, [0.5, -0.2, 0.9])
     np.testing.assert_allclose(a, again, rtol=0, atol=1e-6)  # same image, instruction and state
     assert np.abs(a - other).max() > 1e-3  # only the state differs
+
+
+def test_joint_states_keep_the_node_remapping_on_their_own_executor(start_node, client, make_config):
+    """joint_states is served by a hidden node and executor of its own (a robot streams it at hundreds of Hz);
+    it subscribes where vla_node's remapping points, and the states it takes reach the frames."""
+    cfg = make_config("vla_demo_orin.yaml", action={"state_dim": 8, "state_joints": JOINTS, "state_max_age": 0.1})
+    start_node("vla_node", {"config": cfg, "executor": "mock", "diagnostics_period": 0.2}, namespace="/arm2",
+               remaps={"joint_states": "/robot/joint_states"})
+    h = Harness(client, "/arm2", state_joints=JOINTS)
+    h.state_pub = client.create_publisher(JointState, "/robot/joint_states", 50)
+    h.wait_connected()
+    assert spin_until(client, lambda: ("_vla_node_joint_states", "/arm2") in client.get_node_names_and_namespaces(),
+                      10.0), client.get_node_names_and_namespaces()
+    assert client.count_subscribers("/arm2/joint_states") == 0  # the remapping holds for the hidden node too
+    h.publish_until_chunks(2, lambda s, t: rgb_image(448, 448, s, t))
+    d = h.diag_where(lambda d: int(d["frames_published"]) >= 2)
+    assert int(d["states_received"]) >= 2 and int(d["frames_no_state"]) == 0
