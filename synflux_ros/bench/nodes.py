@@ -23,11 +23,13 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 import numpy as np
 import yaml
 
-from ..tools.harness import NodeProcess, client_node, config_path, ros_env, spin_until, stream_camera
+from ..tools.harness import (JointStateStream, NodeProcess, client_node, config_path, ros_env, spin_until,
+                             stream_camera, watch_diagnostics)
 
 
 def overhead(node, env, seconds: float) -> bool:
@@ -97,12 +99,6 @@ def _node_cpu_s(pid: int) -> float:
 
 def joint_state_cost(node, env, seconds: float, rates) -> None:
     """[4]: vla_node's CPU while JointStates arrive at each rate of ``rates`` (0: none)."""
-    import threading
-    import time
-
-    from diagnostic_msgs.msg import DiagnosticArray
-    from sensor_msgs.msg import JointState
-
     with open(config_path("vla_demo_orin.yaml"), encoding="utf-8") as fh:
         raw = yaml.safe_load(fh)
     joints = [f"joint_{i}" for i in range(8)]
@@ -110,17 +106,14 @@ def joint_state_cost(node, env, seconds: float, rates) -> None:
     cfg = os.path.join(tempfile.mkdtemp(prefix="synflux_bench_"), "vla_states.yaml")
     with open(cfg, "w", encoding="utf-8") as fh:
         yaml.safe_dump(raw, fh)
-    received, sent = {}, [0]
+    received, stream = {}, None
 
-    def on_diagnostics(msg):  # the node's count, and what had been sent when it arrived
-        for status in msg.status:
-            if status.name.startswith("/bench_states/vla_node"):
-                values = {kv.key: kv.value for kv in status.values}
-                if "states_received" in values:
-                    received.update(n=int(values["states_received"]), t=time.monotonic(), sent=sent[0])
+    def on_values(values):  # the node's count, and what had been sent when it arrived
+        if "states_received" in values:
+            received.update(n=int(values["states_received"]), t=time.monotonic(),
+                            sent=stream.sent if stream is not None else 0)
 
-    sub = node.create_subscription(DiagnosticArray, "/diagnostics", on_diagnostics, 10)
-    pub = node.create_publisher(JointState, "/bench_states/joint_states", 100)
+    sub = watch_diagnostics(node, "/bench_states/vla_node", on_values)
     print(f"\n[4] vla_node's CPU with a joint_states stream, no frames ({seconds:g} s a rate)")
     try:
         with NodeProcess("vla_node", {"config": cfg, "executor": "mock", "diagnostics_period": 0.25}, env=env,
@@ -129,40 +122,25 @@ def joint_state_cost(node, env, seconds: float, rates) -> None:
                 raise RuntimeError(p.output())
             pid = p.proc.pid
             for rate in rates:
-                stop = threading.Event()
-
-                def stream(rate=rate, stop=stop):
-                    period, due = 1.0 / rate, time.monotonic()
-                    while not stop.is_set():
-                        msg = JointState(name=joints, position=[0.1] * len(joints))
-                        now = time.time()
-                        msg.header.stamp.sec, msg.header.stamp.nanosec = int(now), int(now % 1 * 1e9)
-                        pub.publish(msg)
-                        sent[0] += 1
-                        due += period
-                        time.sleep(max(0.0, due - time.monotonic()))
-
-                thread = threading.Thread(target=stream, daemon=True) if rate else None
-                if thread:
-                    thread.start()
-                spin_until(node, lambda: False, 1.0)  # settle
-                since = time.monotonic()
-                spin_until(node, lambda: received.get("t", 0) > since, 5.0)
-                first, cpu0, t0 = dict(received), _node_cpu_s(pid), time.monotonic()
-                spin_until(node, lambda: False, seconds)
-                cpu, wall = _node_cpu_s(pid) - cpu0, time.monotonic() - t0
-                mark = time.monotonic()
-                spin_until(node, lambda: received.get("t", 0) > mark, 5.0)
-                stop.set()
-                if thread:
-                    thread.join()
+                stream = JointStateStream(node, "/bench_states/joint_states", joints, rate).start() if rate else None
+                try:
+                    spin_until(node, lambda: False, 1.0)  # settle
+                    since = time.monotonic()
+                    spin_until(node, lambda: received.get("t", 0) > since, 5.0)
+                    first, cpu0, t0 = dict(received), _node_cpu_s(pid), time.monotonic()
+                    spin_until(node, lambda: False, seconds)
+                    cpu, wall = _node_cpu_s(pid) - cpu0, time.monotonic() - t0
+                    mark = time.monotonic()
+                    spin_until(node, lambda: received.get("t", 0) > mark, 5.0)
+                finally:
+                    if stream is not None:
+                        stream.stop()
                 # between two of the node's diagnostics: the states it took and those sent until each arrived
                 taken, n = received.get("n", 0) - first.get("n", 0), received.get("sent", 0) - first.get("sent", 0)
                 per = f", {cpu / max(taken, 1) * 1e3:.2f} ms a message taken, {taken} taken of {n} sent" if rate else ""
                 print(f"    {rate:4d} Hz: {cpu / wall:6.1%} of a core{per}")
     finally:
         node.destroy_subscription(sub)
-        node.destroy_publisher(pub)
 
 
 def main(argv=None) -> int:

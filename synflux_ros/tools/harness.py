@@ -14,11 +14,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 
 import numpy as np
 import rclpy
+from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
@@ -270,6 +272,49 @@ def stream_camera(node, ns: str, rate_hz: float, seconds: float, warmup: int = 1
         node.destroy_publisher(pub)
         node.destroy_subscription(sub)
     return chunks, times, wire
+
+
+class JointStateStream:
+    """JointStates of ``joints`` (positions 0.1, stamped with the wall clock) on ``topic`` at ``rate_hz`` from a
+    thread of their own, between :meth:`start` and :meth:`stop`; :attr:`sent` counts them."""
+
+    def __init__(self, node, topic: str, joints, rate_hz: float):
+        self.pub = node.create_publisher(JointState, topic, 100)
+        self.node, self.joints, self.period = node, list(joints), 1.0 / rate_hz
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        due = time.monotonic()
+        while not self._stop.is_set():
+            msg = JointState(name=self.joints, position=[0.1] * len(self.joints))
+            now = time.time()
+            msg.header.stamp.sec, msg.header.stamp.nanosec = int(now), int(now % 1 * 1e9)
+            self.pub.publish(msg)
+            self.sent += 1
+            due += self.period
+            time.sleep(max(0.0, due - time.monotonic()))
+
+    def start(self) -> "JointStateStream":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.node.destroy_publisher(self.pub)
+
+
+def watch_diagnostics(node, name_prefix: str, on_values):
+    """Subscribe ``node`` to /diagnostics; ``on_values({key: value})`` for each status whose name starts with
+    ``name_prefix`` (a node's fully qualified name). Returns the subscription."""
+    def on_array(msg):
+        for status in msg.status:
+            if status.name.startswith(name_prefix):
+                on_values({kv.key: kv.value for kv in status.values})
+    return node.create_subscription(DiagnosticArray, "/diagnostics", on_array, 10)
 
 
 def chunks_one_at_a_time(node, ns: str, images: dict, joints, count: int, warmup: int = 3,
