@@ -23,9 +23,10 @@ Each work-around lives here, so that an rclpy or rmw upgrade has one module to c
   it joins its worker threads, so a callback already handed to a worker takes its message and then fails
   on the destroyed guard condition. It joins rclpy's private worker pool (``_executor``) first.
 * :class:`DedicatedSubscription`: ``MultiThreadedExecutor`` builds its wait set again in Python two or three
-  times per message and its threads pass the interpreter lock back and forth; with the node's short switch
-  interval a 100 Hz ``joint_states`` stream took up to a whole core of the 2-core VM, and at 500 Hz the node
-  took one message in two to eight. A high-rate input gets a node and a single-threaded executor of its own.
+  times per message and its threads pass the interpreter lock back and forth, more so with the node's short
+  switch interval; a high-rate stream such as ``joint_states`` costs the node a large share of a core and loses
+  messages (figures: docs/robustness.md, ``bench.nodes``). A high-rate input gets a node and a
+  single-threaded executor of its own.
 """
 from __future__ import annotations
 
@@ -144,11 +145,10 @@ class DedicatedSubscription:
     thread (after a callback in progress) and destroys the node."""
 
     def __init__(self, owner, msg_type, topic: str, callback, qos, suffix: str):
-        self.topic = owner.resolve_topic_name(topic)
         self._node = rclpy.create_node(f"_{owner.get_name()}_{suffix}", namespace=owner.get_namespace(),
                                        context=owner.context, use_global_arguments=False,
                                        start_parameter_services=False, enable_rosout=False)
-        self._node.create_subscription(msg_type, self.topic, callback, qos)
+        self._node.create_subscription(msg_type, owner.resolve_topic_name(topic), callback, qos)
         self._executor = SingleThreadedExecutor(context=owner.context)
         self._executor.add_node(self._node)
         self._thread = threading.Thread(target=self._spin, name=f"{owner.get_name()}.{suffix}", daemon=True)

@@ -331,12 +331,15 @@ def chunks_one_at_a_time(node, ns: str, images: dict, joints, count: int, warmup
     pubs = {c: node.create_publisher(Image, f"{ns}/{c}/image", qos_profile_sensor_data) for c in images}
     state_pub = node.create_publisher(JointState, f"{ns}/joint_states", 50)
 
+    def stamp(k: int) -> tuple[int, int]:  # frame k's (sec, nanosec): 100 s + k * 0.1 s
+        return 100 + k // 10, (k % 10) * 100_000_000
+
     def stamped(msg, k: int):
-        msg.header.stamp.sec, msg.header.stamp.nanosec = 100 + k // 10, (k % 10) * 100_000_000
+        msg.header.stamp.sec, msg.header.stamp.nanosec = stamp(k)
         return msg
 
     def is_frame(chunk, k: int) -> bool:
-        return (chunk.header.stamp.sec, chunk.header.stamp.nanosec) == (100 + k // 10, (k % 10) * 100_000_000)
+        return (chunk.header.stamp.sec, chunk.header.stamp.nanosec) == stamp(k)
 
     try:
         for pub in [*pubs.values(), state_pub]:
