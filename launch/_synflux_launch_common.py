@@ -15,8 +15,9 @@ import os
 import re
 
 PACKAGE = 'synflux_ros'
+# The setting's name in Fast DDS 3 (Kilted) and in Fast DDS 2.x (Humble, Jazzy); a user setting under either
+# is kept. Which one the launch sets: synflux_ros.nodes.ros_compat.fastdds_profile_variables.
 FASTDDS_PROFILE_VARIABLE = 'FASTDDS_DEFAULT_PROFILES_FILE'
-# Older name of the same setting, still read by Fast DDS 2.x: a user setting under it is kept too.
 FASTDDS_LEGACY_PROFILE_VARIABLE = 'FASTRTPS_DEFAULT_PROFILES_FILE'
 LOG_LEVELS = ['debug', 'info', 'warn', 'error', 'fatal']
 BOOL_CHOICES = ['', 'true', 'false', 'True', 'False']
@@ -53,14 +54,15 @@ FASTDDS_NONE_SPELLINGS = (FASTDDS_NONE, "''", '""', '')
 SHIPPED_PROFILE = ('config', 'fastdds_shm.xml')
 
 FASTDDS_HELP = (
-    "Fast DDS XML profile, set as FASTDDS_DEFAULT_PROFILES_FILE for the processes this launch starts "
-    "(the nodes). shipped (the default) = the package's shared-memory profile, "
+    "Fast DDS XML profile, set for the processes this launch starts (the nodes) as "
+    "FASTRTPS_DEFAULT_PROFILES_FILE on Fast DDS 2.x (Humble, Jazzy) or FASTDDS_DEFAULT_PROFILES_FILE on Fast DDS 3 "
+    "(Kilted). shipped (the default) = the package's shared-memory profile, "
     "share/synflux_ros/config/fastdds_shm.xml, with which large camera frames (448x448 rgb8 and up) "
     "arrive complete between processes on one machine; none = leave the environment as it is; anything "
     "else = the path of another profile (./none for a file named none). Not applied when "
     "FASTDDS_DEFAULT_PROFILES_FILE (or the older FASTRTPS_DEFAULT_PROFILES_FILE) is already set in the "
     "environment: that setting is kept. The shared memory a frame travels through belongs to the sending "
-    "process: start the camera driver with the same FASTDDS_DEFAULT_PROFILES_FILE. Only Fast DDS "
+    "process: start the camera driver with the same profile variable. Only Fast DDS "
     "(rmw_fastrtps_cpp) reads it.")
 
 
@@ -261,8 +263,13 @@ def _environment_actions(context, profile):
     path = fastdds_profile_to_set(profile, context.environment, shipped_profile)
     if path is None:
         return []
-    return [SetEnvironmentVariable(FASTDDS_PROFILE_VARIABLE, path),
-            LogInfo(msg=f'{FASTDDS_PROFILE_VARIABLE}={path} (fastdds_profile)')]
+    # Fast DDS 2.x (Humble, Jazzy) reads only FASTRTPS_DEFAULT_PROFILES_FILE, Fast DDS 3 (Kilted) only
+    # FASTDDS_DEFAULT_PROFILES_FILE: the variable the installed one reads (both when that cannot be told)
+    from synflux_ros.nodes.ros_compat import fastdds_profile_variables
+    actions = []
+    for variable in fastdds_profile_variables(context.environment):
+        actions += [SetEnvironmentVariable(variable, path), LogInfo(msg=f'{variable}={path} (fastdds_profile)')]
+    return actions
 
 
 def _node(values, executable, types, remappings=()):

@@ -38,6 +38,8 @@ import rclpy
 from rclpy.exceptions import InvalidHandle
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
 
+from .ros_compat import executor_shutdown
+
 RESPONSE_RESEND_S = 5.0
 """How long a service response is sent again while the client's response reader is not matched."""
 RESPONSE_LINGER_S = 0.3
@@ -131,10 +133,12 @@ class NodeExecutor(MultiThreadedExecutor):
     """
 
     def shutdown(self, timeout_sec: float | None = None, *, wait_for_threads: bool = True) -> bool:
+        # wait_for_threads is rclpy 7.1.12's argument (kept so that a newer rclpy may pass it); older ones,
+        # Humble's and Jazzy's 7.1.6 among them, have none and always wait (ros_compat.executor_shutdown)
         pool = getattr(self, "_executor", None)  # the thread pool of rclpy's MultiThreadedExecutor (private)
         if wait_for_threads and pool is not None:
             pool.shutdown(wait=True)
-        return super().shutdown(timeout_sec, wait_for_threads=wait_for_threads)
+        return executor_shutdown(MultiThreadedExecutor, self, timeout_sec, wait_for_threads)
 
 
 class DedicatedSubscription:

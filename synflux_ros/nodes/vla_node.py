@@ -15,7 +15,6 @@ from collections import deque
 
 from builtin_interfaces.msg import Duration
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
-from rclpy.event_handler import SubscriptionEventCallbacks
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Float64MultiArray, String
@@ -34,6 +33,7 @@ from .dds_workarounds import DedicatedSubscription
 from .diagnostics import ERROR, OK, WARN, median
 from .lifecycle import SynfluxNode, destroy_entities
 from .params import COMMON_PARAMS, Param
+from .ros_compat import fastdds_profile_variables, subscription_event_callbacks
 from .process import run_lifecycle_node
 
 PARAMS = [
@@ -72,9 +72,9 @@ MIN_DELIVERY_RATIO = 0.9
 NO_FRAME_PERIODS = 10
 """With a stated camera rate: no frame for this many camera periods (at least NO_FRAME_MIN_S) is an ERROR."""
 NO_FRAME_MIN_S = 2.0
-TRANSPORT_HINT = ("large frames need shared memory: start the camera driver with FASTDDS_DEFAULT_PROFILES_FILE "
-                  "set to the profile the nodes use (share/synflux_ros/config/fastdds_shm.xml); see "
-                  "docs/ros-interfaces.md")
+TRANSPORT_HINT = (f"large frames need shared memory: start the camera driver with "
+                  f"{' or '.join(fastdds_profile_variables())} set to the profile the nodes use "
+                  f"(share/synflux_ros/config/fastdds_shm.xml); see docs/ros-interfaces.md")
 
 
 class VLANode(SynfluxNode):
@@ -158,7 +158,7 @@ class VLANode(SynfluxNode):
         if cfg.action.state_dim or joints:  # hundreds of Hz on a robot: an executor of its own
             self._state_reader = DedicatedSubscription(self, JointState, "joint_states", self._on_joint_state,
                                                        JOINT_STATE_QOS, "joint_states")
-        quiet = SubscriptionEventCallbacks(incompatible_qos=lambda event: None)
+        quiet = subscription_event_callbacks(incompatible_qos=lambda event: None)
         for qos in INSTRUCTION_QOS:
             self._subs.append(self.create_subscription(String, "instruction", self._on_instruction, qos,
                                                        callback_group=inputs, event_callbacks=quiet))

@@ -1,9 +1,9 @@
 """Helpers to run the installed node executables as processes and talk to them with rclpy.
 
 Used by the integration tests, ``make demo`` and ``make bench``. DDS traffic stays on this machine
-(``ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST``). The ROS domain is the caller's ``ROS_DOMAIN_ID`` when
-it is set (a test runner such as ament_cmake_ros's run_test_isolated.py sets a free one), else one
-chosen per run.
+(``ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST``; ``ROS_LOCALHOST_ONLY=1`` on Humble). The ROS domain is the
+caller's ``ROS_DOMAIN_ID`` when it is set (a test runner such as ament_cmake_ros's run_test_isolated.py sets a
+free one), else one chosen per run.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
 
 from ..msg import ActionChunk
+from ..nodes import ros_compat
 from ..nodes.params import PACKAGE, share_dir
 
 
@@ -59,13 +60,13 @@ def ros_env(domain_id: int | None = None, log_dir: str | None = None) -> dict:
     """Environment for node processes: loopback-only DDS, the shared-memory profile, and the domain
     ``domain_id`` if given, else the one of :func:`choose_domain_id` (the caller's ``ROS_DOMAIN_ID`` if set)."""
     env = dict(os.environ)
-    env["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+    env.setdefault("AMENT_PREFIX_PATH", sys.prefix)
+    env.update(ros_compat.localhost_only_env(env))
     env["ROS_DOMAIN_ID"] = str(domain_id) if domain_id is not None else choose_domain_id()
     env.setdefault("RMW_IMPLEMENTATION", "rmw_fastrtps_cpp")
-    env.setdefault("AMENT_PREFIX_PATH", sys.prefix)
     profile = os.path.join(share_dir() or "", "config", "fastdds_shm.xml")
     if os.path.isfile(profile):
-        env.setdefault("FASTDDS_DEFAULT_PROFILES_FILE", profile)
+        ros_compat.set_fastdds_profile(env, profile)  # under the variable the installed Fast DDS reads
     env["ROS_LOG_DIR"] = log_dir or tempfile.mkdtemp(prefix="synflux_roslog_")
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -73,8 +74,7 @@ def ros_env(domain_id: int | None = None, log_dir: str | None = None) -> dict:
 
 def use_env(env: dict) -> None:
     """Apply the DDS-relevant variables of ``env`` to this process (before rclpy.init)."""
-    for key in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "ROS_DOMAIN_ID", "RMW_IMPLEMENTATION", "AMENT_PREFIX_PATH",
-                "FASTDDS_DEFAULT_PROFILES_FILE", "ROS_LOG_DIR"):
+    for key in ros_compat.DDS_VARIABLES:
         if key in env:
             os.environ[key] = env[key]
 
@@ -106,9 +106,10 @@ class NodeProcess:
     """One node executable started with ``--ros-args`` parameters and remaps; output goes to a file."""
 
     def __init__(self, name: str, params: dict | None = None, env: dict | None = None,
-                 remaps: dict | None = None, node_name: str | None = None):
+                 remaps: dict | None = None, node_name: str | None = None, launcher: tuple = ()):
         self.name = name
-        cmd = [sys.executable, executable(name), "--ros-args"]
+        # launcher: a Python script run in front of the executable (given its path and arguments)
+        cmd = [sys.executable, *launcher, executable(name), "--ros-args"]
         if node_name:
             cmd += ["-r", f"__node:={node_name}"]
         for k, v in (remaps or {}).items():

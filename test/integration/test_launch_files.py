@@ -25,13 +25,15 @@ import pytest
 import yaml
 
 from synflux_ros.backends import EXECUTORS
+from synflux_ros.nodes.ros_compat import FASTDDS_PROFILE_VARIABLE, FASTRTPS_PROFILE_VARIABLE, fastdds_profile_variables
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_DIR = ROOT / "launch"
 LAUNCH_FILES = sorted(LAUNCH_DIR.glob("*.launch.py"))
 PYTHON_LAUNCH_SOURCES = sorted(LAUNCH_DIR.glob("*.py"))
 SHIPPED_PROFILE = ROOT / "config" / "fastdds_shm.xml"
-FASTDDS = "FASTDDS_DEFAULT_PROFILES_FILE"
+# The profile variable the installed Fast DDS reads (FASTRTPS_... on Fast DDS 2.x: Humble, Jazzy; FASTDDS_... on 3)
+FASTDDS = fastdds_profile_variables()[0]
 
 VLA_ARGS = {"config", "executor", "graph_dir", "params_file", "namespace", "log_level", "fastdds_profile",
             "image_topic", "instruction_topic", "default_instruction", "image_transport",
@@ -573,7 +575,23 @@ def test_shipped_profile_is_applied_before_the_node(stand_in_launch, path):
     assert kinds.index("SetEnvironmentVariable") < kinds.index("Node")
 
 
-@pytest.mark.parametrize("variable", [FASTDDS, "FASTRTPS_DEFAULT_PROFILES_FILE"])
+def _prefix_with_rmw(root: Path, version: str) -> str:
+    share = root / "share" / "rmw_fastrtps_cpp"
+    share.mkdir(parents=True)
+    (share / "package.xml").write_text(f"<package><name>rmw_fastrtps_cpp</name><version>{version}</version></package>")
+    return str(root)
+
+
+@pytest.mark.parametrize("rmw,variable", [("6.2.7", FASTRTPS_PROFILE_VARIABLE), ("8.4.3", FASTRTPS_PROFILE_VARIABLE),
+                                          ("9.3.3", FASTDDS_PROFILE_VARIABLE)])
+def test_the_profile_goes_under_the_variable_the_installed_fast_dds_reads(stand_in_launch, tmp_path, rmw, variable):
+    """Fast DDS 2.x (rmw_fastrtps 6 in Humble, 8 in Jazzy) ignores FASTDDS_DEFAULT_PROFILES_FILE without a word;
+    Fast DDS 3 (rmw_fastrtps 9, Kilted) reads only that one."""
+    actions = run(LAUNCH_DIR / "vla.launch.py", environment={"AMENT_PREFIX_PATH": _prefix_with_rmw(tmp_path, rmw)})
+    assert _environment_sets(actions) == [(variable, str(SHIPPED_PROFILE))]
+
+
+@pytest.mark.parametrize("variable", [FASTDDS_PROFILE_VARIABLE, FASTRTPS_PROFILE_VARIABLE])
 def test_profile_in_the_environment_is_kept(stand_in_launch, variable):
     actions = run(LAUNCH_DIR / "vla.launch.py", environment={variable: "/etc/my_profile.xml"})
     assert _environment_sets(actions) == []

@@ -10,6 +10,7 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CompressedImage
 from std_msgs.msg import String
 
+from synflux_ros.nodes.ros_compat import fastdds_profile_variables
 from synflux_ros.tools.harness import rgb_image, spin_until
 
 from ros_clients import JOINTS, LATCHED, Harness, stamp_ns  # noqa: E402
@@ -215,7 +216,8 @@ def test_a_stated_camera_rate_counts_frames_that_never_arrive(start_node, client
     assert float(d["camera_rate_hz"]) == 30.0
     assert float(d["estimated_camera_rate_hz"]) == pytest.approx(10, rel=0.1)
     assert status["level"] == 1 and "frames are lost in transport" in status["message"]
-    assert "FASTDDS_DEFAULT_PROFILES_FILE" in status["message"] and "camera_rate_hz says 30" in status["message"]
+    # the variable the installed Fast DDS reads (FASTRTPS_... on Fast DDS 2.x, FASTDDS_... on 3)
+    assert fastdds_profile_variables()[0] in status["message"] and "camera_rate_hz says 30" in status["message"]
     assert spin_until(client, lambda: status.get("level") == 2, 10), status
     assert "no camera frame for" in status["message"] and "/stated/image" in status["message"]
 
