@@ -5,7 +5,6 @@ datetime arrays), the bytes must match dtype and shape, and the message, its str
 are bounded before they are built."""
 from __future__ import annotations
 
-import msgpack
 import numpy as np
 
 # Array element kinds that carry data and nothing else: booleans, signed and unsigned integers, floats.
@@ -15,6 +14,17 @@ MAX_NDIM = 8
 
 class WireError(ValueError):
     """A message that is not a well-formed, bounded openpi message; the text says what was wrong."""
+
+
+def _msgpack():
+    """msgpack, imported when a message is packed or read: only ``executor.backend: remote`` and synflux-serve
+    speak this format, so a node that does neither runs without it."""
+    try:
+        import msgpack
+    except ImportError:
+        raise ImportError("openpi's wire format needs msgpack (executor.backend remote, synflux-serve): "
+                          "pip install 'msgpack>=1.0.3' or apt install python3-msgpack") from None
+    return msgpack
 
 
 def _pack_default(obj):
@@ -32,7 +42,7 @@ def _pack_default(obj):
 
 def pack(obj) -> bytes:
     """``obj`` (dicts, lists, strings, numbers, numpy arrays and scalars) as one openpi message."""
-    return msgpack.packb(obj, default=_pack_default, use_bin_type=True)
+    return _msgpack().packb(obj, default=_pack_default, use_bin_type=True)
 
 
 def _dtype(value) -> np.dtype:
@@ -57,7 +67,9 @@ def _array(obj: dict) -> np.ndarray:
         raise WireError(f"array shape: expected up to {MAX_NDIM} non-negative integers, got {shape!r}")
     if not isinstance(data, bytes):
         raise WireError(f"array data: expected bytes, got {type(data).__name__}")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = 1
+    for n in shape:  # Python integers: a product of large dimensions must not wrap around in int64
+        count *= n
     if count * dtype.itemsize != len(data):
         raise WireError(f"array of shape {list(shape)} and dtype {dtype.str} needs {count * dtype.itemsize} "
                         f"bytes, the message holds {len(data)}")
@@ -69,6 +81,11 @@ def _scalar(obj: dict):
     data = obj.get(b"data")
     if not isinstance(data, (bool, int, float)):
         raise WireError(f"scalar data: expected a number, got {type(data).__name__}")
+    if dtype.kind in "iu" and not isinstance(data, bool):
+        # numpy 1.x wraps an integer that does not fit (np.uint8(300) == 44, with a warning); numpy 2 raises
+        info = np.iinfo(dtype)
+        if not isinstance(data, int) or not info.min <= data <= info.max:
+            raise WireError(f"scalar {data!r} does not fit dtype {dtype.str} ({info.min} to {info.max})")
     try:
         return dtype.type(data)
     except (OverflowError, ValueError) as exc:
@@ -92,6 +109,7 @@ def unpack(data: bytes, max_bytes: int, max_items: int = 4096):
         raise WireError(f"expected a binary message, got {type(data).__name__}")
     if len(data) > max_bytes:
         raise WireError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    msgpack = _msgpack()
     try:
         return msgpack.unpackb(bytes(data), object_hook=_hook, raw=False,
                                max_bin_len=max_bytes, max_str_len=max_bytes, max_array_len=max_items,

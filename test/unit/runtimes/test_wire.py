@@ -44,6 +44,13 @@ def test_arrays_round_trip_in_openpi_s_layout(dtype):
     ({b"__ndarray__": True, b"data": "text", b"dtype": "<f4", b"shape": [1]}, "expected bytes"),
     ({b"__npgeneric__": True, b"data": "1", b"dtype": "<f4"}, "expected a number"),
     ({b"__npgeneric__": True, b"data": 300, b"dtype": "|u1"}, "does not fit"),
+    # numpy 1.x (Humble's) would wrap these silently instead of raising
+    ({b"__npgeneric__": True, b"data": -1, b"dtype": "|u1"}, "does not fit dtype |u1 (0 to 255)"),
+    ({b"__npgeneric__": True, b"data": 2**40, b"dtype": "<i4"}, "does not fit dtype <i4"),
+    ({b"__npgeneric__": True, b"data": 1.5, b"dtype": "<i4"}, "does not fit dtype <i4"),
+    # dimensions whose product passes int64: the size is stated, not wrapped into a negative number
+    ({b"__ndarray__": True, b"data": b"\0" * 8, b"dtype": "<f4", b"shape": [2**62, 4]},
+     f"needs {2**62 * 4 * 4} bytes"),
 ])
 def test_malformed_arrays_are_refused_naming_the_fault(obj, needle):
     with pytest.raises(wire.WireError, match=needle.replace("[", r"\[")):
