@@ -113,11 +113,13 @@ def start_node(ros_env, request):
         procs.append(p)
         return p
     yield _start
-    for p in procs:
+    unclean = []
+    for p in procs:  # every process is stopped before any is judged, so one failure leaves none running
         running = p.alive()
         code = p.stop()
-        if running:  # a node stopped with SIGINT must exit cleanly
-            assert code == 0, f"{p.name} exited with {code} on SIGINT:\n{p.output()[-3000:]}"
+        if running and code != 0:  # a node stopped with SIGINT must exit cleanly
+            unclean.append(f"{p.name} exited with {code} on SIGINT:\n{p.output()[-3000:]}")
+    assert not unclean, "\n\n".join(unclean)
 
 
 @pytest.fixture(scope="session")

@@ -91,6 +91,20 @@ class Harness:
                 return [d for d in self.diags if predicate(d)][-1]
         raise AssertionError(f"no diagnostics matching; last: {self.diags[-1:]}")
 
+    def publish_states_until_diag(self, states, predicate, timeout=30.0, names=None):
+        """Best-effort delivery of joint states: ``wait_connected`` sees the node's reader matched from the
+        publisher's side, but the reader may not have matched this publisher yet, and states sent before that
+        are lost. Re-send ``states`` ((stamp_ns, positions) pairs, in order) until the node's diagnostics
+        satisfy ``predicate``; returns the matching diagnostics."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for stamp, positions in states:
+                self.publish_state(stamp, positions, names)
+            if spin_until(self.node, lambda: any(predicate(d) for d in self.diags), 0.3):
+                return [d for d in self.diags if predicate(d)][-1]
+        raise AssertionError(f"no diagnostics matching after re-sending {len(states)} joint states; last: "
+                             f"{self.diags[-1:]}")
+
     def diag_where(self, predicate, timeout=10.0):
         found = []
 

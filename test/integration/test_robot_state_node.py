@@ -41,12 +41,13 @@ def test_frames_without_a_fresh_state_are_counted_and_skipped(robot):
     d = h.publish_until_diag(frame, lambda d: int(d["frames_no_state"]) >= 2)
     assert "no joint state received yet on 'joint_states'" in d["last_error"] and not h.chunks
     # a state half a second older than the frame is too old (state_max_age 0.1 s)
-    h.publish_state(200 * SECOND - SECOND // 2, [1.0, 2.0, 3.0])
+    h.publish_states_until_diag([(200 * SECOND - SECOND // 2, [1.0, 2.0, 3.0])],
+                                lambda d: int(d["states_received"]) >= 1)
     d = h.publish_until_diag(frame, lambda d: "500 ms older than the frame" in d["last_error"])
     assert int(d["states_received"]) >= 1 and not h.chunks
     # a state that lacks a configured joint is refused, saying which
-    h.publish_state(200 * SECOND, [1.0, 2.0], names=["shoulder", "wrist"])
-    d = h.diag_where(lambda d: int(d["states_rejected"]) >= 1)
+    d = h.publish_states_until_diag([(200 * SECOND, [1.0, 2.0])], lambda d: int(d["states_rejected"]) >= 1,
+                                    names=["shoulder", "wrist"])
     assert "joint_states: joint 'elbow' missing" in d["last_error"]
     # with fresh states the frames run, and every frame is accounted for
     h.publish_until_chunks(3, lambda s, t: rgb_image(448, 448, s, t))

@@ -171,8 +171,8 @@ def test_the_node_counts_undecodable_chunks_and_keeps_serving(imported, start_no
                             "diagnostics_period": 0.2}, namespace=ns)
     h = Harness(client, ns, state_joints=JOINTS, camera="base")
     h.wait_connected(timeout=60.0)
-    for seq in range(3):
-        h.publish_state(1_000_000_000 * (100 + seq), h.state_of(seq)[:len(JOINTS)])
+    states = [(1_000_000_000 * (100 + seq), h.state_of(seq)[:len(JOINTS)]) for seq in range(3)]
+    h.publish_states_until_diag(states, lambda d: int(d.get("states_received", 0)) >= len(states))
     d = h.publish_until_diag(rgb_image(SIDE, SIDE, 1, 100 * 10**9 + 5_000_000),
                              lambda d: int(d.get("frames_failed", 0)) >= 2, timeout=90.0)
     assert "do not start with 'Action:'" in d["last_error"] and int(d["frames_published"]) == 0
