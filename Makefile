@@ -1,7 +1,13 @@
-# synflux_ros developer entry points. Everything lives in .venv/ (ROS 2 from PyPI wheels, the package
-# installed into the venv prefix by CMake exactly as colcon would install it on a robot).
+# synflux_ros developer entry points. Everything lives in .venv/ (ROS 2 Jazzy from PyPI wheels on Python 3.12,
+# the platform of Jetson Thor and Orin on JetPack 7; the package installed into the venv prefix by CMake exactly
+# as colcon would install it on a robot). docs/platforms.md says what runs where.
 SHELL := /bin/bash
 VENV := .venv
+# The interpreter of .venv: PYTHON=... overrides; else python3.12 on PATH, else pyenv's 3.12.
+PYTHON ?= $(shell scripts/find_python.sh 3.12)
+# The reference and vendor-toolchain venvs (LeRobot 0.4.4, rknn-toolkit2, openpi's client) stay on Python 3.11,
+# whose CPU build of torch 2.13 lies on these machines' disk (docs/platforms.md says why).
+TOOL_PYTHON ?= $(shell scripts/find_python.sh 3.11 || command -v python3)
 PY := $(abspath $(VENV))/bin/python
 PREFIX := $(abspath $(VENV))
 BUILD := build
@@ -21,7 +27,9 @@ all: install
 venv: $(VENV)/.stamp-deps
 
 $(VENV)/.stamp-deps: requirements-ros.txt requirements-build.txt
-	python3 -m venv $(VENV)
+	@[ -n "$(PYTHON)" ] || { echo "make: Python 3.12 not found: apt install python3.12-venv (Ubuntu 24.04), \
+	pyenv install 3.12, or make PYTHON=/path/to/python3.12"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip>=23"
 	$(PY) -m pip install --quiet -r requirements-ros.txt
 	# -c keeps every dependency on the pinned torch
@@ -52,7 +60,7 @@ RKNN_PY := $(abspath $(RKNN_VENV))/bin/python
 rknn-venv: $(RKNN_VENV)/.stamp-rknn
 
 $(RKNN_VENV)/.stamp-rknn: requirements-rknn.txt
-	python3 -m venv $(RKNN_VENV)
+	$(TOOL_PYTHON) -m venv $(RKNN_VENV)
 	$(RKNN_PY) -m pip install --quiet --upgrade "pip>=23"
 	grep -v -E '^[[:space:]]*(#|$$|rknn-toolkit2)' requirements-rknn.txt > $(RKNN_VENV)/deps.txt
 	$(RKNN_PY) -m pip install --quiet -c $(RKNN_VENV)/deps.txt -r $(RKNN_VENV)/deps.txt
@@ -71,7 +79,7 @@ PI0REF_PY := $(abspath $(PI0REF_VENV))/bin/python
 pi0ref-venv: $(PI0REF_VENV)/.stamp-pi0ref
 
 $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
-	python3 -m venv $(PI0REF_VENV)
+	$(TOOL_PYTHON) -m venv $(PI0REF_VENV)
 	$(PI0REF_PY) -m pip install --quiet --upgrade "pip>=23"
 	grep -v -E '^[[:space:]]*(#|$$|lerobot)' requirements-pi0ref.txt > $(PI0REF_VENV)/deps.txt
 	$(PI0REF_PY) -m pip install --quiet -c $(PI0REF_VENV)/deps.txt -r $(PI0REF_VENV)/deps.txt
@@ -114,6 +122,12 @@ test:
 	  cat $(abspath $(BUILD))/test-simulators.log; \
 	  [ $$rc -eq 0 ] && [ $$sim_rc -eq 0 ]
 
+# The Python 3.10 lane (Humble's Python on Jetson Orin, JetPack 6): the run-time suite, torch-free, on numpy
+# 1.26 and the cp310 builds of the Jazzy wheels, in .venv-py310 (.ci/lane-py310.sh says what runs and why).
+.PHONY: test-py310
+test-py310:
+	bash .ci/lane-py310.sh
+
 # Serving (synflux_ros/serve, synflux-serve): Ray Serve and msgpack in .venv, with the build requirements as
 # constraints (nothing may move numpy or torch); openpi's client in a venv of its own (it pins numpy < 2), which
 # the serving tests drive the server with.
@@ -128,7 +142,7 @@ OPENPI_VENV := .venv-openpi
 openpi-venv: $(OPENPI_VENV)/.stamp-openpi
 
 $(OPENPI_VENV)/.stamp-openpi: requirements-openpi.txt
-	python3 -m venv $(OPENPI_VENV)
+	$(TOOL_PYTHON) -m venv $(OPENPI_VENV)
 	$(OPENPI_VENV)/bin/python -m pip install --quiet -r requirements-openpi.txt
 	$(OPENPI_VENV)/bin/python -c "from openpi_client import websocket_client_policy"
 	touch $@
