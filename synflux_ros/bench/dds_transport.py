@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ..nodes import ros_compat
 from ..tools.harness import config_path, ros_env
 
 FASTDDS_VARIABLES = ("FASTDDS_DEFAULT_PROFILES_FILE", "FASTRTPS_DEFAULT_PROFILES_FILE", "FASTDDS_BUILTIN_TRANSPORTS")
@@ -46,8 +47,8 @@ REFERENCE = "b"
 def side_env(base: dict, setting: str, profile: str) -> dict:
     """``base`` with the Fast DDS variables of one side: none of them, the profile, or LARGE_DATA."""
     env = {k: v for k, v in base.items() if k not in FASTDDS_VARIABLES}
-    if setting == "profile":
-        env["FASTDDS_DEFAULT_PROFILES_FILE"] = profile
+    if setting == "profile":  # under the variable the installed Fast DDS reads (Fast DDS 2.x ignores FASTDDS_...)
+        ros_compat.set_fastdds_profile(env, profile)
     elif setting == "large_data":
         env["FASTDDS_BUILTIN_TRANSPORTS"] = "LARGE_DATA"
     elif setting != "defaults":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from synflux_ros.bench import dds_transport as bench
+from synflux_ros.nodes.ros_compat import fastdds_profile_variables
 
 BASE = {"ROS_DOMAIN_ID": "150", "FASTDDS_DEFAULT_PROFILES_FILE": "/user/profile.xml",
         "FASTRTPS_DEFAULT_PROFILES_FILE": "/old.xml", "FASTDDS_BUILTIN_TRANSPORTS": "UDPv4", "PATH": "/bin"}
@@ -13,7 +14,8 @@ BASE = {"ROS_DOMAIN_ID": "150", "FASTDDS_DEFAULT_PROFILES_FILE": "/user/profile.
 def test_each_side_gets_only_its_own_fast_dds_setting():
     plain = {"ROS_DOMAIN_ID": "150", "PATH": "/bin"}
     assert bench.side_env(BASE, "defaults", "/p.xml") == plain
-    assert bench.side_env(BASE, "profile", "/p.xml") == {**plain, "FASTDDS_DEFAULT_PROFILES_FILE": "/p.xml"}
+    chosen = fastdds_profile_variables(plain)  # the variable(s) the installed Fast DDS reads
+    assert bench.side_env(BASE, "profile", "/p.xml") == {**plain, **{v: "/p.xml" for v in chosen}}
     assert bench.side_env(BASE, "large_data", "/p.xml") == {**plain, "FASTDDS_BUILTIN_TRANSPORTS": "LARGE_DATA"}
     assert BASE["FASTDDS_BUILTIN_TRANSPORTS"] == "UDPv4"  # the caller's environment is left as it was
     with pytest.raises(ValueError, match="unknown Fast DDS setting 'udp'"):
