@@ -140,6 +140,12 @@ def check_turn(cfg: ModelConfig, special_strings, session_id: str, prompt: str, 
     if len(session_id) > MAX_SESSION_ID_CHARS:
         raise RequestError(f"session_id has {len(session_id)} characters (limit {MAX_SESSION_ID_CHARS})")
     _utf8("session_id", session_id)
+    if num_images and cfg.vision is None:
+        raise RequestError(f"{num_images} images attached, but {cfg.name!r} is a text-only model (its "
+                           f"config has no vision section): send the prompt without images")
+    if num_images > cfg.session.max_images_per_turn:  # before the prompt: the first fault is the one said
+        raise RequestError(f"{num_images} images attached, at most {cfg.session.max_images_per_turn} per turn "
+                           f"(session.max_images_per_turn)")
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("prompt is empty")
     limit = cfg.session.max_prompt_bytes
@@ -162,13 +168,6 @@ def check_turn(cfg: ModelConfig, special_strings, session_id: str, prompt: str, 
         if found:
             raise RequestError(f"{name} contains the special token {found[0]!r}, which the chat template would "
                                f"turn into a control token; remove it")
-    if num_images and cfg.vision is None:
-        raise RequestError(f"{num_images} images attached, but {cfg.name!r} is a text-only model (its "
-                           f"config has no vision section): send the prompt without images")
-    limit = cfg.session.max_images_per_turn
-    if num_images > limit:
-        raise RequestError(f"{num_images} images attached, at most {limit} per turn "
-                           f"(session.max_images_per_turn)")
 
 
 def checked_images(cfg: ModelConfig, req: ChatRequest, special_strings=()) -> list:

@@ -28,13 +28,21 @@ NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "st
            "functions": None, "function_call": None, "modalities": None, "audio": None, "prediction": None}
 
 
+def printable(text):
+    """``text`` with anything UTF-8 cannot hold (lone surrogates from a client's JSON escapes) as escapes."""
+    if text is None:
+        return None
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class APIError(ValueError):
     """A request refused; ``status`` is the HTTP status, ``param`` the offending parameter."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
                  kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.param, self.code, self.kind = status, param, code, kind
+        # what the client sent is echoed: a lone surrogate in it could not be encoded as the body's UTF-8
+        super().__init__(printable(message))
+        self.status, self.param, self.code, self.kind = status, printable(param), code, kind
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
@@ -82,16 +90,32 @@ def _content(msg: dict, i: int, max_pixels: int) -> tuple[str, list]:
     return "\n".join(texts), images
 
 
+# Numbers beyond these are refused by name before any conversion (a JSON integer of 400 digits does not fit a
+# float); the runtime then checks each against its own range.
+MAX_INT_PARAM = 2**31 - 1
+MAX_FLOAT_PARAM = 1e6
+
+
 def _number(body: dict, name: str, kind, default=None):
     value = body.get(name, default)
     if value is None:
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        ok = ok and float(value).is_integer()
-    if not ok or not math.isfinite(value):
-        raise APIError(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {value!r}", param=name)
+    what = "an integer" if kind is int else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise APIError(f"{name}: expected {what}, got {type(value).__name__}", param=name)
+    if isinstance(value, int):
+        if abs(value) > (MAX_INT_PARAM if kind is int else MAX_FLOAT_PARAM):
+            raise APIError(f"{name}: {_short(value)} is out of range", param=name)
+    elif not math.isfinite(value) or (kind is int and not value.is_integer()):
+        raise APIError(f"{name}: expected {what}, got {value!r}", param=name)
+    elif abs(value) > (MAX_INT_PARAM if kind is int else MAX_FLOAT_PARAM):
+        raise APIError(f"{name}: {value!r} is out of range", param=name)
     return kind(value)
+
+
+def _short(value: int) -> str:
+    text = str(value) if value.bit_length() < 200 else None
+    return text if text is not None else f"an integer of {value.bit_length()} bits"
 
 
 def parse(body, session_id: str, model: str, max_pixels: int) -> tuple[ChatRequest, bool, bool]:

@@ -95,6 +95,9 @@ class VLAPolicy:
             if img.shape[-1] != 3:
                 raise RequestError(f"camera {cam!r} ({_name(path)}): expected 3 colour channels, got shape "
                                    f"{list(img.shape)}")
+            if img.shape[0] == 0 or img.shape[1] == 0:
+                raise RequestError(f"camera {cam!r} ({_name(path)}): a zero-size image ({img.shape[1]}x"
+                                   f"{img.shape[0]}); expected at least 1x1")
             try:
                 check_image_size(img.shape[1], img.shape[0], limit)
             except ValueError as exc:
@@ -161,9 +164,12 @@ class VLAPolicy:
             raise RequestError(f"rtc {key}: holds NaN or Inf")
         delay = req["inference_delay"]
         horizon = req.get("execution_horizon", self.cfg.execution.rtc.execution_horizon)
+        steps = self.cfg.action.action_horizon
         for name, v in (("inference_delay", delay), ("execution_horizon", horizon)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise RequestError(f"rtc {name}: expected a non-negative integer, got {v!r}")
+            if v > steps:  # steps of a chunk: more can neither be executed nor guided
+                raise RequestError(f"rtc {name}: {v} is out of range (0 to the model's horizon, {steps} steps)")
         if self.action_norm is not None and not model_space:
             prev = self.action_norm.forward(prev)
         rtc = self.cfg.execution.rtc

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -55,12 +56,21 @@ def test_a_conversation_becomes_the_history_and_the_new_turn():
      "not valid base64", 400),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "data:image/png,raw"}]}]},
      "expected a base64 data: URL", 400),
+    # numbers no float holds: refused by name, not an OverflowError (a 500)
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**400}, "max_tokens: an integer of", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": -10**30}, "temperature: -1000", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 10**20}, "n: 100000000000000000000 is out of range", 400),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": float("inf")}, "top_p: expected a number", 400),
+    # lone surrogates the client sent are echoed escaped (UTF-8 cannot hold them)
+    ({"messages": [{"role": "user", "content": "x"}], "\ud800": 1}, "\\ud800: unknown parameter", 400),
+    ({"messages": [{"role": "user", "content": [{"type": "a\udfff"}]}]}, "got a\\udfff", 400),
 ])
 def test_bad_requests_are_refused_by_name(body, needle, status):
     with pytest.raises(chat.APIError) as err:
         chat.parse(body, "sid", "m", 10_000)
     assert needle in str(err.value) and err.value.status == status
     assert err.value.body()["error"]["message"] == str(err.value)
+    json.dumps(err.value.body(), ensure_ascii=False).encode("utf-8")  # the body can be sent
 
 
 def test_an_image_over_the_pixel_limit_is_refused_before_it_is_decoded():

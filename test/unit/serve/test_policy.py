@@ -82,6 +82,12 @@ def test_the_prompt_is_kept_until_a_request_changes_it(aloha):
     (lambda o: o.update(rtc={"prev_chunk": np.full((3, 7), np.nan), "inference_delay": 1}), "holds NaN or Inf"),
     (lambda o: o.update(rtc={"prev_chunk": np.zeros((3, 7)), "inference_delay": 1, "execution_horizon": 1.5}),
      "rtc execution_horizon"),
+    (lambda o: o.update(rtc={"prev_chunk": np.zeros((3, 7)), "inference_delay": 10**9}),
+     "rtc inference_delay: 1000000000 is out of range (0 to the model's horizon, 16 steps)"),
+    (lambda o: o.update(rtc={"prev_chunk": np.zeros((3, 7)), "inference_delay": 1, "execution_horizon": 17}),
+     "rtc execution_horizon: 17 is out of range"),
+    (lambda o: o["images"].update(cam_high=np.zeros((0, 0, 3), np.uint8)), "a zero-size image (0x0)"),
+    (lambda o: o["images"].update(cam_high=np.zeros((3, 0, 5), np.uint8)), "a zero-size image (5x0)"),
 ])
 def test_a_bad_observation_is_refused_naming_the_key(aloha, change, needle):
     obs = aloha_obs()
