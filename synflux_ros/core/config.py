@@ -750,6 +750,11 @@ def _key_path(value, path: str) -> tuple[str, ...]:
     return tuple(parts)
 
 
+PROXY_WS_MAX_BYTES = 16 * 1024 * 1024
+"""Ray Serve's HTTP proxy (its uvicorn's ``ws_max_size``, which Serve 2.60 leaves at the default and offers no
+option for) closes a websocket whose message is larger with code 1009, before the replica sees it."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     """How ``synflux-serve`` reads a policy request (openpi's observation dict) and bounds it. Each key is a
@@ -759,7 +764,9 @@ class ServeConfig:
     state: tuple[Any, ...] = _spec(("observation/state",), doc="keys whose values, concatenated in order, are the "
                                    "robot state (action.state_joints order)")
     prompt: Any = _spec("prompt", doc="key of the instruction; a request without it keeps the last one")
-    max_message_bytes: int = _spec(32 * 1024 * 1024, min=1024, doc="largest request message")
+    max_message_bytes: int = _spec(15 * 1024 * 1024, min=1024, max=PROXY_WS_MAX_BYTES,
+                                   doc="largest request message; at most Ray's proxy's 16 MiB websocket limit, over "
+                                       "which the proxy itself closes the connection (code 1009)")
 
     def __post_init__(self):
         for cam, key in self.images.items():

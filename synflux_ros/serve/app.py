@@ -20,6 +20,7 @@ import concurrent.futures
 import contextvars
 import dataclasses
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -43,8 +44,40 @@ from .policy import RequestError, VLAPolicy
 
 logger = logging.getLogger("synflux_ros.serve")
 
+
+def _replica_grpc_on_loopback() -> None:
+    """Ray Serve 2.60's replicas open an inter-deployment gRPC port on ``[::]`` whatever Ray's node address
+    (``ray/serve/_private/replica.py``, ``add_port_to_grpc_server(self._server, "[::]:0")``). Where the node
+    address is loopback (a Ray of synflux-serve's own, cli.LOCAL_RAY_ENV) it is bound to 127.0.0.1 instead, as
+    Ray's own gRPC servers are; in a cluster it stays as Ray opens it. Runs in each replica process when it
+    imports this module, before the replica starts that server; a Ray without that function is left alone."""
+    try:
+        from ray.serve._private import replica
+        from ray.util import get_node_ip_address
+    except ImportError:
+        return
+    add_port = getattr(replica, "add_port_to_grpc_server", None)
+    if add_port is None or getattr(add_port, "synflux_loopback", False):
+        return
+
+    def add_port_on_loopback(server, address):
+        if address.startswith("[::]:"):
+            try:
+                loopback = ipaddress.ip_address(get_node_ip_address()).is_loopback
+            except (ValueError, RuntimeError):
+                loopback = False
+            if loopback:
+                address = "127.0.0.1:" + address[len("[::]:"):]
+        return add_port(server, address)
+    add_port_on_loopback.synflux_loopback = True
+    replica.add_port_to_grpc_server = add_port_on_loopback
+
+
+_replica_grpc_on_loopback()
+
 INTERNAL_ERROR = 1011  # openpi's close code after its error frame
 POLICY_VIOLATION = 1008  # a connection without the API key
+MESSAGE_TOO_BIG = 1009  # Ray's proxy closes a websocket whose message is over PROXY_WS_MAX_BYTES
 REASON_BYTES = 120  # a close frame's reason is at most 123 bytes
 
 
@@ -112,6 +145,13 @@ class _Replica:
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
         self.max_bytes = self.cfg.serve.max_message_bytes
 
+    def unauthorised(self, scheme: str) -> JSONResponse:
+        """401 in OpenAI's error shape (the policy side's HTTP routes answer the same way)."""
+        self.counts["requests_unauthorised"] += 1
+        return JSONResponse(chat.APIError(f"a valid 'Authorization: {scheme} ...' header is required", status=401,
+                                          kind="authentication_error", code="invalid_api_key").body(),
+                            status_code=401)
+
     def status_response(self, **extra) -> JSONResponse:
         return JSONResponse({"model": self.cfg.name, "backend": self.cfg.executor.backend,
                              "replica": self.replica, **extra, **dict(self.counts)})
@@ -137,7 +177,9 @@ class VLADeployment(_Replica):
         return PlainTextResponse("OK\n")
 
     @vla_api.get("/status")
-    def status(self):
+    def status(self, request: Request):
+        if not authorised(request.headers, self.key):
+            return self.unauthorised("Api-Key")
         return self.status_response()
 
     @vla_api.websocket("/")
@@ -154,6 +196,9 @@ class VLADeployment(_Replica):
         while True:
             msg = await ws.receive()
             if msg["type"] == "websocket.disconnect":
+                if msg.get("code") == MESSAGE_TOO_BIG:  # Ray's proxy closed it, naming the size and its limit
+                    self.counts["requests_too_big"] += 1
+                    logger.warning("%s sent a message over the proxy's limit: %s", ws.client, msg.get("reason", ""))
                 return
             start = time.monotonic()
             try:
@@ -227,27 +272,31 @@ class VLMDeployment(_Replica):
         return PlainTextResponse("OK\n")
 
     @chat_api.get("/status")
-    def status(self):
+    def status(self, request: Request):
+        if not authorised(request.headers, self.key):
+            return self.unauthorised("Bearer")
         return self.status_response(sessions=len(self.runtime.sessions))
 
     @chat_api.get("/v1/models")
     def models(self, request: Request):
         if not authorised(request.headers, self.key):
-            return self._error(chat.APIError("a valid 'Authorization: Bearer ...' header is required", status=401,
-                                             kind="authentication_error", code="invalid_api_key"))
+            return self.unauthorised("Bearer")
         return JSONResponse({"object": "list", "data": [{"id": self.cfg.name, "object": "model", "created": 0,
                                                           "owned_by": "synflux"}]})
 
     @chat_api.post("/v1/chat/completions")
     async def completions(self, request: Request):
         if not authorised(request.headers, self.key):
-            return self._error(chat.APIError("a valid 'Authorization: Bearer ...' header is required", status=401,
-                                             kind="authentication_error", code="invalid_api_key"))
+            return self.unauthorised("Bearer")
         sid = request.headers.get(SESSION_HEADER) or ""
         oneshot = not sid
         if oneshot:
             sid = f"oneshot-{os.urandom(8).hex()}"
         try:
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self.max_bytes:  # refused before the body is read
+                raise chat.APIError(f"the request has {int(declared)} bytes, over the limit of {self.max_bytes} "
+                                    f"(serve.max_message_bytes)", status=413)
             raw = await request.body()
             if len(raw) > self.max_bytes:
                 raise chat.APIError(f"the request has {len(raw)} bytes, over the limit of {self.max_bytes} "
@@ -256,9 +305,17 @@ class VLMDeployment(_Replica):
                 body = json.loads(raw)
             except ValueError as exc:
                 raise chat.APIError(f"the body is not JSON: {exc}") from None
+            except RecursionError:
+                raise chat.APIError("the body is not JSON this server reads: nested deeper than the parser's "
+                                    "limit") from None
             req, stream, include_usage = chat.parse(body, sid, self.cfg.name, self.max_pixels)
+            if stream:  # what the runtime would refuse is refused before the 200 and the first event
+                self.runtime.sampling_params(req)
+                self.runtime.check_limits(req.session_id, req.prompt, len(req.images), req.system)
         except chat.APIError as exc:
             return self._error(exc)
+        except ChatRefused as exc:
+            return self._error(chat.APIError(str(exc)))
         if stream:
             return StreamingResponse(self._stream(req, include_usage, oneshot), media_type="text/event-stream")
         try:

@@ -7,6 +7,7 @@ It writes the Serve config file it runs (``--write-config``), so that the same a
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import signal
 import sys
@@ -145,8 +146,17 @@ def local_ray_options(a: argparse.Namespace, temp_dir: str) -> dict:
             "_system_config": {"max_direct_call_object_size": (a.inline_kib or INLINE_KIB) * 1024}}
 
 
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""Set before Ray is imported, for a Ray of synflux-serve's own: Ray's node address is then loopback, and its
+GCS, raylet, workers, agents and metrics listen on 127.0.0.1. Without it Ray on Linux takes the default route's
+address (even when told 127.0.0.1) and those ports listen on every interface, where Ray runs code for whoever
+reaches them. (Ray reads the variable once, at import; the replicas' own gRPC port: app.py.)"""
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    if not a.address:
+        os.environ.update(LOCAL_RAY_ENV)
     from .app import application  # Ray and FastAPI load only once the arguments hold
     try:
         if a.address and a.temp_dir:
@@ -177,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             print(f"synflux-serve: {why}", flush=True)
         ray.init(**local_ray_options(a, temp_dir))
+        node = ray.util.get_node_ip_address()
+        if not ipaddress.ip_address(node).is_loopback:  # Ray was imported before the variable was set
+            print(f"synflux-serve: warning: Ray's node address is {node}: its ports listen beyond loopback",
+                  file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

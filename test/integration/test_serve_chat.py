@@ -106,7 +106,8 @@ def test_the_openai_client_gets_vlm_node_s_replies(server, chat_config, start_no
 
 def test_twelve_sessions_over_two_replicas_reuse_their_caches(server):
     def replica_of(sid):
-        req = urllib.request.Request(server.url("/status"), headers={"x-session-id": sid})
+        req = urllib.request.Request(server.url("/status"), headers={"x-session-id": sid,
+                                                                     "Authorization": f"Bearer {KEY}"})
         return json.loads(urllib.request.urlopen(req, timeout=10).read())["replica"]
 
     # the ring of the consistent hash depends on the replicas' ids: all 12 on one replica has odds of 1 in 2048
@@ -148,7 +149,8 @@ def test_a_replica_killed_mid_conversation_is_recomputed_and_answers_the_same(se
     messages = [{"role": "system", "content": "You are terse."}]
     for i, turn in enumerate(sampled):
         if i == 2:  # kill the replica holding the session; Ray replaces it
-            req = urllib.request.Request(server.url("/status"), headers={"x-session-id": "interrupted"})
+            req = urllib.request.Request(server.url("/status"), headers={"x-session-id": "interrupted",
+                                                                         "Authorization": f"Bearer {KEY}"})
             pid = int(json.loads(urllib.request.urlopen(req, timeout=10).read())["replica"].rsplit(":", 1)[1])
             os.kill(pid, signal.SIGKILL)
         messages.append(user_message(turn))
