@@ -212,3 +212,22 @@ def test_policy_frames_from_the_grammar_get_results_or_openpi_refusals(policy_se
         ws.close()
     assert answers["result"] and answers["refused"], answers
     assert _replica(policy_server, auth) == replica
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ("[" * 100_000, 400, "nested deeper than the parser's limit"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1' + "0" * 400 + "}", 400,
+     "max_tokens: an integer of"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "temperature": 1' + "0" * 400 + "}", 400, "temperature"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', 400, "unknown parameter"),
+    ('{"messages": [{"role": "user", "content": [{"type": "\\udfff"}]}]}', 400, "expected a text or an image_url"),
+    # refused before the 200 of a stream, not as an error event after it
+    ('{"messages": [{"role": "user", "content": "hi"}], "stream": true, "max_tokens": -7}', 400,
+     "max_new_tokens -7 is out of range"),
+    ('{"messages": [{"role": "user", "content": "  "}], "stream": true}', 400, "prompt is empty"),
+])
+def test_the_requests_that_were_server_errors_are_client_errors(chat_server, body, status, needle):
+    got, raw, ctype = _post(chat_server.port, body, stream=False)
+    assert got == status and "application/json" in ctype, (got, raw[:300])
+    error = json.loads(raw)["error"]
+    assert needle in error["message"], error
