@@ -53,13 +53,29 @@ def base_distributions() -> set[str]:
     return seen
 
 
+def _top_levels(dist: md.Distribution) -> set[str]:
+    """The top-level modules a distribution installs: its top_level.txt, else its RECORD (Python 3.10's
+    packages_distributions reads only the first, which wheels built with meson, numpy's, do not have)."""
+    text = dist.read_text("top_level.txt")
+    if text:
+        return {line.strip() for line in text.splitlines() if line.strip()}
+    names = set()
+    for path in dist.files or ():
+        first = path.parts[0] if path.parts else ""
+        if not first or first.endswith((".dist-info", ".egg-info", ".data")) or first in ("..", "__pycache__"):
+            continue
+        names.add(first[:-3] if first.endswith(".py") else first.split(".")[0])
+    return names
+
+
 def allowed_modules() -> set[str]:
     """Top-level modules a base-only environment has."""
     allowed = set(sys.stdlib_module_names) | {"synflux_ros", "__main__"}
     base = base_distributions()
-    for module, dists in md.packages_distributions().items():
-        if any(_canonical(d) in base or _canonical(d).startswith("ros-") for d in dists):
-            allowed.add(module)
+    for dist in md.distributions():
+        name = _canonical(dist.metadata["Name"] or "")
+        if name in base or name.startswith("ros-"):
+            allowed |= _top_levels(dist)
     return allowed
 
 
