@@ -618,23 +618,35 @@ class LimitsConfig:
                                                                        "between two commands")
     max_acceleration: tuple[float, ...] = _spec(default_factory=tuple, doc="largest change of speed per joint "
                                                                            "(units/s^2) between two commands")
+    max_deceleration: tuple[float, ...] = _spec(
+        default_factory=tuple, doc="largest slowing down per joint (units/s^2); empty = max_acceleration. The "
+                                   "command brakes at this rate in time to stop at a position limit")
     max_relative_target: tuple[float, ...] = _spec(
         default_factory=tuple, doc="largest distance of a command from the measured joint position (LeRobot's "
                                    "max_relative_target): one value for every joint, or one per joint")
+    outside_at_enable: str = _spec("refuse", choices=("refuse", "move_inside"),
+                                   doc="a joint measured outside its position limits when commands are enabled: "
+                                       "refuse to enable, naming it (default), or start there and move inside "
+                                       "within the velocity and acceleration limits")
+
+    PER_JOINT = ("position_min", "position_max", "max_velocity", "max_acceleration", "max_deceleration")
 
     def check(self, joints: tuple[str, ...]) -> None:
         """ConfigError naming the field and the joint when the limits do not fit ``joints`` or contradict."""
-        for name in ("position_min", "position_max", "max_velocity", "max_acceleration"):
+        for name in self.PER_JOINT:
             v = getattr(self, name)
             if v and len(v) != len(joints):
                 raise ConfigError(f"limits.{name}: {len(v)} values for {len(joints)} joints {list(joints)}")
+            for i, value in enumerate(v):
+                if value != value:  # NaN passes every comparison below
+                    raise ConfigError(f"limits.{name}[{i}] ({joints[i]}): NaN")
         if bool(self.position_min) != bool(self.position_max):
             raise ConfigError("limits.position_min / position_max: give both or neither")
         for i, joint in enumerate(joints):
             if self.position_min and not self.position_min[i] < self.position_max[i]:
                 raise ConfigError(f"limits: joint {joint!r} has position_min {self.position_min[i]} not below "
                                   f"position_max {self.position_max[i]}")
-            for name in ("max_velocity", "max_acceleration"):
+            for name in ("max_velocity", "max_acceleration", "max_deceleration"):
                 v = getattr(self, name)
                 if v and not v[i] > 0:
                     raise ConfigError(f"limits.{name}: joint {joint!r} has {v[i]}, a limit must be above 0")
@@ -645,6 +657,8 @@ class LimitsConfig:
         for i, value in enumerate(r):
             if not value > 0:
                 joint = joints[i] if len(r) > 1 else "every joint"
+                if value != value:
+                    raise ConfigError(f"limits.max_relative_target[{i}] ({joint}): NaN")
                 raise ConfigError(f"limits.max_relative_target: {joint!r} has {value}, a limit must be above 0")
 
 
@@ -686,7 +700,10 @@ class ExecutionConfig:
                                                    "(0 = off)")
     state_timeout: float = _spec(0.25, min=0.0, doc="seconds a joint state may age before the watchdog holds "
                                                     "(0 = commands do not need a joint state)")
-    on_timeout: str = _spec("hold", choices=("hold", "safe_action"), doc="what the watchdog commands")
+    on_timeout: str = _spec("hold", choices=("hold", "hold_exact", "safe_action"),
+                            doc="what the watchdog commands: hold = brake to a stop within the limits; hold_exact "
+                                "= repeat the last command (for controllers that brake themselves); "
+                                "safe_action = go to safe_action within the limits, braking in time")
     safe_action: tuple[float, ...] = _spec(default_factory=tuple, doc="on_timeout safe_action: the position per "
                                                                       "joint moved to within the limits")
     limits: LimitsConfig = _spec(default_factory=LimitsConfig)

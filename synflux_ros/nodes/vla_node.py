@@ -538,7 +538,8 @@ class VLANode(SynfluxNode):
         for key in ("chunks_accepted", "chunks_refused", "chunks_late", "chunks_non_finite", "chunks_unplaced",
                     "ticks_commanded", "ticks_held", "watchdog_holds", "hold_stale_state", "hold_chunk_timeout",
                     "hold_ran_out", "hold_no_chunk", "position_limit", "velocity_limit", "acceleration_limit",
-                    "max_relative_target"):
+                    "braking", "max_relative_target", "relative_target_unmet", "braking_unmet",
+                    "enable_while_enabled", "enabled_outside_limits"):
             values[key] = c.counts[key]
         loop = self._control_loop
         if loop is not None:

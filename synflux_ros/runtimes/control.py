@@ -2,10 +2,10 @@
 
 One :meth:`Controller.tick` per control period gives the command to send (None while disabled). Chunks arrive
 from the pipeline's thread and joint states from the subscriber's, so every method takes the lock. Every
-intervention is counted by name (:attr:`Controller.counts`) for ``/diagnostics``. Order of the limits on a
-command: position limits, then ``max_relative_target`` against the measured position, then velocity and
-acceleration against the previous command, then the position limits again (they always win). A hold (the
-watchdog) repeats the last command exactly. Details: docs/execution.md.
+intervention is counted by name (:attr:`Controller.counts`) for ``/diagnostics``. The limits and their
+priority: :class:`JointLimiter`. A hold (the watchdog) brakes to rest within them (``on_timeout: hold``),
+repeats the last command (``hold_exact``) or goes to ``safe_action`` arriving at rest. Details:
+docs/execution.md.
 """
 from __future__ import annotations
 
@@ -20,64 +20,165 @@ from ..core.config import ExecutionConfig
 from .execution import ChunkPlan, ChunkRefused, Offer
 from .robot_state import NoFreshState, StampedBuffer
 
+ENABLE_TOLERANCE = 1e-3
+"""Share of a joint's range it may be measured outside its position limits and still be enabled under
+``outside_at_enable: refuse`` (a gripper closed on an object, sensor noise at a hard stop); the command then
+comes back inside as with ``move_inside``."""
 STATE_HISTORY = 400
 """Joint states kept for delta actions (matched to frames by stamp)."""
 
 
-class CommandFilter:
-    """Per-joint limits of ``execution.limits`` applied to one command per control period ``dt``."""
+def _per_joint(values, n: int, default: float) -> np.ndarray:
+    return np.asarray(values, np.float64) if values else np.full(n, default)
+
+
+class JointLimiter:
+    """The limits of ``execution.limits``, enforced together on every command of period ``dt``.
+
+    Each output ``c`` (after the previous command ``p`` moving at ``v``; ``w = (c - p) / dt``) satisfies, per
+    joint, in this priority (a lower one gives way where they cannot all hold, and that is counted):
+
+    1. ``|w| <= max_velocity`` and the change of speed within ``max_acceleration * dt`` (speeding up) or
+       ``max_deceleration * dt`` (slowing down): no command ever jumps;
+    2. braking in time: ``p + w dt + w^2 / (2 max_deceleration)`` stays within the position limits, so the joint
+       can always stop before a limit without braking harder (and never stops dead at it); a command whose
+       previous one was inside the limits stays inside. A joint started outside (enable with
+       ``outside_at_enable: move_inside``) does not move further out and comes back at the limits of 1;
+    3. ``|c - measured| <= max_relative_target`` against the position measured in that tick, braking in time
+       for the window's edges too (an arm held by an obstacle stops dead; the command must stop inside).
+
+    Within what these allow, the command is the target (clamped to the position limits) or the nearest point.
+    """
 
     def __init__(self, cfg: ExecutionConfig, dt: float):
         lim = cfg.limits
         n = len(cfg.joints)
         self.dt = dt
-        self.lo = np.asarray(lim.position_min, np.float64) if lim.position_min else None
-        self.hi = np.asarray(lim.position_max, np.float64) if lim.position_max else None
-        self.vmax = np.asarray(lim.max_velocity, np.float64) if lim.max_velocity else None
-        self.amax = np.asarray(lim.max_acceleration, np.float64) if lim.max_acceleration else None
+        self.lo = _per_joint(lim.position_min, n, -np.inf)
+        self.hi = _per_joint(lim.position_max, n, np.inf)
+        self.vmax = _per_joint(lim.max_velocity, n, np.inf)
+        self.amax = _per_joint(lim.max_acceleration, n, np.inf)
+        self.dmax = _per_joint(lim.max_deceleration, n, np.inf) if lim.max_deceleration else self.amax.copy()
         r = lim.max_relative_target
-        self.rel = (np.full(n, r[0]) if len(r) == 1 else np.asarray(r, np.float64)) if r else None
+        self.rel = (np.full(n, r[0]) if len(r) == 1 else np.asarray(r, np.float64)) if r else np.full(n, np.inf)
         self.last: np.ndarray | None = None
         self.velocity = np.zeros(n)
 
+    def copy(self, dt: float) -> "JointLimiter":
+        other = object.__new__(JointLimiter)
+        other.__dict__.update(self.__dict__)
+        other.dt, other.velocity = dt, self.velocity.copy()
+        other.last = None if self.last is None else self.last.copy()
+        return other
+
     def reset(self, position: np.ndarray | None) -> None:
-        """Start from ``position`` (where the arm is when commands are enabled) at rest."""
-        self.last = None if position is None else self.clamp(np.asarray(position, np.float64))
+        """Start from ``position`` (where the arm is when commands are enabled, even outside the limits) at rest."""
+        self.last = None if position is None else np.asarray(position, np.float64).copy()
         self.velocity[:] = 0.0
 
-    def clamp(self, x: np.ndarray) -> np.ndarray:
-        return np.clip(x, self.lo, self.hi) if self.lo is not None else x
+    def outside(self, position: np.ndarray, tolerance: float = 0.0) -> np.ndarray:
+        """Joints outside their position limits by more than ``tolerance`` of their range."""
+        margin = np.where(np.isfinite(self.hi - self.lo), tolerance * (self.hi - self.lo), 0.0)
+        return (position < self.lo - margin) | (position > self.hi + margin)
 
-    def __call__(self, target: np.ndarray, measured: np.ndarray | None, counts: Counter) -> np.ndarray:
-        cmd = self.clamp(target)
-        if not np.array_equal(cmd, target):
+    def brake_speed(self, distance: np.ndarray) -> np.ndarray:
+        """The highest speed towards a point ``distance`` ahead (>= 0) from which the joint still stops there,
+        braking at max_deceleration (0 where the point is behind)."""
+        d = np.maximum(distance, 0.0)
+        with np.errstate(invalid="ignore", over="ignore"):
+            a, dt = self.dmax, self.dt
+            speed = np.where(np.isfinite(a), a * (np.sqrt(dt * dt + 2.0 * d / np.where(np.isfinite(a), a, 1.0)) - dt),
+                             d / dt)
+        return np.where(np.isinf(d), np.inf, speed)
+
+    def _kinematic(self, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Speeds reachable from ``v`` in one tick: accelerating by max_acceleration, slowing by max_deceleration
+        (through zero only as far as either allows), within max_velocity."""
+        up, down = self.amax * self.dt, self.dmax * self.dt
+        through = np.minimum(up, down)
+        lower = np.where(v >= down, v - down, np.where(v > 0, np.maximum(v - down, -through), v - up))
+        upper = np.where(-v >= down, v + down, np.where(v < 0, np.minimum(v + down, through), v + up))
+        return np.maximum(lower, -self.vmax), np.minimum(upper, self.vmax)
+
+    def __call__(self, target: np.ndarray, measured: np.ndarray | None, counts: Counter,
+                 stop_at_target: bool = False) -> np.ndarray:
+        """The command towards ``target``; ``stop_at_target`` (a fixed target: hold, safe_action) brakes in
+        time to arrive there at rest instead of passing it."""
+        x = np.clip(target, self.lo, self.hi)
+        if not np.array_equal(x, target):
             counts["position_limit"] += 1
-        if self.rel is not None and measured is not None:
-            near = np.clip(cmd, measured - self.rel, measured + self.rel)
-            if not np.array_equal(near, cmd):
-                counts["max_relative_target"] += 1
-            cmd = near
-        if self.last is not None:
-            v = (cmd - self.last) / self.dt
-            if self.vmax is not None:
-                limited = np.clip(v, -self.vmax, self.vmax)
-                if not np.array_equal(limited, v):
-                    counts["velocity_limit"] += 1
-                v = limited
-            if self.amax is not None:
-                dv = np.clip(v - self.velocity, -self.amax * self.dt, self.amax * self.dt)
-                if not np.allclose(dv, v - self.velocity, rtol=0, atol=1e-12):
-                    counts["acceleration_limit"] += 1
-                v = self.velocity + dv
-                if self.vmax is not None:
-                    v = np.clip(v, -self.vmax, self.vmax)
-            cmd = self.clamp(self.last + v * self.dt)
-            self.velocity = (cmd - self.last) / self.dt
+        if self.last is None:  # enabled without a joint state: nothing to limit against yet
+            self.last = x.astype(np.float64)
+            self.velocity[:] = 0.0
+            return self.last.copy()
+        p, v, dt = self.last, self.velocity, self.dt
+        w_lo, w_hi = self._kinematic(v)
+        # 2. braking in time for the position limits (not further out where the joint is already outside)
+        b_hi, b_lo = self.brake_speed(self.hi - p), self.brake_speed(p - self.lo)
+        lo2, hi2 = np.maximum(w_lo, -b_lo), np.minimum(w_hi, b_hi)
+        unmet = lo2 > hi2
+        if unmet.any():  # cannot brake in time within 1 (a joint started outside): 1 wins, braking its hardest
+            counts["braking_unmet"] += 1
+            hardest = np.where(b_hi < w_lo, w_lo, w_hi)
+            lo2, hi2 = np.where(unmet, hardest, lo2), np.where(unmet, hardest, hi2)
+        # 3. the relative window around the measured position, braking in time for its edges as for position
+        # limits (the arm may stop dead, held by an obstacle: the command must be able to stop inside the window)
+        if measured is not None and np.isfinite(self.rel).any():
+            r_lo = -self.brake_speed(p - (measured - self.rel))
+            r_hi = self.brake_speed(measured + self.rel - p)
+            lo3, hi3 = np.maximum(lo2, r_lo), np.minimum(hi2, r_hi)
+            apart = lo3 > hi3
+            if apart.any():  # the arm is held or pushed away faster than 1 allows following: 1 and 2 win
+                nearest = np.clip(np.where(r_hi < lo2, r_hi, r_lo), lo2, hi2)
+                lo3, hi3 = np.where(apart, nearest, lo3), np.where(apart, nearest, hi3)
+        else:
+            r_lo = r_hi = None
+            lo3, hi3 = lo2, hi2
+        want = (x - p) / dt
+        if stop_at_target:
+            want = np.clip(want, -self.brake_speed(p - x), self.brake_speed(x - p))
+        w = np.clip(want, lo3, hi3)
+        moved = w != want
+        if moved.any():
+            self._count(counts, want, w, w_lo, w_hi, b_lo, b_hi, r_lo, r_hi)
+        cmd = p + w * dt
+        inside = ~self.outside(p)
+        cmd = np.where(inside, np.clip(cmd, self.lo, self.hi), cmd)  # rounding never takes it out
+        if measured is not None and np.any(np.abs(cmd - measured) > self.rel + 1e-12):
+            counts["relative_target_unmet"] += 1  # 1 and 2 won: the arm moved away faster than they follow
+        self.velocity = (cmd - p) / dt
         self.last = cmd
-        return cmd
+        return cmd.copy()
+
+    def _count(self, counts, want, w, w_lo, w_hi, b_lo, b_hi, r_lo, r_hi) -> None:
+        """Name the limits that changed the command (each counted once per tick)."""
+        eps = 1e-12
+        if np.any((want > self.vmax + eps) & (w >= self.vmax - eps)) or \
+                np.any((want < -self.vmax - eps) & (w <= -self.vmax + eps)):
+            counts["velocity_limit"] += 1
+        if np.any(((w >= w_hi - eps) & (w_hi < self.vmax - eps) & (want > w)) |
+                  ((w <= w_lo + eps) & (w_lo > -self.vmax + eps) & (want < w))):
+            counts["acceleration_limit"] += 1
+        if np.any(((w >= b_hi - eps) & (want > w)) | ((w <= -b_lo + eps) & (want < w))):
+            counts["braking"] += 1
+        if r_lo is not None and np.any(((w >= r_hi - eps) & (want > w)) | ((w <= r_lo + eps) & (want < w))):
+            counts["max_relative_target"] += 1
+
+    def stop(self) -> np.ndarray | None:
+        """Brake to rest within the limits (the watchdog's hold): each tick the speed closest to 0 that
+        max_deceleration reaches; braking in time (2) keeps it inside the position limits."""
+        if self.last is None:
+            return None
+        p = self.last
+        w_lo, w_hi = self._kinematic(self.velocity)
+        cmd = p + np.clip(0.0, w_lo, w_hi) * self.dt
+        cmd = np.where(self.outside(p), cmd, np.clip(cmd, self.lo, self.hi))
+        self.velocity = (cmd - p) / self.dt
+        self.last = cmd
+        return cmd.copy()
 
     def hold(self) -> np.ndarray | None:
-        """Repeat the last command and stop."""
+        """Repeat the last command and stop (on_timeout: hold_exact)."""
         self.velocity[:] = 0.0
         return None if self.last is None else self.last.copy()
 
@@ -97,7 +198,7 @@ class Controller:
         self.joints = tuple(cfg.joints)
         self.dt = 1.0 / cfg.control_rate_hz
         self.plan = ChunkPlan(cfg, step_period, horizon)
-        self.filter = CommandFilter(cfg, self.dt)
+        self.filter = JointLimiter(cfg, self.dt)
         self.counts: Counter = Counter()
         self.status = Status()
         self.enabled = False
@@ -165,11 +266,27 @@ class Controller:
 
     # ------------------------------------------------------------------ enable
     def enable(self, now: float) -> str:
-        """Start commanding from the measured position; ValueError when the joint state needed is stale."""
+        """Start commanding from the measured position, at rest; ValueError when the joint state needed is stale,
+        or a joint is outside its position limits and ``limits.outside_at_enable`` is ``refuse``. Enabling while
+        enabled changes nothing (the command goes on from where it is, never jumping to the measured position)."""
         with self._lock:
+            if self.enabled:
+                self.counts["enable_while_enabled"] += 1
+                return "already enabled"
             stale = self._state_stale(now)
             if stale:
                 raise ValueError(f"cannot enable: {stale}")
+            if self._state is not None:
+                out = np.flatnonzero(self.filter.outside(self._state, ENABLE_TOLERANCE))
+                if len(out) and self.cfg.limits.outside_at_enable == "refuse":
+                    i = int(out[0])
+                    raise ValueError(
+                        f"cannot enable: joint {self.joints[i]!r} is at {self._state[i]:.4g}, outside its position "
+                        f"limits [{self.filter.lo[i]:.4g}, {self.filter.hi[i]:.4g}] (move it inside, or set "
+                        f"execution.limits.outside_at_enable: move_inside to let the command bring it back within "
+                        f"the velocity and acceleration limits)")
+                if np.any(self.filter.outside(self._state)):
+                    self.counts["enabled_outside_limits"] += 1
             self.filter.reset(self._state)
             self.enabled = True
             self.status = Status("running", "enabled")
@@ -203,9 +320,11 @@ class Controller:
         self._hold_kind = kind
         self.status = Status("holding", why)
         self.counts["ticks_held"] += 1
-        if self._safe is not None and self.filter.last is not None:
-            return self.filter(self._safe, None, self.counts)
-        return self.filter.hold()
+        if self._safe is not None and self.filter.last is not None:  # arrives at rest, without overshoot
+            return self.filter(self._safe, None, self.counts, stop_at_target=True)
+        if self.cfg.on_timeout == "hold_exact":  # the robot's controller brakes by itself
+            return self.filter.hold()
+        return self.filter.stop()
 
     def tick(self, now: float) -> np.ndarray | None:
         """The command for ``now``: None while disabled (or before anything can be commanded)."""
@@ -256,9 +375,7 @@ class Controller:
         with self._lock:
             if not self.enabled or self.status.state != "running":
                 return []
-            f = CommandFilter(self.cfg, self.plan.period)
-            f.last = None if self.filter.last is None else self.filter.last.copy()
-            f.velocity = self.filter.velocity.copy()
+            f = self.filter.copy(self.plan.period)
             scratch: Counter = Counter()
             out = []
             for t, row in zip(self.plan.times, self.plan.actions):
