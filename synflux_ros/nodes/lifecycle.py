@@ -41,6 +41,10 @@ class ManagedNode(LifecycleNode):
     def stop_work(self) -> None:
         pass
 
+    def halt_commands(self) -> None:
+        """Stop commanding the robot at once: called from the SIGINT/SIGTERM handler, before the ordered
+        shutdown. Must not block or take locks; nodes that command nothing have nothing to do."""
+
     def release_resources(self) -> None:
         raise NotImplementedError
 

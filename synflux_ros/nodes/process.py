@@ -55,6 +55,7 @@ class ShutdownSignals:
     def __init__(self):
         self.received = ""  # name of the first signal, "" while none arrived
         self.interruptible = False
+        self.on_signal: list[Callable[[], None]] = []  # run in the handler, before anything else stops
         self._previous: dict = {}
 
     def install(self) -> bool:
@@ -75,6 +76,11 @@ class ShutdownSignals:
         if self.received:
             return
         self.received = signal.Signals(signum).name
+        for stop in self.on_signal:  # commands stop at the signal, not after the drain and the teardown
+            try:
+                stop()
+            except Exception as exc:  # noqa: BLE001 - the ordered shutdown below still runs
+                print(f"on signal: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         if self.interruptible:
             self.interruptible = False
             raise ShutdownRequested(self.received)
@@ -119,6 +125,7 @@ def run_lifecycle_node(factory: Callable[[], Any], args=None) -> int:
         rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO if own_handlers else None)
         node = factory()
         name = node.get_name()
+        signals.on_signal.append(node.halt_commands)
         executor = NodeExecutor(num_threads=3)
         executor.add_node(node)
         if node.get_parameter("autostart").value:

@@ -187,6 +187,13 @@ class VLANode(SynfluxNode):
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
 
+    def halt_commands(self) -> None:
+        """At a signal: the control loop sends nothing more (a flag its thread reads before each send; the
+        controller's lock is not taken here, in the signal handler). Teardown disables and joins it later."""
+        loop = self._control_loop
+        if loop is not None:
+            loop.halted = True
+
     def activate(self) -> None:
         self._active_since = time.monotonic()
         self.pipeline.start()

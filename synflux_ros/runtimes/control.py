@@ -400,6 +400,7 @@ class ControlLoop:
         self.period = controller.dt
         self.ticks = self.late_ticks = self.skipped_ticks = 0
         self.max_late_s = 0.0
+        self.halted = False  # set (from a signal handler) to send nothing more, whatever the controller says
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -424,8 +425,8 @@ class ControlLoop:
                 self.late_ticks += 1
                 self.max_late_s = max(self.max_late_s, late)
             try:
-                cmd = self.controller.tick(self.clock())
-                if cmd is not None:
+                cmd = None if self.halted else self.controller.tick(self.clock())
+                if cmd is not None and not self.halted:
                     self.send(cmd)
             except Exception as exc:  # noqa: BLE001 - a failing tick is reported, the loop keeps the schedule
                 if self.on_error is not None:

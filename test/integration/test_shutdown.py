@@ -115,6 +115,37 @@ def test_vla_node_stops_while_frames_stream_in(sig, start_node, client, make_con
     check_clean_exit(proc, sig, elapsed, f"serving ({streamed} frames streamed, {len(chunks)} chunks)")
 
 
+COMMANDS_IN_FLIGHT = 3
+"""joint_command messages a signal may still find under way (published before it, not yet taken by the test's
+executor): at 100 Hz, 30 ms. Before the handler stopped the control loop, commands went on for 200-270 ms."""
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
+def test_commands_stop_at_the_signal(sig, start_node, client, make_config):
+    from std_msgs.msg import Float64MultiArray
+    cfg = make_config("vla_demo_orin.yaml", executor={"backend": "mock"},
+                      execution={"joints": [f"joint_{i}" for i in range(7)], "autoenable": True,
+                                 "state_timeout": 0.0, "chunk_timeout": 0.0, "control_rate_hz": 100.0})
+    ns = f"/shutdown_commands_{sig.name.lower()}"
+    proc = start_node("vla_node", {"config": cfg}, namespace=ns)
+    arrivals: list[float] = []
+    sub = client.create_subscription(Float64MultiArray, f"{ns}/joint_command",
+                                     lambda _: arrivals.append(time.monotonic()), 100)
+    try:
+        assert proc.wait_output("configured", 60), proc.output()
+        with Camera(client, ns):
+            assert spin_until(client, lambda: len(arrivals) >= 50, 30), proc.output()[-3000:]
+            signalled = time.monotonic()
+            elapsed = stop_with(proc, sig, client)  # the client spins: every command that comes is taken
+            spin_until(client, lambda: False, 0.3)
+    finally:
+        client.destroy_subscription(sub)
+    after = [t - signalled for t in arrivals if t > signalled]
+    print(f"{sig.name}: {len(after)} commands after the signal, the last {max(after, default=0) * 1e3:.1f} ms after")
+    assert len(after) <= COMMANDS_IN_FLIGHT, [round(t * 1e3, 1) for t in after]
+    check_clean_exit(proc, sig, elapsed, "commanding the arm")
+
+
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
 def test_vlm_node_stops_while_a_turn_is_generated(sig, start_node, client, make_config):
     # 24 tokens of 25 ms: the turn is still being generated when the signal arrives.
