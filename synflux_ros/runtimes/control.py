@@ -24,6 +24,8 @@ ENABLE_TOLERANCE = 1e-3
 """Share of a joint's range it may be measured outside its position limits and still be enabled under
 ``outside_at_enable: refuse`` (a gripper closed on an object, sensor noise at a hard stop); the command then
 comes back inside as with ``move_inside``."""
+FUTURE_STATE_S = 0.05
+"""How far ahead of the node's clock a joint state's stamp may lie (clock skew between processes)."""
 STATE_HISTORY = 400
 """Joint states kept for delta actions (matched to frames by stamp)."""
 
@@ -216,8 +218,14 @@ class Controller:
 
     # ------------------------------------------------------------------ inputs
     def on_joint_state(self, stamp: float, names, positions, now: float) -> None:
-        """A ``sensor_msgs/JointState``; ValueError (nothing stored) when a commanded joint is missing or not
-        finite."""
+        """A ``sensor_msgs/JointState`` stamped ``stamp`` (0 = unstamped) arriving at ``now`` (node clock);
+        ValueError (nothing stored) when a commanded joint is missing or not finite, or the stamp lies more than
+        :data:`FUTURE_STATE_S` ahead of the node's clock. Its age is counted from its stamp (from its arrival
+        when unstamped): a state measured long ago and delivered late is stale."""
+        if stamp > now + FUTURE_STATE_S:
+            self.counts["states_from_the_future"] += 1
+            raise ValueError(f"stamped {stamp - now:.3f} s ahead of this node's clock (more than "
+                             f"{FUTURE_STATE_S} s: the clocks are not in sync)")
         index = {n: i for i, n in enumerate(names)}
         missing = [j for j in self.joints if j not in index]
         if missing:
@@ -228,7 +236,7 @@ class Controller:
         if not np.isfinite(q).all():
             raise ValueError(f"non-finite position for {[j for j, v in zip(self.joints, q) if not np.isfinite(v)]}")
         with self._lock:
-            self._state, self._state_at = q, now
+            self._state, self._state_at = q, (stamp if stamp > 0 else now)
             if self._delta is not None and stamp > 0:
                 self._states.add(stamp, q)
 
@@ -306,7 +314,8 @@ class Controller:
             return "no joint state received for the commanded joints"
         age = now - self._state_at
         if age > self.cfg.state_timeout:
-            return f"the joint state is {age:.2f} s old (execution.state_timeout {self.cfg.state_timeout} s)"
+            return (f"the joint state is {age:.2f} s old by its stamp (execution.state_timeout "
+                    f"{self.cfg.state_timeout} s)")
         return ""
 
     def _hold(self, kind: str, why: str, expired_at: float | None = None, now: float = 0.0) -> np.ndarray | None:

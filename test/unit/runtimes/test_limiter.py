@@ -225,3 +225,18 @@ def test_safe_action_is_reached_at_rest_without_overshoot():
 def test_limit_errors_name_the_joint(limits, needle):
     with pytest.raises(ConfigError, match=needle):
         ExecutionConfig(joints=J, limits=LimitsConfig(**limits))
+
+
+def test_a_state_is_aged_by_its_stamp_and_one_from_the_future_is_refused():
+    c = controller(state_timeout=0.25, chunk_timeout=0.0)
+    c.on_joint_state(0.0, list(J), [0.0, 0.0], 20.0)  # unstamped: aged from its arrival
+    assert c.enable(20.1) == "enabled"
+    c.disable("test")
+    c.on_joint_state(10.0, list(J), [0.0, 0.0], 20.0)  # measured 10 s ago, delivered now
+    with pytest.raises(ValueError, match=r"10.00 s old by its stamp"):
+        c.enable(20.0)
+    with pytest.raises(ValueError, match="ahead of this node's clock"):
+        c.on_joint_state(21.0, list(J), [0.0, 0.0], 20.0)
+    assert c.counts["states_from_the_future"] == 1
+    c.on_joint_state(20.04, list(J), [0.0, 0.0], 20.0)  # within the skew allowed
+    assert c.enable(20.05) == "enabled"
