@@ -663,6 +663,31 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ChunkValidation:
+    """``execution.validate``: a whole chunk checked before it enters the plan (LeRobot #4240), from its steps
+    ``step_period`` apart: one value for every joint, or one per joint; empty = not checked."""
+    max_step: tuple[float, ...] = _spec(default_factory=tuple, doc="largest change between two steps (units)")
+    max_velocity: tuple[float, ...] = _spec(default_factory=tuple, doc="units/s between two steps")
+    max_acceleration: tuple[float, ...] = _spec(default_factory=tuple, doc="units/s^2 over three steps")
+    max_jerk: tuple[float, ...] = _spec(default_factory=tuple, doc="units/s^3 over four steps")
+    on_violation: str = _spec("refuse", choices=("refuse", "clip"),
+                              doc="refuse the chunk (counted, the worst joint and step in the warning), or clip "
+                                  "its steps to max_step and max_velocity (acceleration and jerk still refuse)")
+
+    FIELDS = ("max_step", "max_velocity", "max_acceleration", "max_jerk")
+
+    def check(self, joints: tuple[str, ...]) -> None:
+        for name in self.FIELDS:
+            v = getattr(self, name)
+            if v and len(v) not in (1, len(joints)):
+                raise ConfigError(f"validate.{name}: {len(v)} values, give 1 or one per joint ({len(joints)})")
+            for i, value in enumerate(v):
+                if not value > 0:  # NaN too
+                    who = joints[i] if len(v) > 1 else "every joint"
+                    raise ConfigError(f"validate.{name}[{i}] ({who}): {value}, a threshold must be above 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RTCConfig:
     """``execution.rtc``: Real-Time Chunking of flow-matching heads (Black et al. 2025)."""
     guidance: str = _spec("lerobot", choices=("lerobot", "vjp"),
@@ -707,6 +732,7 @@ class ExecutionConfig:
     safe_action: tuple[float, ...] = _spec(default_factory=tuple, doc="on_timeout safe_action: the position per "
                                                                       "joint moved to within the limits")
     limits: LimitsConfig = _spec(default_factory=LimitsConfig)
+    validate: ChunkValidation = _spec(default_factory=ChunkValidation)
     rtc: RTCConfig = _spec(default_factory=RTCConfig)
 
     def __post_init__(self):
@@ -722,6 +748,7 @@ class ExecutionConfig:
             raise ConfigError("mode: rtc steers the new chunk towards the last one in the model's action space, "
                               "which delta actions (delta_mask) do not share between frames")
         self.limits.check(joints)
+        self.validate.check(joints)
         lo, hi = self.limits.position_min, self.limits.position_max
         for i, v in enumerate(self.safe_action):
             if lo and not lo[i] <= v <= hi[i]:

@@ -546,7 +546,8 @@ class VLANode(SynfluxNode):
                     "ticks_commanded", "ticks_held", "watchdog_holds", "hold_stale_state", "hold_chunk_timeout",
                     "hold_ran_out", "hold_no_chunk", "position_limit", "velocity_limit", "acceleration_limit",
                     "braking", "max_relative_target", "relative_target_unmet", "braking_unmet",
-                    "enable_while_enabled", "enabled_outside_limits"):
+                    "enable_while_enabled", "enabled_outside_limits", "states_from_the_future", "chunks_invalid",
+                    "chunks_clipped"):
             values[key] = c.counts[key]
         loop = self._control_loop
         if loop is not None:

@@ -80,7 +80,8 @@ class JointLimiter:
 
     def outside(self, position: np.ndarray, tolerance: float = 0.0) -> np.ndarray:
         """Joints outside their position limits by more than ``tolerance`` of their range."""
-        margin = np.where(np.isfinite(self.hi - self.lo), tolerance * (self.hi - self.lo), 0.0)
+        span = self.hi - self.lo
+        margin = tolerance * np.where(np.isfinite(span), span, 0.0)
         return (position < self.lo - margin) | (position > self.hi + margin)
 
     def brake_speed(self, distance: np.ndarray) -> np.ndarray:
@@ -185,6 +186,51 @@ class JointLimiter:
         return None if self.last is None else self.last.copy()
 
 
+class ChunkInvalid(ChunkRefused):
+    """A chunk over ``execution.validate``'s thresholds."""
+
+
+def validate_chunk(actions: np.ndarray, period: float, check, joints) -> tuple[np.ndarray, str]:
+    """``execution.validate`` on a chunk [steps, joints] of positions ``period`` apart: (the chunk, "") when it
+    holds, (the clipped chunk, what was clipped) with ``on_violation: clip`` for steps and velocity, else
+    ChunkRefused naming the worst joint and step. Differences of order 1, 2 and 3 give velocity, acceleration
+    and jerk."""
+    n = actions.shape[1]
+
+    def per_joint(values):
+        return np.full(n, values[0]) if len(values) == 1 else np.asarray(values, np.float64)
+    step = np.full(n, np.inf)
+    if check.max_step:
+        step = np.minimum(step, per_joint(check.max_step))
+    if check.max_velocity:
+        step = np.minimum(step, per_joint(check.max_velocity) * period)
+    clipped = ""
+    diffs = np.diff(actions, axis=0)
+    over = np.abs(diffs) > step * (1 + 1e-9)
+    if over.any():
+        if check.on_violation == "clip":
+            out = actions.copy()
+            for i in range(1, len(out)):  # re-integrated: each step at most `step` from the clipped one before
+                out[i] = out[i - 1] + np.clip(out[i] - out[i - 1], -step, step)
+            actions, clipped = out, f"{int(over.sum())} steps clipped"
+        else:
+            i, j = np.unravel_index(np.argmax(np.abs(diffs) / step), diffs.shape)
+            raise ChunkInvalid(f"chunk jumps {abs(diffs[i, j]):.4g} between steps {i} and {i + 1} of joint "
+                               f"{joints[j]!r}, over execution.validate's {step[j]:.4g} a step (max_step, "
+                               f"max_velocity x step_period)")
+    for order, name, unit in ((2, "max_acceleration", "s^2"), (3, "max_jerk", "s^3")):
+        limit = getattr(check, name)
+        if not limit or len(actions) <= order:
+            continue
+        rate = np.diff(actions, n=order, axis=0) / period ** order
+        ratio = np.abs(rate) / per_joint(limit)
+        if ratio.max() > 1 + 1e-9:
+            i, j = np.unravel_index(np.argmax(ratio), ratio.shape)
+            raise ChunkInvalid(f"chunk's {name[4:]} {abs(rate[i, j]):.4g} units/{unit} at step {i + order - 1} of "
+                               f"joint {joints[j]!r} is over execution.validate.{name} {per_joint(limit)[j]:.4g}")
+    return actions, clipped
+
+
 @dataclass
 class Status:
     """What the controller does now: ``running``, ``holding`` or ``disabled``, and why."""
@@ -261,10 +307,16 @@ class Controller:
                     state, _ = self._states.at(t_obs)
                     actions = actions.copy()
                     actions[:, self._delta] += state[self._delta]
+                actions, clipped = validate_chunk(actions, self.plan.period, self.cfg.validate, self.joints)
+                if clipped:
+                    self.counts["chunks_clipped"] += 1
                 offer = self.plan.offer(actions, t_obs, now, raw if self.cfg.mode == "rtc" else None)
             except (ChunkRefused, NoFreshState) as exc:
                 self.counts["chunks_refused"] += 1
-                self.counts["chunks_late" if "horizon" in str(exc) else "chunks_unplaced"] += 1
+                if isinstance(exc, ChunkInvalid):
+                    self.counts["chunks_invalid"] += 1
+                else:
+                    self.counts["chunks_late" if "horizon" in str(exc) else "chunks_unplaced"] += 1
                 if isinstance(exc, NoFreshState):
                     raise ChunkRefused(f"delta actions need the joint state of the frame: {exc}") from None
                 raise

@@ -240,3 +240,41 @@ def test_a_state_is_aged_by_its_stamp_and_one_from_the_future_is_refused():
     assert c.counts["states_from_the_future"] == 1
     c.on_joint_state(20.04, list(J), [0.0, 0.0], 20.0)  # within the skew allowed
     assert c.enable(20.05) == "enabled"
+
+
+def test_a_chunk_over_the_validation_thresholds_is_refused_naming_the_worst_joint_and_step():
+    from synflux_ros.core.config import ChunkValidation
+    from synflux_ros.runtimes.execution import ChunkRefused
+    check = ChunkValidation(max_step=(0.1,), max_acceleration=(50.0, 500.0))
+    c = controller(state_timeout=0.0, validate=check)
+    chunk = np.tile(np.linspace(0, 0.3, 16)[:, None], 2)
+    c.on_chunk(chunk, 10.0, 10.0)  # 0.02 a step: fine
+    bad = chunk.copy()
+    bad[9:, 1] += 0.25  # a jump of 0.27 between steps 8 and 9 of j2
+    with pytest.raises(ChunkRefused, match=r"jumps 0.27 between steps 8 and 9 of joint 'j2'"):
+        c.on_chunk(bad, 10.02, 10.02)
+    wobble = chunk.copy()
+    wobble[5, 0] += 0.05  # within max_step, but 0.05 / 0.02^2 = 125 units/s^2 over step 5 of j1
+    with pytest.raises(ChunkRefused, match=r"acceleration .* at step 5 of joint 'j1' is over"):
+        c.on_chunk(wobble, 10.02, 10.02)
+    assert c.counts["chunks_invalid"] == 2 and c.counts["chunks_accepted"] == 1
+
+
+def test_clip_mode_limits_each_step_and_keeps_the_chunk():
+    from synflux_ros.core.config import ChunkValidation
+    c = controller(state_timeout=0.0, validate=ChunkValidation(max_velocity=(1.0,), on_violation="clip"))
+    chunk = np.zeros((16, 2))
+    chunk[4:, 0] = 5.0  # a jump of 5 in one step of 0.02 s
+    c.on_chunk(chunk, 10.0, 10.0)
+    steps = np.diff(c.plan.actions[:, 0])
+    assert np.all(np.abs(steps) <= 1.0 * 0.02 + 1e-12) and c.counts["chunks_clipped"] == 1
+
+
+@pytest.mark.parametrize("check,needle", [
+    (dict(max_step=(0.1, 0.2, 0.3)), "validate.max_step: 3 values, give 1 or one per joint"),
+    (dict(max_jerk=(float("nan"),)), r"validate.max_jerk\[0\] \(every joint\): nan"),
+])
+def test_validation_thresholds_are_checked_at_load(check, needle):
+    from synflux_ros.core.config import ChunkValidation
+    with pytest.raises(ConfigError, match=needle):
+        ExecutionConfig(joints=J, validate=ChunkValidation(**check))
