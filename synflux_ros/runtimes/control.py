@@ -430,17 +430,19 @@ class Controller:
                                max_guidance_weight=rtc.max_guidance_weight, flavour=rtc.guidance)
 
     def trajectory(self, now: float) -> list[tuple[float, np.ndarray]]:
-        """(seconds from ``now``, positions) for ``joint_trajectory``: the plan's rows ahead of ``now``, passed
-        through a copy of the limits from the last command, so the first point continues from it; empty while
-        disabled or holding."""
+        """(seconds from ``now``, positions) for ``joint_trajectory``: the plan's rows at least one control period
+        plus ``lookahead`` ahead of ``now`` (so that none is in the past when the controller takes the message,
+        which joint_trajectory_controller would drop or jerk to), passed through a copy of the limits from the
+        last command, so the first point continues from it; empty while disabled or holding."""
         with self._lock:
             if not self.enabled or self.status.state != "running":
                 return []
             f = self.filter.copy(self.plan.period)
             scratch: Counter = Counter()
             out = []
+            first = now + self.dt + self.cfg.lookahead
             for t, row in zip(self.plan.times, self.plan.actions):
-                if t > now + 1e-6:
+                if t >= first - 1e-9:
                     if f.last is not None:
                         f.dt = t - now if not out else t - (now + out[-1][0])
                     out.append((t - now, f(row, self._state, scratch)))

@@ -42,6 +42,10 @@ HORIZON = int(ACTION['action_horizon'])
 # execution.lookahead (default 0, docs/execution.md): the chunk takes over from the first step at or
 # after now + lookahead.
 LOOKAHEAD_NS = round(float((_CONFIG.get('execution') or {}).get('lookahead', 0.0)) * 1e9)
+# The trajectory's points start one control period plus the lookahead after its stamp, so none is in
+# the past when joint_trajectory_controller takes it (docs/execution.md, "Trajectories").
+CONTROL_PERIOD_NS = round(1e9 / float((_CONFIG.get('execution') or {}).get('control_rate_hz', 100.0)))
+AHEAD_NS = CONTROL_PERIOD_NS + LOOKAHEAD_NS
 # The node places steps in float64 seconds since the epoch (resolution about 0.24 us) and rounds
 # stamps and offsets to nanoseconds.
 TOLERANCE_NS = 2_000
@@ -110,7 +114,10 @@ class TestVlaJointTrajectory(support.ClientNodeTestCase):
                     self.assertEqual(len(point.positions), len(JOINT_NAMES))
                     self.assertTrue(all(math.isfinite(p) for p in point.positions))
                 offsets = [_ns(point.time_from_start) for point in traj.points]
-                self.assertGreater(offsets[0], 0, 'a point at or behind the header stamp')
+                self.assertGreaterEqual(
+                    offsets[0], AHEAD_NS - TOLERANCE_NS,
+                    f'the first point is {offsets[0]} ns after the stamp, less than a control period '
+                    f'plus the lookahead ({AHEAD_NS} ns)')
                 for a, b in zip(offsets, offsets[1:]):
                     self.assertLess(a, b, f'time_from_start not increasing: {offsets}')
                 times = [_ns(traj.header.stamp) + o for o in offsets]
@@ -128,10 +135,10 @@ class TestVlaJointTrajectory(support.ClientNodeTestCase):
                     first -= 1
                 first_step = _step_of(times[first], t_obs)
                 self.assertGreaterEqual(first_step, 0)
-                # The chunk takes over at the first step not behind the stamp (+ lookahead).
-                self.assertGreaterEqual(offsets[first], LOOKAHEAD_NS - TOLERANCE_NS)
+                # The chunk's first point: its first step at least a control period (+ lookahead)
+                # ahead of the stamp.
                 self.assertLessEqual(
-                    offsets[first], LOOKAHEAD_NS + STEP_NS + TOLERANCE_NS,
+                    offsets[first], AHEAD_NS + STEP_NS + TOLERANCE_NS,
                     f'the chunk starts at step {first_step}, {offsets[first]} ns after the stamp: '
                     f'a step at or after the stamp was left out')
 

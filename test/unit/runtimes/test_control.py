@@ -181,7 +181,13 @@ def test_the_trajectory_lies_ahead_and_continues_from_the_last_command():
     last = c.filter.last.copy()
     c.on_chunk(np.tile([0.9, 0.4, 0.1], (H, 1)), 10.05, 10.06)
     points = c.trajectory(10.06)
-    assert points and all(t > 0 for t, _ in points)
+    # ahead by at least one control period (plus lookahead, 0 here): never in the past when it arrives
+    assert points and all(t >= 1 / RATE - 1e-9 for t, _ in points)
+    lookahead = controller(state_timeout=0.0, lookahead=0.03)
+    lookahead.enable(10.0)
+    lookahead.on_chunk(np.zeros((H, 3)), 10.0, 10.0)
+    lookahead.tick(10.0)
+    assert all(t >= 1 / RATE + 0.03 - 1e-9 for t, _ in lookahead.trajectory(10.0))
     first_t, first = points[0]
     assert np.all(np.abs(first - last) <= np.array(LIMITS.max_velocity) * (first_t + 0.01) + 1e-9)
     c.disable("test")
