@@ -255,6 +255,8 @@ bench-serve: install serve-venv smollm2
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.serve --work $(abspath $(BUILD))/bench \
 	    --chat-config $(SMOLLM2)/config.yaml $(ARGS)
 
+# Then the joint limiter (synflux_ros/bench/limiter.py, about a minute): invariant violations (must be 0) over a
+# fuzzed 100,000-tick closed loop with the MuJoCo arm, its cost per tick, and build/bench/limiter.png.
 # Chunk execution on the small π0 (synflux_ros/bench/control.py, a few minutes): switch jumps and command steps
 # of each merge mode on a simulated clock at delays of 2, 4 and 8 steps, the RTC chunk time against the plain
 # chunk and LeRobot's, the MuJoCo loop's command stream and watchdog, and build/bench/control.png;
@@ -268,6 +270,7 @@ bench-control: install pi0ref-venv sim-venv $(VENV)/.stamp-bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.control --ref-python $(PI0REF_PY) \
 	    --ref-script $(abspath test/reference/lerobot_pi0.py) --work $(abspath $(BUILD))/bench \
 	    --plot $(abspath $(BUILD))/bench/control.png $(ARGS)
+	cd $(BUILD) && $(PY) -m synflux_ros.bench.limiter --plot $(abspath $(BUILD))/bench/limiter.png
 
 # llama.cpp's Python binding, the reference of the GGUF rows and of check-quality: a source build (CPU,
 # a few minutes, once). Not a dependency of the package. ggml's native detection is off and the host's
