@@ -95,15 +95,20 @@ def _replica(server, headers) -> str:
     return json.loads(urllib.request.urlopen(req, timeout=30).read())["replica"]
 
 
-@pytest.fixture(scope="module")
-def chat_server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve_fuzz_chat")
+def _keyed_server(tmp_path_factory, config: str):
+    """synflux-serve with the key, one replica, for one module; stopped cleanly at its end."""
+    d = tmp_path_factory.mktemp("serve_fuzz")
     (d / "key").write_text(KEY)
-    srv = ServeProcess(testing.config_path("vlm_demo.yaml"), ["--replicas", "1", "--num-cpus", "2",
-                                                               "--object-store-mib", "100", "--api-key-file",
-                                                               str(d / "key")], str(d / "serve.log"), key=KEY)
+    srv = ServeProcess(testing.config_path(config), ["--replicas", "1", "--num-cpus", "2", "--object-store-mib",
+                                                     "100", "--api-key-file", str(d / "key")],
+                       str(d / "serve.log"), key=KEY)
     yield srv
     assert srv.stop() == 0, srv.output()
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory):
+    yield from _keyed_server(tmp_path_factory, "vlm_demo.yaml")
 
 
 def test_chat_bodies_from_the_grammar_get_results_or_openai_errors(chat_server):
@@ -176,12 +181,7 @@ def _frame(rng: random.Random) -> bytes:
 
 @pytest.fixture(scope="module")
 def policy_server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve_fuzz_policy")
-    (d / "key").write_text(KEY)
-    srv = ServeProcess(testing.config_path("vla_demo_orin.yaml"), ["--replicas", "1", "--num-cpus", "2", "--object-store-mib", "100",
-                                  "--api-key-file", str(d / "key")], str(d / "serve.log"), key=KEY)
-    yield srv
-    assert srv.stop() == 0, srv.output()
+    yield from _keyed_server(tmp_path_factory, "vla_demo_orin.yaml")
 
 
 def test_policy_frames_from_the_grammar_get_results_or_openpi_refusals(policy_server):
