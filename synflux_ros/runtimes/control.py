@@ -144,12 +144,18 @@ class JointLimiter:
         moved = w != want
         if moved.any():
             self._count(counts, want, w, w_lo, w_hi, b_lo, b_hi, r_lo, r_hi)
-        cmd = p + w * dt
-        inside = ~self.outside(p)
-        cmd = np.where(inside, np.clip(cmd, self.lo, self.hi), cmd)  # rounding never takes it out
+        cmd = self._advance(w)
         if measured is not None and np.any(np.abs(cmd - measured) > self.rel + 1e-12):
             counts["relative_target_unmet"] += 1  # 1 and 2 won: the arm moved away faster than they follow
-        self.velocity = (cmd - p) / dt
+        return cmd
+
+    def _advance(self, w: np.ndarray) -> np.ndarray:
+        """Move the command at speed ``w`` for one tick; a command that was inside the position limits stays
+        inside (rounding never takes it out)."""
+        p = self.last
+        cmd = p + w * self.dt
+        cmd = np.where(self.outside(p), cmd, np.clip(cmd, self.lo, self.hi))
+        self.velocity = (cmd - p) / self.dt
         self.last = cmd
         return cmd.copy()
 
@@ -172,13 +178,8 @@ class JointLimiter:
         max_deceleration reaches; braking in time (2) keeps it inside the position limits."""
         if self.last is None:
             return None
-        p = self.last
         w_lo, w_hi = self._kinematic(self.velocity)
-        cmd = p + np.clip(0.0, w_lo, w_hi) * self.dt
-        cmd = np.where(self.outside(p), cmd, np.clip(cmd, self.lo, self.hi))
-        self.velocity = (cmd - p) / self.dt
-        self.last = cmd
-        return cmd.copy()
+        return self._advance(np.clip(0.0, w_lo, w_hi))
 
     def hold(self) -> np.ndarray | None:
         """Repeat the last command and stop (on_timeout: hold_exact)."""
