@@ -52,7 +52,7 @@ LANE_PACKAGES="onnxruntime==1.23.2 onnx openvino scipy"
 #     integration/test_launch_files.py instead.
 LANE_TESTS_DEFAULT="
   unit/test_layers.py unit/test_security.py unit/test_ros_api_surface.py
-  unit/core unit/graphset unit/model unit/nodes unit/runtimes
+  unit/core unit/graphset unit/model unit/nodes unit/runtimes unit/execution
   unit/backends/test_mock.py unit/backends/test_options.py unit/backends/test_onnxruntime.py
   unit/backends/test_openvino.py unit/backends/test_rknn_sidecar.py unit/backends/test_tensorrt_plan.py
   unit/bench/test_control.py unit/bench/test_dds_transport.py

@@ -26,7 +26,7 @@ import numpy as np
 import yaml
 
 from ..core.config import ExecutionConfig, LimitsConfig, RTCConfig, load_config
-from ..runtimes.control import Controller
+from ..execution.controller import Controller
 from . import pi0
 from .peer import PeerFailure, failed_row
 
@@ -177,7 +177,7 @@ def simulate(chunks: Chunks, mode: str, delay: int, frames: int, every: int, ste
                 run.switch_times.append(arrival)
         while next_frame < frames and t0 + next_frame * every * step_period <= now + TOL:
             t_obs = t0 + next_frame * every * step_period
-            rtc = ctl.rtc_guidance(t_obs) if cfg.mode == "rtc" else None
+            rtc = ctl.rtc_guidance(t_obs) if cfg.guides_inference else None
             actions, raw = chunks(next_frame, rtc)
             pending.append((t_obs + delay * step_period, t_obs, actions, raw))
             next_frame += 1

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from ..core.config import ExecutionConfig, LimitsConfig, load_config
-from ..runtimes.control import Controller
+from ..execution.controller import Controller
 from ..tools.limiter_loop import fuzz
 from .control import append_rows, row
 

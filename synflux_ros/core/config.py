@@ -605,6 +605,9 @@ class PipelineConfig:
 
 EXECUTION_MODES = ("auto", "replace", "rtc", "weighted_average", "average", "conservative", "latest_only",
                    "temporal_ensemble")
+"""``execution.mode``: the merge functions are ``execution/merge.py``'s table, one per name but ``auto``."""
+GUIDED_MODES = frozenset({"rtc"})
+"""Modes whose plan steers the next inference (Real-Time Chunking): ``ExecutionConfig.guides_inference``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -735,6 +738,12 @@ class ExecutionConfig:
     validate: ChunkValidation = _spec(default_factory=ChunkValidation)
     rtc: RTCConfig = _spec(default_factory=RTCConfig)
 
+    @property
+    def guides_inference(self) -> bool:
+        """The plan's model-space leftover steers the next chunk (``rtc``): the plan keeps the model's rows and
+        each frame takes the guidance with it."""
+        return self.mode in GUIDED_MODES
+
     def __post_init__(self):
         joints = self.joints
         if len(set(joints)) != len(joints) or not all(j.strip() for j in joints):
@@ -744,7 +753,7 @@ class ExecutionConfig:
         if self.on_timeout == "safe_action" and len(self.safe_action) != len(joints):
             raise ConfigError(f"safe_action: on_timeout safe_action needs one position per joint ({len(joints)}), "
                               f"got {len(self.safe_action)}")
-        if self.mode == "rtc" and any(self.delta_mask):
+        if self.guides_inference and any(self.delta_mask):
             raise ConfigError("mode: rtc steers the new chunk towards the last one in the model's action space, "
                               "which delta actions (delta_mask) do not share between frames")
         self.limits.check(joints)
@@ -921,7 +930,7 @@ class ModelConfig:
                     "chat API's base (http:// or https://, e.g. http://gpu-server:8000/v1)"
                 raise ConfigError(f"remote.url: a {self.mode} config reaches synflux-serve's {what}; got "
                                   f"{self.remote.url!r}")
-        if self.execution.mode == "rtc" and (self.action is None or self.action.head_type != "flow_matching"):
+        if self.execution.guides_inference and (self.action is None or self.action.head_type != "flow_matching"):
             raise ConfigError("execution.mode: rtc guides a flow-matching head; this model's head is "
                               f"{self.action.head_type if self.action else 'none'}")
         if self.llm.prefill_attention == "bidirectional":

@@ -24,9 +24,9 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 from ..msg import ActionChunk
 from ..model.image import ImageError, decode_compressed, decode_raw
 from ..core.pipeline import source_rate
-from ..runtimes.control import ControlLoop, Controller
-from ..runtimes.execution import ChunkRefused
-from ..runtimes.robot_state import CameraImages, NoFreshState, RobotStateBuffer
+from ..execution.controller import ControlLoop, Controller
+from ..execution.plan import ChunkRefused
+from ..execution.robot_state import CameraImages, NoFreshState, RobotStateBuffer
 from ..runtimes.remote import RemoteVLARuntime
 from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
 from .dds_workarounds import DedicatedSubscription
@@ -290,7 +290,7 @@ class VLANode(SynfluxNode):
             seq = self._seq
             self._seq += 1
         frame = Frame(seq, rgb, t_receipt, meta=header, state=state)
-        if self.controller is not None and self.controller.cfg.mode == "rtc":
+        if self.controller is not None and self.controller.cfg.guides_inference:
             controller = self.controller
             frame.rtc = lambda: controller.rtc_guidance(stamp)  # taken when the head starts: the freshest plan
         self.pipeline.submit(frame)

@@ -8,8 +8,8 @@ from collections import Counter
 import numpy as np
 
 from ..core.config import ExecutionConfig
-from ..runtimes.control import Controller
-from ..runtimes.execution import ChunkRefused
+from ..execution.controller import Controller
+from ..execution.plan import ChunkRefused
 
 EPS = 1e-9
 T0 = 100.0  # the clock's start (a stamp of 0 means unstamped)

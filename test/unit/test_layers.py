@@ -20,13 +20,15 @@ ROOMS = {
     "backends": {"core", "graphset"},
     "model": {"core"},
     "runtimes": {"core", "graphset", "backends", "model"},
+    "execution": {"core", "model"},
     "sim": {"core"},
-    "nodes": {"core", "model", "runtimes", "sim", "msg", "srv"},
+    "nodes": {"core", "model", "runtimes", "execution", "sim", "msg", "srv"},
     "build": {"core", "graphset", "backends", "model", "runtimes"},
     "serve": {"core", "graphset", "backends", "model", "runtimes"},
-    "tools": {"core", "graphset", "backends", "model", "runtimes", "sim", "build", "serve", "nodes", "msg", "srv"},
-    "bench": {"core", "graphset", "backends", "model", "runtimes", "build", "serve", "nodes", "tools", "msg",
-              "srv"},
+    "tools": {"core", "graphset", "backends", "model", "runtimes", "execution", "sim", "build", "serve", "nodes",
+              "msg", "srv"},
+    "bench": {"core", "graphset", "backends", "model", "runtimes", "execution", "build", "serve", "nodes", "tools",
+              "msg", "srv"},
 }
 # A backend folder's build step (backends/<name>/build*.py, compile.py) runs in synflux-build: it may use the
 # build room and torch. Every other file of a backend is run-time.
@@ -35,7 +37,7 @@ ROS_PACKAGES = {"rclpy", "rcl_interfaces", "sensor_msgs", "std_msgs", "std_srvs"
                 "diagnostic_msgs", "lifecycle_msgs", "builtin_interfaces", "ament_index_python"}
 ROS_ROOMS = {"nodes", "tools"}  # tools/ drives nodes over DDS (demo, test harness); a robot runs nodes/ only
 BUILD_TIME = {"torch", "transformers", "safetensors", "onnxruntime_genai", "accelerate", "gguf"}
-RUN_TIME_ROOMS = {"core", "graphset", "backends", "model", "runtimes", "sim", "nodes", "serve"}
+RUN_TIME_ROOMS = {"core", "graphset", "backends", "model", "runtimes", "execution", "sim", "nodes", "serve"}
 
 
 def is_backend_build_step(module: str) -> bool:
@@ -120,6 +122,8 @@ def test_every_import_points_down():
     ("runtimes", "import rclpy\n", "outside nodes/"),
     ("backends", "from sensor_msgs.msg import Image\n", "outside nodes/"),
     ("runtimes", "import torch\n", "run-time code imports torch"),
+    ("execution", "from ..runtimes.vla import VLARuntime\n", "sideways"),
+    ("execution", "import rclpy\n", "outside nodes/"),
     ("nodes", "from ..build.export import build\n", "upward"),
     ("nodes", "from ..tools.harness import config_path\n", "upward"),
     ("build", "from ..nodes import vla_node\n", "upward"),

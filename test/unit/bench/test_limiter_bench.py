@@ -6,7 +6,7 @@ import numpy as np
 from synflux_ros.bench.limiter import arm_limits
 from synflux_ros.tools.limiter_loop import violations
 from synflux_ros.core.config import ExecutionConfig, LimitsConfig
-from synflux_ros.runtimes.control import JointLimiter
+from synflux_ros.execution.limiter import JointLimiter
 
 J = ("a", "b")
 BASE = LimitsConfig(position_min=(-1.0, -1.0), position_max=(1.0, 1.0), max_velocity=(1.0, 1.0))

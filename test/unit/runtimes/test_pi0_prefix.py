@@ -10,7 +10,7 @@ import pytest
 
 from synflux_ros.core.config import ConfigError, NormalizationConfig, load_config
 from synflux_ros.model.normalization import PI05_PROMPT, Normalizer, StateActionMaps
-from synflux_ros.runtimes.robot_state import CameraImages, NoFreshState
+from synflux_ros.execution.robot_state import CameraImages, NoFreshState
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
 JOINTS = ["j1", "j2", "j3"]

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from synflux_ros.core.config import ConfigError, ExecutionConfig, LimitsConfig
-from synflux_ros.runtimes.control import Controller
+from synflux_ros.execution.controller import Controller
 from synflux_ros.tools.limiter_loop import violations
 
 RATE = 100.0
@@ -230,7 +230,7 @@ def test_a_state_is_aged_by_its_stamp_and_one_from_the_future_is_refused():
 
 def test_a_chunk_over_the_validation_thresholds_is_refused_naming_the_worst_joint_and_step():
     from synflux_ros.core.config import ChunkValidation
-    from synflux_ros.runtimes.execution import ChunkRefused
+    from synflux_ros.execution.plan import ChunkRefused
     check = ChunkValidation(max_step=(0.1,), max_acceleration=(50.0, 500.0))
     c = controller(state_timeout=0.0, validate=check)
     chunk = np.tile(np.linspace(0, 0.3, 16)[:, None], 2)

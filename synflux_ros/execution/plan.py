@@ -4,7 +4,7 @@ Step ``i`` of a chunk computed from a frame stamped ``t_obs`` is the target for 
 When the chunk arrives at ``now`` it takes over from step ``d = ceil((now + lookahead - t_obs) / period)``:
 the measured delay, not an assumed one. :class:`ChunkPlan` merges it with what is executing (``execution.mode``;
 ``auto``, which the model config resolves, acts as ``replace`` here) and samples the merged plan at any time;
-:class:`Controller` (``runtimes/control.py``) turns samples into commands. The modes: docs/execution.md.
+:class:`Controller` (``controller.py``) turns samples into commands. The modes: docs/execution.md.
 """
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.config import ExecutionConfig
+from .merge import Overlap, merge_for
 
-AGGREGATE_WEIGHTS = {"weighted_average": (0.3, 0.7), "average": (0.5, 0.5), "conservative": (0.7, 0.3),
-                     "latest_only": (0.0, 1.0)}
-"""LeRobot's asynchronous-inference aggregate functions: (weight of the old action, weight of the new one)."""
 FUTURE_STAMP_TOLERANCE = 0.05
 """Seconds a frame stamp may lie ahead of the node's clock (clock skew between machines) before a chunk is
 refused."""
@@ -41,7 +39,7 @@ class Offer:
 
 class ChunkPlan:
     """The targets to execute: times (ascending) with one action row each, merged from chunks as
-    ``execution.mode`` says, sampled with linear or cubic interpolation. Not thread-safe (the controller
+    ``execution.mode`` says (``merge.py``), sampled with linear or cubic interpolation. Not thread-safe (the controller
     holds a lock)."""
 
     def __init__(self, cfg: ExecutionConfig, step_period: float, horizon: int):
@@ -51,9 +49,7 @@ class ChunkPlan:
         self.raw: np.ndarray | None = None  # model-space rows beside the actions (rtc)
         self.counts = np.zeros(0, np.int64)  # predictions averaged into each row (temporal_ensemble)
         self.delays = deque(maxlen=10)  # recent delays in steps (the RTC inference delay estimate)
-        m = cfg.temporal_ensemble_coeff
-        self._ensemble_w = np.exp(-m * np.arange(horizon + 1))
-        self._ensemble_cum = np.cumsum(self._ensemble_w)
+        self._merge = merge_for(cfg.mode)
 
     # ------------------------------------------------------------------ merging
     def offer(self, actions: np.ndarray, t_obs: float, now: float, raw: np.ndarray | None = None) -> Offer:
@@ -78,20 +74,11 @@ class ChunkPlan:
         old = self.sample_rows(times)  # the plan in force at the new times (NaN past its end)
         at_switch = old is not None and np.isfinite(old[0]).all()
         disagreement = float(np.max(np.abs(new[0] - old[0]))) if at_switch else 0.0
-        mode = self.cfg.mode
-        counts = np.ones(len(times), np.int64)
-        if old is not None and mode in AGGREGATE_WEIGHTS:
-            w_old, w_new = AGGREGATE_WEIGHTS[mode]
-            overlap = np.isfinite(old).all(axis=1)
-            new[overlap] = w_old * old[overlap] + w_new * new[overlap]
-        elif old is not None and mode == "temporal_ensemble":
-            overlap = np.isfinite(old).all(axis=1)
-            prior = self._counts_at(times)
-            c = np.minimum(prior[overlap], self.horizon)
-            cum_before, w = self._ensemble_cum[c - 1], self._ensemble_w[c]
-            new[overlap] = (old[overlap] * cum_before[:, None] + new[overlap] * w[:, None]) / \
-                self._ensemble_cum[c][:, None]
-            counts[overlap] = c + 1
+        if old is None:
+            counts = np.ones(len(times), np.int64)
+        else:
+            overlap = Overlap(new, old, np.isfinite(old).all(axis=1), self._counts_at(times), self.cfg, self.horizon)
+            new, counts = self._merge(overlap)
         # keep the rows in force before the new chunk starts (one before now at least, for interpolation)
         keep = (self.times < times[0]) & (self.times >= now - self.period) if len(self.times) else np.zeros(0, bool)
         if len(self.times) and not keep.any() and self.times[0] < times[0]:

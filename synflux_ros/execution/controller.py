@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.config import ExecutionConfig
-from .execution import ChunkPlan, ChunkRefused, Offer
+from .limiter import JointLimiter
+from .plan import ChunkPlan, ChunkRefused, Offer
 from .robot_state import NoFreshState, StampedBuffer
+from .validate import ChunkInvalid, validate_chunk
 
 ENABLE_TOLERANCE = 1e-3
 """Share of a joint's range it may be measured outside its position limits and still be enabled under
@@ -29,207 +31,6 @@ FUTURE_STATE_S = 0.05
 STATE_HISTORY = 400
 """Joint states kept for delta actions (matched to frames by stamp)."""
 
-
-def _per_joint(values, n: int, default: float) -> np.ndarray:
-    return np.asarray(values, np.float64) if values else np.full(n, default)
-
-
-class JointLimiter:
-    """The limits of ``execution.limits``, enforced together on every command of period ``dt``.
-
-    Each output ``c`` (after the previous command ``p`` moving at ``v``; ``w = (c - p) / dt``) satisfies, per
-    joint, in this priority (a lower one gives way where they cannot all hold, and that is counted):
-
-    1. ``|w| <= max_velocity`` and the change of speed within ``max_acceleration * dt`` (speeding up) or
-       ``max_deceleration * dt`` (slowing down): no command ever jumps;
-    2. braking in time: ``p + w dt + w^2 / (2 max_deceleration)`` stays within the position limits, so the joint
-       can always stop before a limit without braking harder (and never stops dead at it); a command whose
-       previous one was inside the limits stays inside. A joint started outside (enable with
-       ``outside_at_enable: move_inside``) does not move further out and comes back at the limits of 1;
-    3. ``|c - measured| <= max_relative_target`` against the position measured in that tick, braking in time
-       for the window's edges too (an arm held by an obstacle stops dead; the command must stop inside).
-
-    Within what these allow, the command is the target (clamped to the position limits) or the nearest point.
-    """
-
-    def __init__(self, cfg: ExecutionConfig, dt: float):
-        lim = cfg.limits
-        n = len(cfg.joints)
-        self.dt = dt
-        self.lo = _per_joint(lim.position_min, n, -np.inf)
-        self.hi = _per_joint(lim.position_max, n, np.inf)
-        self.vmax = _per_joint(lim.max_velocity, n, np.inf)
-        self.amax = _per_joint(lim.max_acceleration, n, np.inf)
-        self.dmax = _per_joint(lim.max_deceleration, n, np.inf) if lim.max_deceleration else self.amax.copy()
-        r = lim.max_relative_target
-        self.rel = (np.full(n, r[0]) if len(r) == 1 else np.asarray(r, np.float64)) if r else np.full(n, np.inf)
-        self.last: np.ndarray | None = None
-        self.velocity = np.zeros(n)
-
-    def copy(self, dt: float) -> "JointLimiter":
-        other = object.__new__(JointLimiter)
-        other.__dict__.update(self.__dict__)
-        other.dt, other.velocity = dt, self.velocity.copy()
-        other.last = None if self.last is None else self.last.copy()
-        return other
-
-    def reset(self, position: np.ndarray | None) -> None:
-        """Start from ``position`` (where the arm is when commands are enabled, even outside the limits) at rest."""
-        self.last = None if position is None else np.asarray(position, np.float64).copy()
-        self.velocity[:] = 0.0
-
-    def outside(self, position: np.ndarray, tolerance: float = 0.0) -> np.ndarray:
-        """Joints outside their position limits by more than ``tolerance`` of their range."""
-        span = self.hi - self.lo
-        margin = tolerance * np.where(np.isfinite(span), span, 0.0)
-        return (position < self.lo - margin) | (position > self.hi + margin)
-
-    def brake_speed(self, distance: np.ndarray) -> np.ndarray:
-        """The highest speed towards a point ``distance`` ahead (>= 0) from which the joint still stops there,
-        braking at max_deceleration (0 where the point is behind)."""
-        d = np.maximum(distance, 0.0)
-        with np.errstate(invalid="ignore", over="ignore"):
-            a, dt = self.dmax, self.dt
-            speed = np.where(np.isfinite(a), a * (np.sqrt(dt * dt + 2.0 * d / np.where(np.isfinite(a), a, 1.0)) - dt),
-                             d / dt)
-        return np.where(np.isinf(d), np.inf, speed)
-
-    def _kinematic(self, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Speeds reachable from ``v`` in one tick: accelerating by max_acceleration, slowing by max_deceleration
-        (through zero only as far as either allows), within max_velocity."""
-        up, down = self.amax * self.dt, self.dmax * self.dt
-        through = np.minimum(up, down)
-        lower = np.where(v >= down, v - down, np.where(v > 0, np.maximum(v - down, -through), v - up))
-        upper = np.where(-v >= down, v + down, np.where(v < 0, np.minimum(v + down, through), v + up))
-        return np.maximum(lower, -self.vmax), np.minimum(upper, self.vmax)
-
-    def __call__(self, target: np.ndarray, measured: np.ndarray | None, counts: Counter,
-                 stop_at_target: bool = False) -> np.ndarray:
-        """The command towards ``target``; ``stop_at_target`` (a fixed target: hold, safe_action) brakes in
-        time to arrive there at rest instead of passing it."""
-        x = np.clip(target, self.lo, self.hi)
-        if not np.array_equal(x, target):
-            counts["position_limit"] += 1
-        if self.last is None:  # enabled without a joint state: nothing to limit against yet
-            self.last = x.astype(np.float64)
-            self.velocity[:] = 0.0
-            return self.last.copy()
-        p, v, dt = self.last, self.velocity, self.dt
-        w_lo, w_hi = self._kinematic(v)
-        # 2. braking in time for the position limits (not further out where the joint is already outside)
-        b_hi, b_lo = self.brake_speed(self.hi - p), self.brake_speed(p - self.lo)
-        lo2, hi2 = np.maximum(w_lo, -b_lo), np.minimum(w_hi, b_hi)
-        unmet = lo2 > hi2
-        if unmet.any():  # cannot brake in time within 1 (a joint started outside): 1 wins, braking its hardest
-            counts["braking_unmet"] += 1
-            hardest = np.where(b_hi < w_lo, w_lo, w_hi)
-            lo2, hi2 = np.where(unmet, hardest, lo2), np.where(unmet, hardest, hi2)
-        # 3. the relative window around the measured position, braking in time for its edges as for position
-        # limits (the arm may stop dead, held by an obstacle: the command must be able to stop inside the window)
-        if measured is not None and np.isfinite(self.rel).any():
-            r_lo = -self.brake_speed(p - (measured - self.rel))
-            r_hi = self.brake_speed(measured + self.rel - p)
-            lo3, hi3 = np.maximum(lo2, r_lo), np.minimum(hi2, r_hi)
-            apart = lo3 > hi3
-            if apart.any():  # the arm is held or pushed away faster than 1 allows following: 1 and 2 win
-                nearest = np.clip(np.where(r_hi < lo2, r_hi, r_lo), lo2, hi2)
-                lo3, hi3 = np.where(apart, nearest, lo3), np.where(apart, nearest, hi3)
-        else:
-            r_lo = r_hi = None
-            lo3, hi3 = lo2, hi2
-        want = (x - p) / dt
-        if stop_at_target:
-            want = np.clip(want, -self.brake_speed(p - x), self.brake_speed(x - p))
-        w = np.clip(want, lo3, hi3)
-        moved = w != want
-        if moved.any():
-            self._count(counts, want, w, w_lo, w_hi, b_lo, b_hi, r_lo, r_hi)
-        cmd = self._advance(w)
-        if measured is not None and np.any(np.abs(cmd - measured) > self.rel + 1e-12):
-            counts["relative_target_unmet"] += 1  # 1 and 2 won: the arm moved away faster than they follow
-        return cmd
-
-    def _advance(self, w: np.ndarray) -> np.ndarray:
-        """Move the command at speed ``w`` for one tick; a command that was inside the position limits stays
-        inside (rounding never takes it out)."""
-        p = self.last
-        cmd = p + w * self.dt
-        cmd = np.where(self.outside(p), cmd, np.clip(cmd, self.lo, self.hi))
-        self.velocity = (cmd - p) / self.dt
-        self.last = cmd
-        return cmd.copy()
-
-    def _count(self, counts, want, w, w_lo, w_hi, b_lo, b_hi, r_lo, r_hi) -> None:
-        """Name the limits that changed the command (each counted once per tick)."""
-        eps = 1e-12
-        if np.any((want > self.vmax + eps) & (w >= self.vmax - eps)) or \
-                np.any((want < -self.vmax - eps) & (w <= -self.vmax + eps)):
-            counts["velocity_limit"] += 1
-        if np.any(((w >= w_hi - eps) & (w_hi < self.vmax - eps) & (want > w)) |
-                  ((w <= w_lo + eps) & (w_lo > -self.vmax + eps) & (want < w))):
-            counts["acceleration_limit"] += 1
-        if np.any(((w >= b_hi - eps) & (want > w)) | ((w <= -b_lo + eps) & (want < w))):
-            counts["braking"] += 1
-        if r_lo is not None and np.any(((w >= r_hi - eps) & (want > w)) | ((w <= r_lo + eps) & (want < w))):
-            counts["max_relative_target"] += 1
-
-    def stop(self) -> np.ndarray | None:
-        """Brake to rest within the limits (the watchdog's hold): each tick the speed closest to 0 that
-        max_deceleration reaches; braking in time (2) keeps it inside the position limits."""
-        if self.last is None:
-            return None
-        w_lo, w_hi = self._kinematic(self.velocity)
-        return self._advance(np.clip(0.0, w_lo, w_hi))
-
-    def hold(self) -> np.ndarray | None:
-        """Repeat the last command and stop (on_timeout: hold_exact)."""
-        self.velocity[:] = 0.0
-        return None if self.last is None else self.last.copy()
-
-
-class ChunkInvalid(ChunkRefused):
-    """A chunk over ``execution.validate``'s thresholds."""
-
-
-def validate_chunk(actions: np.ndarray, period: float, check, joints) -> tuple[np.ndarray, str]:
-    """``execution.validate`` on a chunk [steps, joints] of positions ``period`` apart: (the chunk, "") when it
-    holds, (the clipped chunk, what was clipped) with ``on_violation: clip`` for steps and velocity, else
-    ChunkRefused naming the worst joint and step. Differences of order 1, 2 and 3 give velocity, acceleration
-    and jerk."""
-    n = actions.shape[1]
-
-    def per_joint(values):
-        return np.full(n, values[0]) if len(values) == 1 else np.asarray(values, np.float64)
-    step = np.full(n, np.inf)
-    if check.max_step:
-        step = np.minimum(step, per_joint(check.max_step))
-    if check.max_velocity:
-        step = np.minimum(step, per_joint(check.max_velocity) * period)
-    clipped = ""
-    diffs = np.diff(actions, axis=0)
-    over = np.abs(diffs) > step * (1 + 1e-9)
-    if over.any():
-        if check.on_violation == "clip":
-            out = actions.copy()
-            for i in range(1, len(out)):  # re-integrated: each step at most `step` from the clipped one before
-                out[i] = out[i - 1] + np.clip(out[i] - out[i - 1], -step, step)
-            actions, clipped = out, f"{int(over.sum())} steps clipped"
-        else:
-            i, j = np.unravel_index(np.argmax(np.abs(diffs) / step), diffs.shape)
-            raise ChunkInvalid(f"chunk jumps {abs(diffs[i, j]):.4g} between steps {i} and {i + 1} of joint "
-                               f"{joints[j]!r}, over execution.validate's {step[j]:.4g} a step (max_step, "
-                               f"max_velocity x step_period)")
-    for order, name, unit in ((2, "max_acceleration", "s^2"), (3, "max_jerk", "s^3")):
-        limit = getattr(check, name)
-        if not limit or len(actions) <= order:
-            continue
-        rate = np.diff(actions, n=order, axis=0) / period ** order
-        ratio = np.abs(rate) / per_joint(limit)
-        if ratio.max() > 1 + 1e-9:
-            i, j = np.unravel_index(np.argmax(ratio), ratio.shape)
-            raise ChunkInvalid(f"chunk's {name[4:]} {abs(rate[i, j]):.4g} units/{unit} at step {i + order - 1} of "
-                               f"joint {joints[j]!r} is over execution.validate.{name} {per_joint(limit)[j]:.4g}")
-    return actions, clipped
 
 
 @dataclass
@@ -311,7 +112,7 @@ class Controller:
                 actions, clipped = validate_chunk(actions, self.plan.period, self.cfg.validate, self.joints)
                 if clipped:
                     self.counts["chunks_clipped"] += 1
-                offer = self.plan.offer(actions, t_obs, now, raw if self.cfg.mode == "rtc" else None)
+                offer = self.plan.offer(actions, t_obs, now, raw if self.cfg.guides_inference else None)
             except (ChunkRefused, NoFreshState) as exc:
                 self.counts["chunks_refused"] += 1
                 if isinstance(exc, ChunkInvalid):

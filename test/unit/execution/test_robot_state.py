@@ -9,7 +9,7 @@ import pytest
 
 from synflux_ros.core.config import ConfigError, load_config
 from synflux_ros.core.contract import graph_set
-from synflux_ros.runtimes.robot_state import NoFreshState, RobotStateBuffer
+from synflux_ros.execution.robot_state import NoFreshState, RobotStateBuffer
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
 JOINTS = ("shoulder", "elbow", "wrist")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from synflux_ros.core.config import load_config
-from synflux_ros.runtimes.control import Controller
+from synflux_ros.execution.controller import Controller
 from synflux_ros.runtimes.vla import VLARuntime
 from synflux_ros.tools.harness import config_path
 

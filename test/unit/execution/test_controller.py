@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from synflux_ros.core.config import ConfigError, ExecutionConfig, LimitsConfig
-from synflux_ros.runtimes.control import Controller
-from synflux_ros.runtimes.execution import ChunkRefused
+from synflux_ros.execution.controller import Controller
+from synflux_ros.execution.plan import ChunkRefused
 
 J = ("j1", "j2", "j3")
 RATE = 100.0
@@ -237,7 +237,7 @@ def test_the_control_loop_ticks_on_schedule_and_survives_a_failing_tick():
             fail.clear()
             raise RuntimeError("publisher gone")
         sent.append(_time.monotonic())
-    from synflux_ros.runtimes.control import ControlLoop
+    from synflux_ros.execution.controller import ControlLoop
     loop = ControlLoop(c, lambda: 10.05, send, errors.append)
     loop.start()
     _time.sleep(0.3)

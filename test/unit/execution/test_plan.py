@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from synflux_ros.core.config import ExecutionConfig
-from synflux_ros.runtimes.execution import ChunkPlan, ChunkRefused
+from synflux_ros.execution.plan import ChunkPlan, ChunkRefused
 
 P = 0.02  # step period
 H = 10
