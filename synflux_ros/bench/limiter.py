@@ -22,12 +22,13 @@ T0 = 100.0  # the clock's start (a stamp of 0 means unstamped)
 
 
 def arm_limits(base: LimitsConfig) -> LimitsConfig:
-    """The sim arm's configured limits (config/vla_sim_arm.yaml) with acceleration, deceleration and a
+    """The sim arm's configured limits (config/vla_sim_arm.yaml) with acceleration, deceleration, jerk and a
     relative window added, so that every limit is exercised."""
     n = len(base.max_velocity)
     return LimitsConfig(position_min=base.position_min, position_max=base.position_max,
                         max_velocity=base.max_velocity, max_acceleration=(8.0,) * (n - 1) + (1.0,),
-                        max_deceleration=(6.0,) * (n - 1) + (0.8,), max_relative_target=(0.15,),
+                        max_deceleration=(6.0,) * (n - 1) + (0.8,), max_jerk=(400.0,) * (n - 1) + (40.0,),
+                        max_relative_target=(0.15,),
                         outside_at_enable="move_inside")
 
 
@@ -110,13 +111,15 @@ def main(argv=None) -> int:
     print(f"    invariant violations: {total} {dict(bad) or ''} (must be 0)")
     print(f"    commanded {counts['ticks_commanded']}, held {counts['ticks_held']}; interventions: "
           + ", ".join(f"{k} {counts[k]}" for k in ("position_limit", "velocity_limit", "acceleration_limit",
-                                                    "braking", "max_relative_target", "relative_target_unmet",
-                                                    "braking_unmet", "chunks_refused")))
+                                                    "jerk_limit", "braking", "max_relative_target",
+                                                    "relative_target_unmet", "braking_unmet", "jerk_unmet",
+                                                    "chunks_refused")))
     print(f"    a commanded tick (controller and limiter): median {np.median(us):.1f} us, p99 {np.percentile(us, 99):.1f} us; "
           f"the loop took {took:.1f} s")
     rows = [row("invariant violations over a fuzzed closed loop", total, "commands",
                 f"{args.ticks} ticks, seed {args.seed}; relative_target_unmet {counts['relative_target_unmet']} "
-                f"(pushes and held joints), braking_unmet {counts['braking_unmet']}", command=COMMAND,
+                f"(pushes and held joints), braking_unmet {counts['braking_unmet']}, jerk_unmet "
+                f"{counts['jerk_unmet']} of {counts['ticks_commanded'] + counts['ticks_held']}", command=COMMAND,
                 benchmark=BENCH),
             row("commanded controller tick with the limiter, median (p99)", f"{np.median(us):.1f} ({np.percentile(us, 99):.1f})",
                 "us", "7 joints, numpy", command=COMMAND, benchmark=BENCH)]

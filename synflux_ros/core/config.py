@@ -624,6 +624,9 @@ class LimitsConfig:
     max_deceleration: tuple[float, ...] = _spec(
         default_factory=tuple, doc="largest slowing down per joint (units/s^2); empty = max_acceleration. The "
                                    "command brakes at this rate in time to stop at a position limit")
+    max_jerk: tuple[float, ...] = _spec(
+        default_factory=tuple, doc="largest change of acceleration per joint (units/s^3) between two commands; "
+                                   "empty = none. The lowest priority: braking in time for a limit overrides it")
     max_relative_target: tuple[float, ...] = _spec(
         default_factory=tuple, doc="largest distance of a command from the measured joint position (LeRobot's "
                                    "max_relative_target): one value for every joint, or one per joint")
@@ -632,7 +635,8 @@ class LimitsConfig:
                                        "refuse to enable, naming it (default), or start there and move inside "
                                        "within the velocity and acceleration limits")
 
-    PER_JOINT = ("position_min", "position_max", "max_velocity", "max_acceleration", "max_deceleration")
+    PER_JOINT = ("position_min", "position_max", "max_velocity", "max_acceleration", "max_deceleration",
+                 "max_jerk")
 
     def check(self, joints: tuple[str, ...]) -> None:
         """ConfigError naming the field and the joint when the limits do not fit ``joints`` or contradict."""
@@ -649,10 +653,13 @@ class LimitsConfig:
             if self.position_min and not self.position_min[i] < self.position_max[i]:
                 raise ConfigError(f"limits: joint {joint!r} has position_min {self.position_min[i]} not below "
                                   f"position_max {self.position_max[i]}")
-            for name in ("max_velocity", "max_acceleration", "max_deceleration"):
+            for name in ("max_velocity", "max_acceleration", "max_deceleration", "max_jerk"):
                 v = getattr(self, name)
                 if v and not v[i] > 0:
                     raise ConfigError(f"limits.{name}: joint {joint!r} has {v[i]}, a limit must be above 0")
+        if self.max_jerk and not self.max_acceleration:
+            raise ConfigError("limits.max_jerk: give max_acceleration too (the jerk limits how fast the "
+                              "acceleration changes, up to max_acceleration)")
         r = self.max_relative_target
         if r and len(r) not in (1, len(joints)):
             raise ConfigError(f"limits.max_relative_target: {len(r)} values, give 1 or one per joint "

@@ -187,7 +187,7 @@ class Controller:
             return self.filter(self._safe, None, self.counts, stop_at_target=True)
         if self.cfg.on_timeout == "hold_exact":  # the robot's controller brakes by itself
             return self.filter.hold()
-        return self.filter.stop()
+        return self.filter.stop(self.counts)
 
     def tick(self, now: float) -> np.ndarray | None:
         """The command for ``now``: None while disabled (or before anything can be commanded)."""

@@ -29,9 +29,11 @@ class JointLimiter:
        previous one was inside the limits stays inside. A joint started outside (enable with
        ``outside_at_enable: move_inside``) does not move further out and comes back at the limits of 1;
     3. ``|c - measured| <= max_relative_target`` against the position measured in that tick, braking in time
-       for the window's edges too (an arm held by an obstacle stops dead; the command must stop inside).
+       for the window's edges too (an arm held by an obstacle stops dead; the command must stop inside);
+    4. the change of acceleration within ``max_jerk * dt`` where 1-3 leave room.
 
-    Within what these allow, the command is the target (clamped to the position limits) or the nearest point.
+    Within what these allow, the command follows the target (clamped to the position limits): it moves with
+    the target and closes the gap to it braking in time, so that it never passes a target that stops.
     """
 
     def __init__(self, cfg: ExecutionConfig, dt: float):
@@ -43,22 +45,31 @@ class JointLimiter:
         self.vmax = _per_joint(lim.max_velocity, n, np.inf)
         self.amax = _per_joint(lim.max_acceleration, n, np.inf)
         self.dmax = _per_joint(lim.max_deceleration, n, np.inf) if lim.max_deceleration else self.amax.copy()
+        self.jmax = _per_joint(lim.max_jerk, n, np.inf)
         r = lim.max_relative_target
         self.rel = (np.full(n, r[0]) if len(r) == 1 else np.asarray(r, np.float64)) if r else np.full(n, np.inf)
         self.last: np.ndarray | None = None
         self.velocity = np.zeros(n)
+        self.accel = np.zeros(n)
+        self.target: np.ndarray | None = None  # the previous tick's target (its motion is followed)
+        # with max_jerk, braking starts earlier by the time the deceleration takes to build up
+        self._lag = np.where(np.isfinite(self.jmax) & np.isfinite(self.dmax),
+                             self.dmax / (2.0 * np.where(np.isfinite(self.jmax), self.jmax, 1.0)), 0.0)
 
     def copy(self, dt: float) -> "JointLimiter":
         other = object.__new__(JointLimiter)
         other.__dict__.update(self.__dict__)
-        other.dt, other.velocity = dt, self.velocity.copy()
+        other.dt, other.velocity, other.accel = dt, self.velocity.copy(), self.accel.copy()
         other.last = None if self.last is None else self.last.copy()
+        other.target = None if self.target is None else self.target.copy()
         return other
 
     def reset(self, position: np.ndarray | None) -> None:
         """Start from ``position`` (where the arm is when commands are enabled, even outside the limits) at rest."""
         self.last = None if position is None else np.asarray(position, np.float64).copy()
         self.velocity[:] = 0.0
+        self.accel[:] = 0.0
+        self.target = None
 
     def outside(self, position: np.ndarray, tolerance: float = 0.0) -> np.ndarray:
         """Joints outside their position limits by more than ``tolerance`` of their range."""
@@ -66,12 +77,14 @@ class JointLimiter:
         margin = tolerance * np.where(np.isfinite(span), span, 0.0)
         return (position < self.lo - margin) | (position > self.hi + margin)
 
-    def brake_speed(self, distance: np.ndarray) -> np.ndarray:
+    def brake_speed(self, distance: np.ndarray, rate: np.ndarray | None = None, lag=0.0) -> np.ndarray:
         """The highest speed towards a point ``distance`` ahead (>= 0) from which the joint still stops there,
-        braking at max_deceleration (0 where the point is behind)."""
+        braking at max_deceleration (0 where the point is behind), starting ``lag`` seconds after the next tick.
+        With ``rate`` (max_jerk) the same one derivative up: the highest acceleration towards a speed
+        ``distance`` away that still settles there."""
         d = np.maximum(distance, 0.0)
         with np.errstate(invalid="ignore", over="ignore"):
-            a, dt = self.dmax, self.dt
+            a, dt = self.dmax if rate is None else rate, self.dt + lag
             speed = np.where(np.isfinite(a), a * (np.sqrt(dt * dt + 2.0 * d / np.where(np.isfinite(a), a, 1.0)) - dt),
                              d / dt)
         return np.where(np.isinf(d), np.inf, speed)
@@ -95,6 +108,8 @@ class JointLimiter:
         if self.last is None:  # enabled without a joint state: nothing to limit against yet
             self.last = x.astype(np.float64)
             self.velocity[:] = 0.0
+            self.accel[:] = 0.0
+            self.target = x.copy()
             return self.last.copy()
         p, v, dt = self.last, self.velocity, self.dt
         w_lo, w_hi = self._kinematic(v)
@@ -119,10 +134,19 @@ class JointLimiter:
         else:
             r_lo = r_hi = None
             lo3, hi3 = lo2, hi2
-        want = (x - p) / dt
-        if stop_at_target:
-            want = np.clip(want, -self.brake_speed(p - x), self.brake_speed(x - p))
-        w = np.clip(want, lo3, hi3)
+        # follow the target's own motion and close the gap to it braking in time, so that the command does not
+        # pass a target that stops (no overshoot, no hunting around a still target)
+        follow = not stop_at_target and self.target is not None
+        speed = (x - self.target) / dt if follow else np.zeros_like(x)
+        gap = (self.target if follow else x) - p
+        want = speed + np.clip(gap / dt, -self.brake_speed(-gap, lag=self._lag),
+                               self.brake_speed(gap, lag=self._lag))
+        self.target = x
+        lo4, hi4 = self._jerk_band(lo3, hi3, counts)
+        smooth = self._smooth(want, measured)
+        w = np.clip(smooth, lo4, hi4)
+        if np.any(w != np.clip(smooth, lo3, hi3)):
+            counts["jerk_limit"] += 1
         moved = w != want
         if moved.any():
             self._count(counts, want, w, w_lo, w_hi, b_lo, b_hi, r_lo, r_hi)
@@ -137,9 +161,49 @@ class JointLimiter:
         p = self.last
         cmd = p + w * self.dt
         cmd = np.where(self.outside(p), cmd, np.clip(cmd, self.lo, self.hi))
-        self.velocity = (cmd - p) / self.dt
+        velocity = (cmd - p) / self.dt
+        self.accel = (velocity - self.velocity) / self.dt
+        self.velocity = velocity
         self.last = cmd
         return cmd.copy()
+
+    def _smooth(self, want: np.ndarray, measured: np.ndarray | None = None) -> np.ndarray:
+        """With max_jerk, the speed to command on the way to ``want``: ``want`` within the speeds that brake in
+        time for the position limits and the relative window (braking started early by the time the
+        deceleration takes to build up), approached with an acceleration from which max_jerk still brings the
+        acceleration to 0 on arrival (no overshoot, no oscillation of the speed)."""
+        if not self.has_jerk:
+            return want
+        p, lag = self.last, self._lag
+        hi = np.minimum(self.vmax, self.brake_speed(self.hi - p, lag=lag))
+        lo = np.maximum(-self.vmax, -self.brake_speed(p - self.lo, lag=lag))
+        if measured is not None and np.isfinite(self.rel).any():
+            hi = np.minimum(hi, self.brake_speed(measured + self.rel - p, lag=lag))
+            lo = np.maximum(lo, -self.brake_speed(p - (measured - self.rel), lag=lag))
+        goal = np.where(lo <= hi, np.clip(want, lo, hi), want)
+        gap = goal - self.velocity
+        reach = self.brake_speed(np.abs(gap), self.jmax)  # the highest acceleration that settles at the goal
+        return self.velocity + np.clip(gap / self.dt, -reach, reach) * self.dt
+
+    @property
+    def has_jerk(self) -> bool:
+        return bool(np.isfinite(self.jmax).any())
+
+    def _jerk_band(self, lo: np.ndarray, hi: np.ndarray, counts: Counter) -> tuple[np.ndarray, np.ndarray]:
+        """4. max_jerk: the acceleration changes by at most max_jerk * dt where 1-3 leave room; where they do
+        not (braking for a limit, a hold), 1-3 win at the speed nearest the jerk's band (``jerk_unmet``)."""
+        if not self.has_jerk:
+            return lo, hi
+        ahead = self.velocity + self.accel * self.dt
+        step = self.jmax * self.dt * self.dt
+        j_lo, j_hi = ahead - step, ahead + step
+        lo4, hi4 = np.maximum(lo, j_lo), np.minimum(hi, j_hi)
+        apart = lo4 > hi4
+        if apart.any():
+            counts["jerk_unmet"] += 1
+            nearest = np.where(j_hi < lo, lo, hi)
+            lo4, hi4 = np.where(apart, nearest, lo4), np.where(apart, nearest, hi4)
+        return lo4, hi4
 
     def _count(self, counts, want, w, w_lo, w_hi, b_lo, b_hi, r_lo, r_hi) -> None:
         """Name the limits that changed the command (each counted once per tick)."""
@@ -155,15 +219,26 @@ class JointLimiter:
         if r_lo is not None and np.any(((w >= r_hi - eps) & (want > w)) | ((w <= r_lo + eps) & (want < w))):
             counts["max_relative_target"] += 1
 
-    def stop(self) -> np.ndarray | None:
+    def stop(self, counts: Counter | None = None) -> np.ndarray | None:
         """Brake to rest within the limits (the watchdog's hold): each tick the speed closest to 0 that
-        max_deceleration reaches; braking in time (2) keeps it inside the position limits."""
+        max_deceleration (and max_jerk, where braking in time leaves room) reaches; braking in time (2) keeps it
+        inside the position limits."""
         if self.last is None:
             return None
+        self.target = None
         w_lo, w_hi = self._kinematic(self.velocity)
-        return self._advance(np.clip(0.0, w_lo, w_hi))
+        if not self.has_jerk:  # slowing down as hard as allowed is always within 2
+            return self._advance(np.clip(0.0, w_lo, w_hi))
+        p = self.last
+        lo, hi = np.maximum(w_lo, -self.brake_speed(p - self.lo)), np.minimum(w_hi, self.brake_speed(self.hi - p))
+        unmet = lo > hi  # a joint started outside: 1 alone
+        lo, hi = self._jerk_band(np.where(unmet, w_lo, lo), np.where(unmet, w_hi, hi), Counter() if counts is None
+                                 else counts)
+        return self._advance(np.clip(self._smooth(np.zeros_like(p)), lo, hi))
 
     def hold(self) -> np.ndarray | None:
         """Repeat the last command and stop (on_timeout: hold_exact)."""
         self.velocity[:] = 0.0
+        self.accel[:] = 0.0
+        self.target = None
         return None if self.last is None else self.last.copy()

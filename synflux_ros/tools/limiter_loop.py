@@ -15,8 +15,10 @@ EPS = 1e-9
 T0 = 100.0  # the clock's start (a stamp of 0 means unstamped)
 
 
-def violations(lim, prev_cmd, prev_v, cmd, measured, rel_unmet: bool) -> Counter:
-    """The invariant's breaches by one command (an empty Counter when it holds)."""
+def violations(lim, prev_cmd, prev_v, cmd, measured, rel_unmet: bool, prev_a=None, jerk_unmet: bool = False) \
+        -> Counter:
+    """The invariant's breaches by one command (an empty Counter when it holds); ``prev_a`` (the previous
+    command's acceleration) checks max_jerk, except on a tick that counted ``jerk_unmet``."""
     bad: Counter = Counter()
     w = (cmd - prev_cmd) / lim.dt
     if np.any(np.abs(w) > lim.vmax * (1 + 1e-9) + EPS):
@@ -26,6 +28,9 @@ def violations(lim, prev_cmd, prev_v, cmd, measured, rel_unmet: bool) -> Counter
     bound = np.where(slowing, lim.dmax, np.maximum(lim.amax, lim.dmax)) * lim.dt
     if np.any(np.abs(dv) > bound * (1 + 1e-9) + EPS):
         bad["acceleration"] += 1
+    if prev_a is not None and not jerk_unmet and \
+            np.any(np.abs(dv / lim.dt - prev_a) > lim.jmax * lim.dt * (1 + 1e-9) + EPS / lim.dt):
+        bad["jerk"] += 1
     inside = (prev_cmd >= lim.lo - EPS) & (prev_cmd <= lim.hi + EPS)
     if np.any(inside & ((cmd < lim.lo - EPS) | (cmd > lim.hi + EPS))):
         bad["position"] += 1
@@ -80,7 +85,7 @@ def fuzz(ticks: int, seed: int, cfg: ExecutionConfig, step_period: float, horizo
                 c.on_chunk(chunk, t, t)
             except ChunkRefused:
                 pass
-        before = c.counts["relative_target_unmet"]
+        before = Counter(c.counts)
         t0 = time.perf_counter()
         cmd = c.tick(t)
         if cmd is not None:  # the cost of a commanded tick (a disabled one returns at once)
@@ -90,8 +95,9 @@ def fuzz(ticks: int, seed: int, cfg: ExecutionConfig, step_period: float, horizo
         else:
             if prev is not None:
                 bad.update(violations(lim, prev[0], prev[1], cmd, measured,
-                                      c.counts["relative_target_unmet"] > before))
-            prev = (cmd, lim.velocity.copy())
+                                      c.counts["relative_target_unmet"] > before["relative_target_unmet"], prev[2],
+                                      c.counts["jerk_unmet"] > before["jerk_unmet"]))
+            prev = (cmd, lim.velocity.copy(), lim.accel.copy())
             target, _ = robot.check_command(cmd)
             robot.set_target(target)
         robot.step(substeps)

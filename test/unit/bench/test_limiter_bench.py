@@ -26,3 +26,7 @@ def test_each_breach_is_named():
     assert violations(lim, at_limit, np.array([0.2, 0.0]), np.array([1.001, 0.0]), at_limit, True)["position"] == 1
     assert violations(lim, p, v, p, p + 0.5, False)["relative_target"] == 1
     assert not violations(lim, p, v, p, p + 0.5, True)  # counted as unmet by the limiter: not a breach
+    a0 = np.zeros(2)  # from rest, 5 rad/s^2 in one tick: 500 rad/s^3, over joint a's 400
+    assert violations(lim, p, v, p + 0.0005 * np.array([1.0, 0.0]), p, False, a0)["jerk"] == 1
+    assert not violations(lim, p, v, p + 0.0005 * np.array([1.0, 0.0]), p, False, a0, jerk_unmet=True)
+    assert not violations(lim, p, v, p + 0.0003 * np.array([1.0, 0.0]), p, False, a0)  # 300 rad/s^3

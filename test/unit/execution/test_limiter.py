@@ -30,9 +30,10 @@ def scenarios(draw):
     amax = draw(st.lists(st.floats(0.5, 100.0), min_size=n, max_size=n))
     dmax = draw(st.one_of(st.just(()), st.lists(st.floats(0.5, 100.0), min_size=n, max_size=n)))
     rel = draw(st.one_of(st.just(()), st.lists(st.floats(0.01, 1.0), min_size=1, max_size=1)))
+    jerk = draw(st.one_of(st.just(()), st.lists(st.floats(5.0, 5000.0), min_size=n, max_size=n)))
     limits = LimitsConfig(position_min=tuple(lo), position_max=tuple(lo + span), max_velocity=tuple(vmax),
-                          max_acceleration=tuple(amax), max_deceleration=tuple(dmax), max_relative_target=tuple(rel),
-                          outside_at_enable="move_inside")
+                          max_acceleration=tuple(amax), max_deceleration=tuple(dmax), max_jerk=tuple(jerk),
+                          max_relative_target=tuple(rel), outside_at_enable="move_inside")
     ticks = draw(st.integers(20, 200))
     seed = draw(st.integers(0, 2**32 - 1))
     return n, limits, ticks, seed
@@ -50,7 +51,7 @@ def test_every_command_keeps_the_invariant(scenario):
     lo, hi = np.array(limits.position_min), np.array(limits.position_max)
     measured = lo + rng.uniform(-0.3, 1.3) * (hi - lo)  # may start outside: move_inside
     t = 10.0
-    prev = None  # (command, velocity) of the previous tick while enabled
+    prev = None  # (command, velocity, acceleration) of the previous tick while enabled
     for k in range(ticks):
         t += DT
         event = rng.random()
@@ -74,8 +75,10 @@ def test_every_command_keeps_the_invariant(scenario):
             continue
         if prev is not None and c.status.state == "running":  # the invariant's check bench.limiter counts with
             unmet = c.counts["relative_target_unmet"] > before["relative_target_unmet"]
-            assert not violations(lim, prev[0], prev[1], cmd, measured, unmet), (prev, cmd, measured)
-        prev = (cmd, lim.velocity.copy())
+            jerk_unmet = c.counts["jerk_unmet"] > before["jerk_unmet"]
+            assert not violations(lim, prev[0], prev[1], cmd, measured, unmet, prev[2], jerk_unmet), \
+                (prev, cmd, measured)
+        prev = (cmd, lim.velocity.copy(), lim.accel.copy())
 
 
 J = ("j1", "j2")
@@ -148,22 +151,68 @@ def test_a_blocked_joint_is_never_commanded_beyond_max_relative_target_with_acce
     assert c.counts["max_relative_target"] > 0 and c.counts["relative_target_unmet"] == 0
 
 
-def test_the_arm_brakes_before_a_position_limit_instead_of_stopping_dead():
+@pytest.mark.parametrize("moving", [False, True])
+def test_the_arm_brakes_before_a_position_limit_instead_of_stopping_dead(moving):
     c = controller(state_timeout=0.0, chunk_timeout=0.0)
     c.enable(10.0)
     c.on_chunk(np.full((16, 2), 0.0), 10.0, 10.0)
     c.tick(10.0)
     t, cmds = 10.0, []
-    for k in range(400):  # a target far beyond the limit, chunk after chunk: full speed towards +1
+    for k in range(400):  # chunk after chunk towards +1: a target far beyond it, or one moving past it at 0.6
         t += DT
         if k % 10 == 0:
-            c.on_chunk(np.full((16, 2), 5.0), t, t)
+            rows = 0.6 * (t + 0.02 * np.arange(16) - 10.0) if moving else np.full(16, 5.0)
+            c.on_chunk(np.repeat(rows[:, None], 2, axis=1), t, t)
         cmds.append(c.tick(t)[0])
     cmds = np.array(cmds)
     v = np.diff(cmds) / DT
-    assert v.max() == pytest.approx(0.8) and cmds.max() <= 1.0 + 1e-12
+    assert v.max() == pytest.approx(0.8) and cmds.max() <= 1.0 + 1e-12  # (catching up with the moving one)
     assert np.all(np.abs(np.diff(v)) <= 4.0 * DT + 1e-9)  # slowed within max_acceleration, no dead stop
-    assert cmds[-1] == pytest.approx(1.0, abs=1e-3) and c.counts["braking"] > 0
+    assert cmds[-1] == pytest.approx(1.0, abs=1e-3)
+    # a target clamped at the limit is approached braking in time; one that runs past it meets the limit's braking
+    assert c.counts["position_limit"] > 0 and (c.counts["braking"] > 0) == moving
+
+
+def test_a_still_target_is_reached_without_overshoot_or_hunting():
+    c = controller(state_timeout=0.0, chunk_timeout=0.0)
+    c.enable(10.0)
+    c.on_chunk(np.zeros((16, 2)), 10.0, 10.0)
+    c.tick(10.0)
+    t, cmds = 10.0, []
+    for k in range(300):  # a step of 0.5: the chunk holds it
+        t += DT
+        if k % 10 == 0:
+            c.on_chunk(np.full((16, 2), 0.5), t, t)
+        cmds.append(c.tick(t)[0])
+    cmds = np.array(cmds)
+    assert cmds.max() <= 0.5 + 1e-12 and np.all(np.diff(cmds) >= -1e-12)  # never past it, never back
+    assert cmds[-1] == pytest.approx(0.5, abs=1e-9)
+
+
+@pytest.mark.parametrize("jerk", [20.0, 200.0])
+def test_max_jerk_smooths_the_acceleration_and_still_arrives(jerk):
+    limits = LimitsConfig(position_min=(-1.0, -1.0), position_max=(1.0, 1.0), max_velocity=(0.8, 0.8),
+                          max_acceleration=(4.0, 4.0), max_jerk=(jerk, jerk))
+    c = controller(limits=limits, state_timeout=0.0, chunk_timeout=0.0)
+    c.enable(10.0)
+    c.on_chunk(np.zeros((16, 2)), 10.0, 10.0)
+    c.tick(10.0)
+    t, cmds = 10.0, []
+    for k in range(300):
+        t += DT
+        if k % 10 == 0:
+            c.on_chunk(np.full((16, 2), 0.5), t, t)
+        cmds.append(c.tick(t)[0])
+    cmds = np.array(cmds)
+    a = np.diff(np.diff(np.r_[0.0, 0.0, cmds]) / DT) / DT
+    assert np.all(np.abs(np.diff(np.r_[0.0, a])) <= jerk * DT * (1 + 1e-9) + 1e-9)
+    assert np.abs(a).max() <= 4.0 + 1e-9 and c.counts["jerk_limit"] > 0 and c.counts["jerk_unmet"] == 0
+    assert cmds[-1] == pytest.approx(0.5, abs=1e-6) and cmds.max() < 0.5 + 0.005  # arrives, barely passing
+
+
+def test_max_jerk_needs_max_acceleration():
+    with pytest.raises(ConfigError, match="max_jerk: give max_acceleration"):
+        LimitsConfig(max_jerk=(10.0, 10.0)).check(J)
 
 
 def test_the_watchdog_brakes_within_max_deceleration_and_hold_exact_repeats():
@@ -264,3 +313,38 @@ def test_validation_thresholds_are_checked_at_load(check, needle):
     from synflux_ros.core.config import ChunkValidation
     with pytest.raises(ConfigError, match=needle):
         ExecutionConfig(joints=J, validate=ChunkValidation(**check))
+
+
+def approach_with_checks(limits) -> Counter:
+    """Full speed towards +1 and a hold there, every command through bench.limiter's invariant check."""
+    c = controller(limits=limits, state_timeout=0.0, chunk_timeout=0.0)
+    c.enable(10.0)
+    c.on_chunk(np.zeros((16, 2)), 10.0, 10.0)
+    c.tick(10.0)
+    lim, bad, t = c.filter, Counter(), 10.0
+    prev = (lim.last.copy(), lim.velocity.copy(), lim.accel.copy())
+    for k in range(300):
+        t += DT
+        if k % 10 == 0:
+            c.on_chunk(np.full((16, 2), 0.6 * (t - 10.0)) + 0.6 * 0.02 * np.arange(16)[:, None], t, t)
+        before = Counter(c.counts)
+        cmd = c.tick(t)
+        bad.update(violations(lim, prev[0], prev[1], cmd, cmd, False, prev[2],
+                              c.counts["jerk_unmet"] > before["jerk_unmet"]))
+        prev = (cmd, lim.velocity.copy(), lim.accel.copy())
+    return bad
+
+
+@pytest.mark.parametrize("plant,breach", [("no_braking", "acceleration"), ("no_jerk", "jerk")])
+def test_the_invariant_check_catches_a_limiter_without_braking_or_jerk_limit(monkeypatch, plant, breach):
+    from synflux_ros.execution.limiter import JointLimiter
+    limits = LimitsConfig(position_min=(-1.0, -1.0), position_max=(1.0, 1.0), max_velocity=(0.8, 0.8),
+                          max_acceleration=(4.0, 4.0), max_jerk=(100.0, 100.0))
+    assert not approach_with_checks(limits)  # the real one keeps it
+    if plant == "no_braking":  # only the clamp to the position limits: a dead stop there
+        monkeypatch.setattr(JointLimiter, "brake_speed", lambda self, d, rate=None, lag=0.0:
+                            np.where(np.asarray(d) > 0, np.inf, 0.0) if rate is None else np.full_like(d, np.inf))
+    else:
+        monkeypatch.setattr(JointLimiter, "_jerk_band", lambda self, lo, hi, counts: (lo, hi))
+        monkeypatch.setattr(JointLimiter, "_smooth", lambda self, want, measured=None: want)
+    assert approach_with_checks(limits)[breach] > 0
