@@ -62,6 +62,10 @@ SIM_ARGUMENTS = [
                     + _unset('true'), choices=common.BOOL_CHOICES),
     common.Argument('initial_positions', "Start position per joint, as '[0.0, 0.35, ...]'. "
                     + _unset("the model's keyframe 'home'")),
+    common.Argument('use_sim_time', 'Run the loop on simulated time: sim_robot_node publishes /clock and stamps '
+                    'its joint states and frames with it, and vla_node takes use_sim_time, so its control, '
+                    'watchdog and frame rates follow the simulation when it runs slower than real time. false: '
+                    'the wall clock.', default='true', choices=common.BOOL_CHOICES),
 ]
 
 VLA_PARAMETERS = {'config': str, 'executor': str, 'graph_dir': str, 'default_instruction': str, 'joint_names': list}
@@ -139,6 +143,8 @@ def sim_actions(context):
     vla = common.node_parameters({k: v for k, v in VLA_PARAMETERS.items() if k != 'joint_names'}, values)
     vla['joint_names'] = joints
     vla['camera_rate_hz'] = sim.get('camera_rate_hz', CAMERA_RATE_HZ)  # the rate vla_node expects frames at
+    sim_time = common.parse_bool('use_sim_time', values['use_sim_time'])
+    sim['publish_clock'] = vla['use_sim_time'] = sim_time  # sim_robot_node is the time source: its own clock
     return common._environment_actions(context, values['fastdds_profile']) + [
         _node(values, 'sim_robot_node', sim),
         _node(values, 'vla_node', vla),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.clock import Clock, ClockType
 from rclpy.lifecycle import Node as LifecycleNode
 from rclpy.lifecycle import State, TransitionCallbackReturn
 
@@ -144,8 +145,10 @@ class SynfluxNode(ManagedNode):
             summary = self.setup(p, cfg)
             self.cfg = cfg
             self._diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+            # on the steady clock: diagnostics go on when simulated time (use_sim_time) stands still
             self._timer = self.create_timer(p["diagnostics_period"], self._publish_diagnostics,
-                                            callback_group=MutuallyExclusiveCallbackGroup())
+                                            callback_group=MutuallyExclusiveCallbackGroup(),
+                                            clock=Clock(clock_type=ClockType.STEADY_TIME))
             self.get_logger().info(f"configured {summary}, "
                                    f"{self.runtime.executor.device_bytes / 2**20:.1f} MiB device memory")
         if not self.try_configure(configure):  # a failed configure does not poison the next attempt

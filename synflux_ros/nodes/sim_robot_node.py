@@ -12,11 +12,14 @@ import os
 import threading
 import time
 
+from builtin_interfaces.msg import Time
 from diagnostic_msgs.msg import DiagnosticArray
 from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rclpy.clock import Clock as RosClock, ClockType
 from rclpy.lifecycle import State, TransitionCallbackReturn
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from rosgraph_msgs.msg import Clock
 from sensor_msgs.msg import Image, JointState
 from std_msgs.msg import Float64MultiArray
 
@@ -39,6 +42,10 @@ PARAMS = [
     Param("physics_rate_hz", 500.0, f"physics steps (and servo updates) per simulated second, at least "
                                     f"{MIN_PHYSICS_RATE_HZ:.0f}"),
     Param("real_time", True, "keep simulated time on the wall clock (false: step as fast as the CPU allows)"),
+    Param("publish_clock", False, "publish simulated time on /clock and stamp joint_states and images with it "
+                                  "(run every node of the loop with use_sim_time:=true); false: stamps on this "
+                                  "node's clock"),
+    Param("clock_rate_hz", 250.0, "/clock messages per simulated second (publish_clock)"),
     Param("joint_state_rate_hz", 100.0, "joint_states messages per simulated second"),
     Param("camera", "scene", "MJCF camera to render (the built-in arm has scene and wrist)"),
     Param("camera_rate_hz", 10.0, "image messages per simulated second (0 = no camera, nothing rendered)"),
@@ -52,6 +59,8 @@ PARAMS = [
 # joint_state_broadcaster publishes with.
 COMMAND_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
 JOINT_STATE_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+CLOCK_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE)
+"""Only the newest time matters; a reliable publisher matches rclpy's and rclcpp's best-effort /clock readers."""
 
 SIM_FIELDS = {"model": "model", "joint_names": "joint_names", "physics_rate": "physics_rate_hz",
               "initial_positions": "initial_positions", "camera": "camera", "image_size": "image_width"}
@@ -108,7 +117,7 @@ class SimRobotNode(ManagedNode):
             raise self.fail("initial_positions", f"{start!r}: must be a list of finite numbers, one per joint")
         v["initial_positions"] = [float(x) for x in start]
         physics = rate("physics_rate_hz", MIN_PHYSICS_RATE_HZ, low_ok=True)
-        for name in ("joint_state_rate_hz", "camera_rate_hz"):
+        for name in ("joint_state_rate_hz", "camera_rate_hz", "clock_rate_hz"):
             rate(name, 0.0, low_ok=name == "camera_rate_hz")
             if v[name] > physics:
                 raise self.fail(name, f"{v[name]!r} Hz: above physics_rate_hz ({physics:g} Hz)")
@@ -119,7 +128,7 @@ class SimRobotNode(ManagedNode):
             x = v[name]
             if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= MAX_IMAGE_SIDE:
                 raise self.fail(name, f"{x!r}: must be an integer from 1 to {MAX_IMAGE_SIDE}")
-        for name in ("real_time", "autostart"):
+        for name in ("real_time", "autostart", "publish_clock"):
             if not isinstance(v[name], bool):
                 raise self.fail(name, f"{v[name]!r}: must be true or false")
         if not isinstance(v["camera"], str) or (v["camera_rate_hz"] > 0 and not v["camera"]):
@@ -152,6 +161,9 @@ class SimRobotNode(ManagedNode):
         ticks = [Tick(p["joint_state_rate_hz"], self._publish_joint_state)]
         if camera:
             ticks.append(Tick(p["camera_rate_hz"], self._request_frame))
+        if p["publish_clock"]:
+            ticks.insert(0, Tick(p["clock_rate_hz"], self._publish_clock))  # before the messages it stamps
+            self._pubs["clock"] = self.create_publisher(Clock, "/clock", CLOCK_QOS)
         self.loop = SimLoop(self.robot, real_time=p["real_time"], ticks=ticks)
         self._pubs["joint_states"] = self.create_lifecycle_publisher(JointState, "joint_states", JOINT_STATE_QOS)
         if camera:
@@ -160,13 +172,15 @@ class SimRobotNode(ManagedNode):
                                                    COMMAND_QOS, callback_group=MutuallyExclusiveCallbackGroup()))
         self._diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._timer = self.create_timer(p["diagnostics_period"], self._publish_diagnostics,
-                                        callback_group=MutuallyExclusiveCallbackGroup())
+                                        callback_group=MutuallyExclusiveCallbackGroup(),
+                                        clock=RosClock(clock_type=ClockType.STEADY_TIME))
         r = self.robot
         cam = (f"camera {p['camera']!r} {p['image_width']}x{p['image_height']} at {p['camera_rate_hz']:g} Hz "
                f"({self.gl_backend})") if camera else "no camera"
         self.get_logger().info(
             f"configured {r.source}: joints {', '.join(r.joint_names)}, physics {p['physics_rate_hz']:g} Hz"
-            f"{' in real time' if p['real_time'] else ' as fast as possible'}, joint_states at "
+            f"{' in real time' if p['real_time'] else ' as fast as possible'}"
+            f"{', simulated time on /clock' if p['publish_clock'] else ''}, joint_states at "
             f"{p['joint_state_rate_hz']:g} Hz, {cam}")
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
@@ -205,12 +219,24 @@ class SimRobotNode(ManagedNode):
     def _publish_joint_state(self, robot: SimRobot) -> None:
         msg = JointState(name=robot.joint_names, position=robot.positions().tolist(),
                          velocity=robot.velocities().tolist(), effort=robot.efforts().tolist())
-        msg.header.stamp = self.get_clock().now().to_msg()
+        msg.header.stamp = self._stamp(robot)
         self._pubs["joint_states"].publish(msg)
         self._counts["joint_states"] += 1  # only the physics thread writes it
 
     def _request_frame(self, robot: SimRobot) -> None:
-        self.frames.request(robot.qpos(), self.get_clock().now().to_msg())
+        self.frames.request(robot.qpos(), self._stamp(robot))
+
+    def _stamp(self, robot: SimRobot) -> Time:
+        """Simulated time with publish_clock (what /clock says), else this node's clock."""
+        if not self._p["publish_clock"]:
+            return self.get_clock().now().to_msg()
+        ns = int(round(robot.time * 1e9))
+        return Time(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+
+    def _publish_clock(self, robot: SimRobot) -> None:
+        pub = self._pubs.get("clock")
+        if pub is not None:
+            pub.publish(Clock(clock=self._stamp(robot)))
 
     def _on_frame(self, rgb, stamp, render_s: float) -> None:
         h, w = rgb.shape[:2]
@@ -235,6 +261,7 @@ class SimRobotNode(ManagedNode):
         values = {
             "physics_rate_hz": rate, "physics_rate_target_hz": p["physics_rate_hz"], "real_time_factor": factor,
             "real_time": p["real_time"], "sim_time_s": self.robot.time if self.robot else 0.0,
+            "publish_clock": p["publish_clock"],
             "lag_resets": loop.lag_resets, "commands_received": c["commands"] + c["refused"],
             "commands_refused": c["refused"], "commands_while_inactive": self._counts["inactive_commands"],
             "targets_clamped": c["clamped"], "last_refusal": c["last_refusal"],

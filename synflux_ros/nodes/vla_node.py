@@ -99,7 +99,7 @@ class VLANode(SynfluxNode):
         self._retired = dict(processed=0, dropped=0, failed=0)
         self._latencies = deque(maxlen=200)
         self._published_times = deque(maxlen=200)
-        self._arrivals = deque(maxlen=RATE_WINDOW)  # (receipt monotonic s, camera stamp s)
+        self._arrivals = deque(maxlen=RATE_WINDOW)  # (receipt monotonic s, receipt on the node's clock, stamp s)
         self._last_input_error = ""
         self._subs, self._pubs = [], {}
         self._state_reader: DedicatedSubscription | None = None
@@ -254,7 +254,7 @@ class VLANode(SynfluxNode):
         t_receipt = time.perf_counter()
         with self._lock:
             self._counts["received"] += 1
-            self._arrivals.append((time.monotonic(), header.stamp.sec + header.stamp.nanosec * 1e-9))
+            self._arrivals.append((time.monotonic(), self._now(), header.stamp.sec + header.stamp.nanosec * 1e-9))
         if not self._active:
             self._count("inactive")
             return
@@ -452,10 +452,10 @@ class VLANode(SynfluxNode):
                "estimated_camera_rate_hz": 0.0}
         if len(arrivals) < 3:
             return out
-        span = arrivals[-1][0] - arrivals[0][0]
+        span = arrivals[-1][1] - arrivals[0][1]  # on the node's clock: simulated time with use_sim_time
         if span > 0:
             out["receive_rate_hz"] = (len(arrivals) - 1) / span
-        estimate, ratio = source_rate(s for _, s in arrivals)
+        estimate, ratio = source_rate(s for _, _, s in arrivals)
         out["estimated_camera_rate_hz"] = estimate
         if self.camera_rate > 0:  # stated: frames that never arrive count too
             out["delivery_ratio"] = min(1.0, out["receive_rate_hz"] / self.camera_rate)

@@ -47,9 +47,9 @@ def main(argv=None) -> int:
           f"{', ' + args.executor if args.executor else ''}), ROS_DOMAIN_ID={env['ROS_DOMAIN_ID']}")
     sim = NodeProcess("sim_robot_node", {"model": args.model, "joint_names": joints, "camera": args.camera,
                                          "image_width": args.image_size[0], "image_height": args.image_size[1],
-                                         "camera_rate_hz": args.camera_rate}, env=env)
+                                         "camera_rate_hz": args.camera_rate, "publish_clock": True}, env=env)
     vla_params = {"config": args.config, "executor": args.executor, "joint_names": joints,
-                  "camera_rate_hz": args.camera_rate}
+                  "camera_rate_hz": args.camera_rate, "use_sim_time": True}  # on the simulation's clock
     if args.graph_dir:
         vla_params["graph_dir"] = args.graph_dir
     vla = NodeProcess("vla_node", vla_params, env=env)

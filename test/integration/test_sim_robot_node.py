@@ -227,6 +227,8 @@ def test_each_headless_backend_renders_frames(ros_env, backend, library):
     ({"model": "/nonexistent/arm.xml"}, "parameter 'model': '/nonexistent/arm.xml': no such file"),
     ({"camera_rate_hz": 1000.0}, "parameter 'camera_rate_hz': 1000.0 Hz: above physics_rate_hz (500 Hz)"),
     ({"real_time": "often"}, "parameter 'real_time': 'often': must be true or false"),
+    ({"publish_clock": 1}, "parameter 'publish_clock': 1: must be true or false"),
+    ({"clock_rate_hz": 1000.0}, "parameter 'clock_rate_hz': 1000.0 Hz: above physics_rate_hz (500 Hz)"),
 ])
 def test_a_bad_parameter_fails_at_start_naming_it(ros_env, params, needle):
     proc = NodeProcess("sim_robot_node", params, env=ros_env, remaps={"__ns": "/badsim"})
@@ -255,10 +257,11 @@ def test_sim_launch_starts_the_arm_and_vla_node_on_its_joints(stand_in_launch):
     assert launch.CAMERA_RATE_HZ == next(p.default for p in PARAMS if p.name == "camera_rate_hz")
     started = nodes(run(SIM_LAUNCH))
     assert set(started) == {"sim_robot_node", "vla_node"}
-    assert parameters_of(started["sim_robot_node"]) == ([], {})  # defaults: the node's own
+    # defaults: the node's own, but simulated time on /clock, which vla_node follows
+    assert parameters_of(started["sim_robot_node"]) == ([], {"publish_clock": True})
     # config: the arm's (joints and limits); the camera's rate, so that vla_node counts frames lost on the way
     assert parameters_of(started["vla_node"]) == ([], {"config": "vla_sim_arm.yaml", "joint_names": JOINTS,
-                                                        "camera_rate_hz": 10.0})
+                                                        "camera_rate_hz": 10.0, "use_sim_time": True})
     assert started["vla_node"].namespace == started["sim_robot_node"].namespace == ""
 
 
@@ -269,15 +272,16 @@ def test_sim_launch_arguments_become_typed_parameters(stand_in_launch, tmp_path)
         "model": "/robots/arm.xml", "joint_names": "a, b", "image_width": "448", "image_height": "320",
         "camera_rate_hz": "15", "physics_rate_hz": "1000", "real_time": "false", "initial_positions": "[0, 0.5]",
         "camera": "wrist", "executor": "onnxruntime", "config": "vla_pi0.yaml", "namespace": "arm",
-        "params_file": str(params)}))
+        "params_file": str(params), "use_sim_time": "false"}))
     files, sim = parameters_of(started["sim_robot_node"])
     assert files == [str(params)]
     assert sim == {"model": "/robots/arm.xml", "joint_names": ["a", "b"], "camera": "wrist", "image_width": 448,
                    "image_height": 320, "camera_rate_hz": 15.0, "physics_rate_hz": 1000.0, "real_time": False,
-                   "initial_positions": [0.0, 0.5]}
+                   "initial_positions": [0.0, 0.5], "publish_clock": False}
     assert type(sim["image_width"]) is int and type(sim["camera_rate_hz"]) is float
     assert parameters_of(started["vla_node"])[1] == {"config": "vla_pi0.yaml", "executor": "onnxruntime",
-                                                     "joint_names": ["a", "b"], "camera_rate_hz": 15.0}
+                                                     "joint_names": ["a", "b"], "camera_rate_hz": 15.0,
+                                                     "use_sim_time": False}
     assert started["vla_node"].namespace == started["sim_robot_node"].namespace == "arm"
 
 

@@ -34,7 +34,7 @@ ROOMS = {
 # build room and torch. Every other file of a backend is run-time.
 BACKEND_BUILD_ROOMS = {"core", "graphset", "backends", "model", "build"}
 ROS_PACKAGES = {"rclpy", "rcl_interfaces", "sensor_msgs", "std_msgs", "std_srvs", "trajectory_msgs",
-                "diagnostic_msgs", "lifecycle_msgs", "builtin_interfaces", "ament_index_python"}
+                "diagnostic_msgs", "lifecycle_msgs", "builtin_interfaces", "ament_index_python", "rosgraph_msgs"}
 ROS_ROOMS = {"nodes", "tools"}  # tools/ drives nodes over DDS (demo, test harness); a robot runs nodes/ only
 BUILD_TIME = {"torch", "transformers", "safetensors", "onnxruntime_genai", "accelerate", "gguf"}
 RUN_TIME_ROOMS = {"core", "graphset", "backends", "model", "runtimes", "execution", "sim", "nodes", "serve"}
