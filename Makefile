@@ -91,36 +91,59 @@ $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
 
 # The tests import the installed package (with its generated messages), not the source tree.
 # The RKNN venv is a prerequisite so that the rknn backend tests run (they skip without it); the pi0 reference
-# venv so that the LeRobot parity test runs (it skips without it).
-# The NPU simulator tests (marker `simulator`: qnn, rknn; minutes of single-instruction emulation, the rknn one
-# single-threaded) and the serving tests (marker `serve`: a local Ray cluster each module) run in a second
-# pytest process beside the others, on a DDS domain of their own; their report follows. That process runs at a lower CPU priority (nice 5): its cases only need throughput, while
-# the others start nodes and wait for DDS discovery and replies under timeouts.
-# Both processes keep their files under build/ (pytest-main, pytest-simulators: about 3.5 GiB, replaced by the
+# venv so that the LeRobot parity tests run (they skip without it).
+# make test runs every test of the package's own code in two processes side by side, each on a DDS domain of
+# its own: the node, launch and fault tests (integration/), and, at a lower CPU priority (nice 5: its cases
+# only need throughput, while the others start nodes and wait for DDS discovery and replies under timeouts),
+# the unit tests followed by the serving tests (marker `serve`: a local Ray cluster each module).
+# make test-reference runs the comparisons with reference implementations (marker `reference`: LeRobot,
+# transformers) beside the vendor NPU simulators (marker `simulator`: QNN's and RKNN's, minutes of
+# single-instruction emulation): what make test does not, and CI runs both (.ci/run).
+# Every process keeps its files under build/ (pytest-*: about 3.5 GiB for both targets, replaced by the
 # next run; test/conftest.py puts the started processes' temporary files there too); with less free there, the
 # failures that follow come from a full disk, which the first line says.
 TEST_DIRS := unit integration parity simulators gpu launch
 TEST_DISK_GIB := 4
 # The slowest cases of each process, listed after its report (where the 10-minute goal of make test goes).
 DURATIONS := --durations=25 --durations-min=5
+PYTEST := $(PY) -m pytest -q -rs -p no:cacheprovider $(DURATIONS)
 # Its prerequisites (the venvs, the package, the docs) are made by a parallel make: on a fresh clone they
 # are mostly downloads and unpacking, independent but for the package venv they share.
-test:
-	$(MAKE) -j4 --no-print-directory install rknn-venv pi0ref-venv docs sim-venv serve-venv openpi-venv
+TEST_PREREQUISITES := install rknn-venv pi0ref-venv docs sim-venv serve-venv openpi-venv
+define check_disk
 	@mkdir -p $(BUILD); free=$$(df -Pk $(BUILD) | awk 'NR==2 {print int($$4 / 1048576)}'); [ "$$free" -ge $(TEST_DISK_GIB) ] || \
-	  echo "make test: WARNING: $$free GiB free on the disk of $(abspath $(BUILD)); the tests write about \
+	  echo "make $@: WARNING: $$free GiB free on the disk of $(abspath $(BUILD)); the tests write about \
 	$(TEST_DISK_GIB) GiB there, and a full disk makes them fail"
-	cd test && base=$${ROS_DOMAIN_ID:-$$(( RANDOM % 100 + 1 ))}; \
-	  ROS_DOMAIN_ID=$$(( base % 101 + 1 )) nice -n 5 $(PY) -m pytest -q -rs -p no:cacheprovider $(DURATIONS) \
-	    --basetemp=$(abspath $(BUILD))/pytest-simulators -m "simulator or serve" $(TEST_DIRS) \
-	    > $(abspath $(BUILD))/test-simulators.log 2>&1 & sim=$$!; \
-	  trap "kill $$sim 2>/dev/null" INT TERM; \
-	  ROS_DOMAIN_ID=$$base $(PY) -m pytest -q -rs $(DURATIONS) --basetemp=$(abspath $(BUILD))/pytest-main \
-	    -m "not simulator and not serve" $(TEST_DIRS); rc=$$?; \
-	  wait $$sim; sim_rc=$$?; \
-	  echo "== NPU simulator and serving tests (markers simulator, serve), run beside the others =="; \
-	  cat $(abspath $(BUILD))/test-simulators.log; \
-	  [ $$rc -eq 0 ] && [ $$sim_rc -eq 0 ]
+endef
+# $(call side_by_side,name,pytest args of the second process,name,pytest args of the first): the second runs
+# at nice 5 into build/test-<name>.log, printed after the first's report; fails when either does.
+define side_by_side
+	cd test && base=$${ROS_DOMAIN_ID:-$$(( RANDOM % 100 + 1 ))}; start=$$(date +%s); \
+	  ( ROS_DOMAIN_ID=$$(( base % 101 + 1 )) nice -n 5 sh -c '$(2)' ) > $(abspath $(BUILD))/test-$(1).log 2>&1 & \
+	  second=$$!; trap "kill $$second 2>/dev/null" INT TERM; \
+	  ROS_DOMAIN_ID=$$base sh -c '$(4)'; rc=$$?; \
+	  wait $$second; second_rc=$$?; \
+	  echo "== $(1) (run beside $(3)) =="; cat $(abspath $(BUILD))/test-$(1).log; \
+	  echo "== make $@: $$(( $$(date +%s) - start )) s of tests =="; \
+	  [ $$rc -eq 0 ] && [ $$second_rc -eq 0 ]
+endef
+test:
+	$(MAKE) -j4 --no-print-directory $(TEST_PREREQUISITES)
+	$(check_disk)
+	$(call side_by_side,unit-and-serve,\
+	  $(PYTEST) --basetemp=$(abspath $(BUILD))/pytest-unit -m "not simulator and not reference" unit && \
+	  $(PYTEST) --basetemp=$(abspath $(BUILD))/pytest-serve -m "serve and not simulator and not reference" \
+	    integration,node tests,\
+	  $(PYTEST) --basetemp=$(abspath $(BUILD))/pytest-main -m "not simulator and not reference and not serve" \
+	    $(filter-out unit,$(TEST_DIRS)))
+
+.PHONY: test-reference
+test-reference:
+	$(MAKE) -j4 --no-print-directory $(TEST_PREREQUISITES)
+	$(check_disk)
+	$(call side_by_side,simulators,\
+	  $(PYTEST) --basetemp=$(abspath $(BUILD))/pytest-simulators -m simulator $(TEST_DIRS),reference tests,\
+	  $(PYTEST) --basetemp=$(abspath $(BUILD))/pytest-reference -m "reference and not simulator" $(TEST_DIRS))
 
 # The Python 3.10 lane (Humble's Python on Jetson Orin, JetPack 6): the run-time suite, torch-free, on numpy
 # 1.26 and the cp310 builds of the Jazzy wheels, in .venv-py310 (.ci/lane-py310.sh says what runs and why).
@@ -180,7 +203,7 @@ docs: $(DOCS_VENV)/.stamp-docs $(VENV)/.stamp-deps
 # The edit loop: the unit tests (the layer and security scans among them) without the simulators, about a
 # minute.
 check: install
-	cd test && $(PY) -m pytest -q -p no:cacheprovider --basetemp=$(abspath $(BUILD))/pytest-check -m "not simulator" unit
+	cd test && $(PY) -m pytest -q -p no:cacheprovider --basetemp=$(abspath $(BUILD))/pytest-check -m "not simulator and not reference" unit
 
 unit: install
 	cd test && $(PY) -m pytest -q unit

