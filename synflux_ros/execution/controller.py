@@ -18,7 +18,7 @@ import numpy as np
 
 from ..core.config import ExecutionConfig
 from .limiter import JointLimiter
-from .plan import ChunkPlan, ChunkRefused, Offer
+from .plan import CLOCK_SKEW_S, ChunkPlan, ChunkRefused, Offer
 from .robot_state import NoFreshState, StampedBuffer
 from .validate import ChunkInvalid, validate_chunk
 
@@ -26,8 +26,6 @@ ENABLE_TOLERANCE = 1e-3
 """Share of a joint's range it may be measured outside its position limits and still be enabled under
 ``outside_at_enable: refuse`` (a gripper closed on an object, sensor noise at a hard stop); the command then
 comes back inside as with ``move_inside``."""
-FUTURE_STATE_S = 0.05
-"""How far ahead of the node's clock a joint state's stamp may lie (clock skew between processes)."""
 STATE_HISTORY = 400
 """Joint states kept for delta actions (matched to frames by stamp)."""
 
@@ -43,11 +41,13 @@ class Status:
 class Controller:
     """Chunks in, one command per control tick out, within the limits; see the module docstring."""
 
-    def __init__(self, cfg: ExecutionConfig, step_period: float, horizon: int):
+    def __init__(self, cfg: ExecutionConfig, step_period: float, horizon: int, clock_skew: float = CLOCK_SKEW_S):
+        """``clock_skew``: how far ahead of the node's clock a frame's or a joint state's stamp may lie
+        (:data:`.plan.CLOCK_SKEW_S`; :data:`.plan.SIM_CLOCK_SKEW_S` on simulated time)."""
         self.cfg = cfg
         self.joints = tuple(cfg.joints)
         self.dt = 1.0 / cfg.control_rate_hz
-        self.plan = ChunkPlan(cfg, step_period, horizon)
+        self.plan = ChunkPlan(cfg, step_period, horizon, clock_skew)
         self.filter = JointLimiter(cfg, self.dt)
         self.counts: Counter = Counter()
         self.status = Status()
@@ -68,12 +68,13 @@ class Controller:
     def on_joint_state(self, stamp: float, names, positions, now: float) -> None:
         """A ``sensor_msgs/JointState`` stamped ``stamp`` (0 = unstamped) arriving at ``now`` (node clock);
         ValueError (nothing stored) when a commanded joint is missing or not finite, or the stamp lies more than
-        :data:`FUTURE_STATE_S` ahead of the node's clock. Its age is counted from its stamp (from its arrival
+        ``clock_skew`` ahead of the node's clock. Its age is counted from its stamp (from its arrival
         when unstamped): a state measured long ago and delivered late is stale."""
-        if stamp > now + FUTURE_STATE_S:
+        skew = self.plan.clock_skew
+        if stamp > now + skew:
             self.counts["states_from_the_future"] += 1
-            raise ValueError(f"stamped {stamp - now:.3f} s ahead of this node's clock (more than "
-                             f"{FUTURE_STATE_S} s: the clocks are not in sync)")
+            raise ValueError(f"stamped {stamp - now:.3f} s ahead of this node's clock (more than {skew} s: the "
+                             f"clocks are not in sync)")
         index = {n: i for i, n in enumerate(names)}
         missing = [j for j in self.joints if j not in index]
         if missing:

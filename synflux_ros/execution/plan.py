@@ -17,9 +17,12 @@ import numpy as np
 from ..core.config import ExecutionConfig
 from .merge import Overlap, merge_for
 
-FUTURE_STAMP_TOLERANCE = 0.05
-"""Seconds a frame stamp may lie ahead of the node's clock (clock skew between machines) before a chunk is
-refused."""
+CLOCK_SKEW_S = 0.05
+"""Seconds a stamp (a frame's, a joint state's) may lie ahead of the node's clock before it is refused: clock
+skew between machines."""
+SIM_CLOCK_SKEW_S = 0.25
+"""The same on simulated time (use_sim_time): the node's clock advances as its executor takes each /clock
+message, which on a loaded machine lags the simulator's stamps by tens of milliseconds."""
 
 
 class ChunkRefused(ValueError):
@@ -42,8 +45,9 @@ class ChunkPlan:
     ``execution.mode`` says (``merge.py``), sampled with linear or cubic interpolation. Not thread-safe (the controller
     holds a lock)."""
 
-    def __init__(self, cfg: ExecutionConfig, step_period: float, horizon: int):
+    def __init__(self, cfg: ExecutionConfig, step_period: float, horizon: int, clock_skew: float = CLOCK_SKEW_S):
         self.cfg, self.period, self.horizon = cfg, float(step_period), int(horizon)
+        self.clock_skew = clock_skew
         self.times = np.zeros(0)
         self.actions = np.zeros((0, 0))
         self.raw: np.ndarray | None = None  # model-space rows beside the actions (rtc)
@@ -59,7 +63,7 @@ class ChunkPlan:
         if not t_obs > 0:
             raise ChunkRefused("the frame has no stamp: its chunk cannot be placed on the clock")
         late = now - t_obs
-        if late < -FUTURE_STAMP_TOLERANCE:
+        if late < -self.clock_skew:
             raise ChunkRefused(f"the frame is stamped {-late:.3f} s ahead of this node's clock (are the clocks of "
                                f"the camera and this machine synchronised?)")
         d = max(0, math.ceil((late + self.cfg.lookahead) / self.period - 1e-9))

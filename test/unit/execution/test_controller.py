@@ -251,3 +251,17 @@ def test_the_control_loop_ticks_on_schedule_and_survives_a_failing_tick():
     n = loop.ticks
     _time.sleep(0.05)
     assert loop.ticks == n  # stopped
+
+
+def test_on_simulated_time_a_stamp_may_lead_the_clock_by_the_lag_of_clock_messages():
+    from synflux_ros.execution.plan import CLOCK_SKEW_S, SIM_CLOCK_SKEW_S
+    cfg = ExecutionConfig(joints=("a",), state_timeout=1.0)
+    lead = (CLOCK_SKEW_S + SIM_CLOCK_SKEW_S) / 2
+    with pytest.raises(ValueError, match="ahead of this node's clock"):
+        Controller(cfg, 0.02, 16).on_joint_state(10.0 + lead, ["a"], [0.0], 10.0)
+    sim = Controller(cfg, 0.02, 16, clock_skew=SIM_CLOCK_SKEW_S)
+    sim.on_joint_state(10.0 + lead, ["a"], [0.0], 10.0)
+    sim.on_chunk(np.zeros((16, 1)), 10.0 + lead, 10.0)  # a frame as far ahead: placed, not refused
+    assert sim.counts["chunks_accepted"] == 1 and sim.counts["states_from_the_future"] == 0
+    with pytest.raises(ValueError, match="ahead of this node's clock"):
+        sim.on_joint_state(10.0 + 2 * SIM_CLOCK_SKEW_S, ["a"], [0.0], 10.0)
