@@ -72,11 +72,6 @@ def _find_chains(graph) -> list[_Chain]:
     return chains
 
 
-def has_affine(model) -> bool:
-    """Whether ``model`` (an ``onnx.ModelProto``) holds an affine 4-bit weight chain."""
-    return bool(_find_chains(model.graph))
-
-
 def unpack_uint4(raw: np.ndarray, count: int) -> np.ndarray:
     """ONNX UINT4 raw data (two values a byte, the first in the low nibble) -> uint8 values 0..15."""
     raw = np.asarray(raw, np.uint8).reshape(-1)
