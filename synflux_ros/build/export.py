@@ -62,11 +62,7 @@ def _exporter_fingerprint() -> str:
     paths = [os.path.abspath(__file__), os.path.join(fmt, "reader.py"), os.path.join(fmt, "writer.py"),
              os.path.join(here, "quantize.py")]
     paths += [os.path.join(models, n) for n in sorted(os.listdir(models)) if n.endswith(".py")]
-    h = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as fh:
-            h.update(os.path.basename(path).encode() + fh.read())
-    return h.hexdigest()[:12]
+    return cache.digest(paths, named=True, length=12)
 
 
 def weights_fingerprint(seed: int, hf_dir: str | None) -> str:

@@ -7,7 +7,6 @@ rules expect. A decode graph's attention then appends to the KV slot in place (`
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from typing import NamedTuple
@@ -66,9 +65,7 @@ def versions() -> dict:
         except metadata.PackageNotFoundError as exc:
             raise RuntimeError(f"onnxruntime executor: the fusions option needs the 'onnxscript' package "
                                f"({_INSTALL_HINT}), or set fusions: false") from exc
-    with open(__file__, "rb") as fh:
-        source = hashlib.sha256(fh.read()).hexdigest()[:16]
-    return {**found, "rules": source}
+    return {**found, "rules": cache.digest([__file__], length=16)}
 
 
 # ---------------------------------------------------------------------------------------------- helpers

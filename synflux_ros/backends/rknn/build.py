@@ -150,11 +150,8 @@ def model_inputs(meta: GraphMeta) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _fingerprint() -> str:
-    h = hashlib.sha256()
-    for path in (os.path.abspath(__file__), COMPILER):
-        with open(path, "rb") as fh:
-            h.update(fh.read())
-    return h.hexdigest()[:12]
+    """This module's and the compiler script's source: editing either recompiles."""
+    return cache.digest([os.path.abspath(__file__), COMPILER], length=12)
 
 
 def rknn_key(onnx_key: str, target: str, toolkit: str, dtype: str, quantization: dict | None = None) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import importlib
 import json
 import os
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 
 from . import plan
 from .options import PRECISIONS
-from ...graphset import reader as graphset
+from ...graphset import cache, reader as graphset
 from ...build.builder import BuildError, Builder
 
 JETPACK_HINT = ("TensorRT comes with JetPack on a Jetson (python3-libnvinfer); on an x86 workstation with an "
@@ -74,7 +73,7 @@ class TensorRTOptions:
         d = dataclasses.asdict(self)
         for k in ("module", "sm", "calib_dir"):
             d.pop(k)
-        d["calib"] = plan.file_digest(sorted(glob.glob(os.path.join(self.calib_dir, "*.npz")))) if self.calib_dir else ""
+        d["calib"] = cache.digest(sorted(glob.glob(os.path.join(self.calib_dir, "*.npz")))) if self.calib_dir else ""
         return d
 
 
@@ -323,15 +322,10 @@ def onnx_digest(graph_dir: str, spec: plan.EngineSpec) -> str:
     if not os.path.isfile(path):
         raise TensorRTBuildError(f"engine {spec.name}: {path} is missing; "
                                  f"{graphset.BUILD_HINT.format(dir=graph_dir)} --backend tensorrt")
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        h.update(fh.read())
     base = os.path.dirname(path)
-    for t in sorted(graphset.external_initializers(path), key=lambda t: (t.location, t.offset)):
-        with open(os.path.join(base, t.location), "rb") as fh:
-            fh.seek(t.offset)
-            h.update(fh.read(t.length) if t.length >= 0 else fh.read())
-    return h.hexdigest()
+    ranges = [(os.path.join(base, t.location), t.offset, t.length)
+              for t in sorted(graphset.external_initializers(path), key=lambda t: (t.location, t.offset))]
+    return cache.digest([path] + ranges)
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -345,14 +339,10 @@ def _profiled_key(manifest: dict) -> str:
     """What the shape-polymorphic ONNX depend on: the static graphs' keys (contract, weights, tools) and
     the source of their export."""
     here = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256()
-    for g in sorted(manifest["graphs"], key=lambda g: g["name"]):
-        if g["kind"] in ("embed", "prefill", "decode", "action_expert", "action_expert_vjp"):
-            h.update(f"{g['name']}={g.get('key', '')};".encode())
-    for path in (os.path.join(here, "build_onnx.py"), os.path.join(here, "build_models.py")):
-        with open(path, "rb") as fh:
-            h.update(fh.read())
-    return h.hexdigest()[:16]
+    keys = [f"{g['name']}={g.get('key', '')};" for g in sorted(manifest["graphs"], key=lambda g: g["name"])
+            if g["kind"] in ("embed", "prefill", "decode", "action_expert", "action_expert_vjp")]
+    return cache.digest([os.path.join(here, "build_onnx.py"), os.path.join(here, "build_models.py")],
+                        head=keys, length=16)
 
 
 def export_profiled(cfg, out: str, manifest: dict, hf_dir: str | None, seed: int, force: bool, progress=print) -> None:
