@@ -26,7 +26,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from . import plan
+from . import plan, sidecar
 from .options import PRECISIONS
 from ...graphset import cache, reader as graphset
 from ...build.builder import BuildError, Builder
@@ -263,18 +263,21 @@ def engine_dir(graph_dir: str, sm: str, opts: TensorRTOptions) -> str:
     return os.path.join(graph_dir, "tensorrt", plan.device_tag(sm, opts.dla_core, opts.precision))
 
 
-def build_engines(graph_dir: str, metas, opts: TensorRTOptions, force: bool = False, progress=print) -> dict:
+def build_engines(graph_dir: str, metas, opts: TensorRTOptions, force: bool = False,
+                  progress=print) -> sidecar.Sidecar:
     """Build every stale engine of the graph set in ``graph_dir``; returns the sidecar written."""
     trt = load_tensorrt(opts.module)
     sm = _target_sm(opts)
     dla_kinds = plan.DLA_CAPABLE if opts.dla_core is not None else ()
     engines = plan.plan_engines(metas, dla_kinds)
     out_dir = engine_dir(graph_dir, sm, opts)
-    side_path = os.path.join(out_dir, plan.SIDECAR)
     old = {}
-    if not force and os.path.isfile(side_path):
-        with open(side_path, encoding="utf-8") as fh:
-            old = json.load(fh).get("engines", {})
+    if not force and os.path.isfile(sidecar.sidecar_path(out_dir)):
+        try:
+            old = sidecar.read(out_dir).engines
+        except sidecar.SidecarError as exc:
+            raise TensorRTBuildError(f"{sidecar.sidecar_path(out_dir)}: {exc}; add --force to build every engine "
+                                     f"again") from None
     os.makedirs(out_dir, exist_ok=True)
     timing_path = os.path.join(out_dir, "timing.cache")
     timing = b""
@@ -289,8 +292,8 @@ def build_engines(graph_dir: str, metas, opts: TensorRTOptions, force: bool = Fa
         tag = f"  [{i + 1}/{len(engines)}] {spec.name}"
         key = plan.engine_key(spec, onnx_digest(graph_dir, spec), trt.__version__, sm,
                               opts.dla_core, flags)
-        prev = old.get(spec.name, {})
-        if prev.get("key") == key and os.path.isfile(os.path.join(out_dir, prev.get("file", ""))):
+        prev = old.get(spec.name)
+        if prev is not None and prev.key == key and os.path.isfile(os.path.join(out_dir, prev.file)):
             progress(f"{tag}: unchanged, skipped")
             entries[spec.name] = prev
             continue
@@ -301,19 +304,19 @@ def build_engines(graph_dir: str, metas, opts: TensorRTOptions, force: bool = Fa
         seconds = time.perf_counter() - t0
         file = f"{spec.name}.engine"
         _write_atomic(os.path.join(out_dir, file), blob)
-        entries[spec.name] = {"file": file, "onnx": spec.onnx, "key": key, "kind": spec.kind,
-                              "profiles": [p.graph for p in spec.profiles], "dla": spec.dla, "bytes": len(blob),
-                              "seconds": round(seconds, 2), "dla_fallback_layers": [list(x) for x in fallback]}
+        entries[spec.name] = sidecar.EngineEntry(
+            file=file, onnx=spec.onnx, key=key, kind=spec.kind, profiles=tuple(p.graph for p in spec.profiles),
+            dla=spec.dla, bytes=len(blob), seconds=round(seconds, 2),
+            dla_fallback_layers=tuple(tuple(x) for x in fallback))
         more = f", {len(fallback)} layers fall back to the GPU" if fallback else ""
         progress(f"{tag}: {len(blob) / 2**20:.1f} MiB in {seconds:.1f} s{more}")
     if timing:
         _write_atomic(timing_path, timing)
     graph_keys = {g["name"]: g.get("key", "") for g in graphset.read_manifest(graph_dir).get("graphs", [])}
-    sidecar = {"format": plan.FORMAT, "tensorrt": trt.__version__, "module": opts.module, "sm": sm,
-               "dla_core": opts.dla_core, "precision": opts.precision, "flags": flags, "graph_keys": graph_keys,
-               "engines": entries}
-    _write_atomic(side_path, json.dumps(sidecar, indent=1, sort_keys=True).encode())
-    return sidecar
+    side = sidecar.Sidecar(tensorrt=trt.__version__, module=opts.module, sm=sm, dla_core=opts.dla_core,
+                           precision=opts.precision, flags=flags, graph_keys=graph_keys, engines=entries)
+    sidecar.write(out_dir, side)
+    return side
 
 
 def onnx_digest(graph_dir: str, spec: plan.EngineSpec) -> str:
@@ -369,7 +372,7 @@ def export_profiled(cfg, out: str, manifest: dict, hf_dir: str | None, seed: int
 
 
 def build_for_tensorrt(cfg, out: str, manifest: dict, hf_dir: str | None, seed: int, force: bool,
-                       opts: TensorRTOptions, progress=print) -> dict:
+                       opts: TensorRTOptions, progress=print) -> sidecar.Sidecar:
     """The shape-polymorphic ONNX, then the engines (the portable set exists); returns the engines' sidecar."""
     export_profiled(cfg, out, manifest, hf_dir, seed, force, progress)
     return build_engines(out, graphset.graph_metas(out, manifest), opts, force=force, progress=progress)
