@@ -55,6 +55,7 @@ LANE_TESTS_DEFAULT="
   unit/core unit/graphset unit/model unit/nodes unit/runtimes unit/execution
   unit/backends/test_mock.py unit/backends/test_options.py unit/backends/test_onnxruntime.py
   unit/backends/test_openvino.py unit/backends/test_rknn_sidecar.py unit/backends/test_tensorrt_plan.py
+  unit/backends/test_tensorrt_sidecar.py
   unit/bench/test_control.py unit/bench/test_dds_transport.py
   integration/test_launch_files.py
   integration/test_vla_node.py integration/test_vlm_node.py integration/test_robot_state_node.py
