@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from . import plan, sidecar
 from .options import PRECISIONS
 from ...graphset import cache, reader as graphset
-from ...build.builder import BuildError, Builder
+from ...graphkit.builder import BuildError, Builder
 
 JETPACK_HINT = ("TensorRT comes with JetPack on a Jetson (python3-libnvinfer); on an x86 workstation with an "
                 "NVIDIA GPU, NVIDIA's tensorrt wheel")
@@ -361,7 +361,7 @@ def export_profiled(cfg, out: str, manifest: dict, hf_dir: str | None, seed: int
                     os.path.isfile(os.path.join(onnx_dir, f"{k}.onnx")) for k in kinds):
                 progress(f"  profiled ONNX ({', '.join(kinds)}): unchanged, skipped")
                 return
-    from ...build.torch_models import build_graph_modules
+    from ...graphkit.torch_models import build_graph_modules
     t0 = time.perf_counter()
     progress(f"  profiled ONNX ({', '.join(kinds)}): exporting ...")
     modules = build_graph_modules(cfg, seed=seed, hf_dir=hf_dir)
@@ -380,7 +380,7 @@ def build_for_tensorrt(cfg, out: str, manifest: dict, hf_dir: str | None, seed: 
 
 def check_engines(graph_dir: str, metas, opts: TensorRTOptions) -> list:
     """``synflux-build --check`` for TensorRT: per engine, does it parse and build, and (with a DLA core)
-    which layers would fall back from DLA to the GPU. Rows as :class:`synflux_ros.build.check.GraphCheck`."""
+    which layers would fall back from DLA to the GPU. Rows as :class:`synflux_ros.buildtool.check.GraphCheck`."""
     trt = load_tensorrt(opts.module)
     dla_kinds = plan.DLA_CAPABLE if opts.dla_core is not None else ()
     with tempfile.TemporaryDirectory(prefix="synflux_trt_check_") as tmp:
@@ -388,7 +388,7 @@ def check_engines(graph_dir: str, metas, opts: TensorRTOptions) -> list:
 
 
 def _check_engine(trt, graph_dir: str, spec: plan.EngineSpec, opts: TensorRTOptions, tmp: str):
-    from ...build.check import GraphCheck
+    from ...graphkit.builder import GraphCheck
     try:
         _blob, _timing, fallback = build_engine(trt, graph_dir, spec, opts,
                                                 calibrator=_calibrator(trt, spec, opts, tmp, "check"))

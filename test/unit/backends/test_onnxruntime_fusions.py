@@ -21,7 +21,7 @@ import onnx  # noqa: E402
 
 from synflux_ros.backends import build_executor
 from synflux_ros.backends.onnxruntime import fusions as ort_fusions  # noqa: E402
-from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
 from synflux_ros.core.config import from_dict, load_config  # noqa: E402
 from synflux_ros.core.contract import graph_set  # noqa: E402

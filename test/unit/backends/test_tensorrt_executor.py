@@ -21,8 +21,8 @@ pytest.importorskip("torch", reason="synflux-build needs torch (make test instal
 pytest.importorskip("onnxruntime", reason="the reference backend is onnxruntime")
 
 from synflux_ros.backends.tensorrt import plan  # noqa: E402
-from synflux_ros.build.validate import validate  # noqa: E402
-from synflux_ros.build.export import build  # noqa: E402
+from synflux_ros.buildtool.validate import validate  # noqa: E402
+from synflux_ros.buildtool.export import build  # noqa: E402
 from synflux_ros.backends.tensorrt.build import export_profiled  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402

@@ -21,8 +21,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
-from synflux_ros.build import export as build_tool  # noqa: E402
-from synflux_ros.build import gguf_import  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import gguf_import  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.graphset import cache  # noqa: E402
 from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402
@@ -328,7 +328,7 @@ def test_llama3_rope_freqs_become_llama3_rope_parameters(tmp_path):
 
 def test_large_checkpoints_are_written_in_shards(tmp_path, monkeypatch):
     from safetensors.numpy import load_file
-    from synflux_ros.build.torch_models.checkpoint import read_tensors, tensor_files
+    from synflux_ros.graphkit.torch_models.checkpoint import read_tensors, tensor_files
     path = write_gguf(tmp_path / "m.gguf")
     gguf_import.convert(path, str(tmp_path / "one"))
     monkeypatch.setattr(gguf_import, "SHARD_BYTES", 100_000)
