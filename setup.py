@@ -23,9 +23,9 @@ setup(
         "bench": ["onnxruntime-genai"],
     },
     entry_points={"console_scripts": [
-        "synflux-build=synflux_ros.build.export:main",
+        "synflux-build=synflux_ros.buildtool.export:main",
         "synflux-bench=synflux_ros.bench.llm:main",
-        "synflux-validate=synflux_ros.build.validate:main",
+        "synflux-validate=synflux_ros.buildtool.validate:main",
         "synflux-serve=synflux_ros.serve.cli:main",
     ]},
 )

@@ -34,7 +34,7 @@ LANE_PACKAGES="onnxruntime==1.23.2 onnx openvino scipy"
 # runtimes (remote executor and openpi wire format included), the node helpers, the backends a robot loads
 # (mock, onnxruntime, openvino, the rknn/tensorrt run-time parts), the nodes started as processes on the mock
 # executor, and the launch-file checks. Left out, and why:
-#   unit/build, unit/backends/test_{onnxruntime_fusions,tensorrt_build_onnx,tensorrt_executor}.py,
+#   unit/graphkit, unit/buildtool, unit/backends/test_{onnxruntime_fusions,tensorrt_build_onnx,tensorrt_executor}.py,
 #     unit/bench/test_{quality,peer,llamacpp_build}.py: graph export, quantization, the engine builders and the
 #     LLM benchmarks' peers are build-machine code (torch, transformers, onnxscript, TensorRT-RTX, llama.cpp).
 #   unit/backends/test_qnn_weights.py: the qnn backend needs onnxruntime-qnn, which has no cp310 wheel (and
@@ -55,6 +55,7 @@ LANE_TESTS_DEFAULT="
   unit/core unit/graphset unit/model unit/nodes unit/runtimes unit/execution
   unit/backends/test_mock.py unit/backends/test_options.py unit/backends/test_onnxruntime.py
   unit/backends/test_openvino.py unit/backends/test_rknn_sidecar.py unit/backends/test_tensorrt_plan.py
+  unit/backends/test_tensorrt_sidecar.py
   unit/bench/test_control.py unit/bench/test_dds_transport.py
   integration/test_launch_files.py
   integration/test_vla_node.py integration/test_vlm_node.py integration/test_robot_state_node.py

@@ -83,7 +83,7 @@ def hf_image_processor(**size):
                                     image_mean=list(MEAN), image_std=list(STD), **size)
 
 
-# LeRobot's checkpoint layout, for the import tests that run without LeRobot (test/unit/build/test_lerobot_*.py)
+# LeRobot's checkpoint layout, for the import tests that run without LeRobot (test/unit/graphkit/test_lerobot_*.py)
 
 def siglip_shapes(prefix: str, width: int, layers: int, mlp: int, patch: int, positions: int) -> dict:
     """Tensor name -> shape of a SigLIP tower under ``prefix`` (patch and position embeddings, ``layers`` encoder

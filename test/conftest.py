@@ -128,7 +128,7 @@ def demo_graphs(tmp_path_factory):
     """The demo configs exported once by synflux-build (random weights): name -> graph set directory.
     Tests that change a graph set copy it first."""
     pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
-    from synflux_ros.build.export import build
+    from synflux_ros.buildtool.export import build
     from synflux_ros.core.config import load_config
     from synflux_ros.tools import harness as testing
     out = {}

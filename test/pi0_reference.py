@@ -68,7 +68,7 @@ def check_rtc_against_lerobot(s: dict, guidance: str, base, instruction: str, im
 
     import numpy as np
 
-    from synflux_ros.build import export as build_tool
+    from synflux_ros.buildtool import export as build_tool
     from synflux_ros.core.config import load_config
     from synflux_ros.model.heads.rtc import RTCGuidance
     from synflux_ros.runtimes.vla import VLARuntime

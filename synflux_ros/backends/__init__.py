@@ -10,7 +10,7 @@ run the mock backend. Two different errors:
 
 Adding a backend = a folder ``backends/<name>/`` with ``executor.py`` (the five hooks of
 :class:`synflux_ros.core.executor.Executor`) and, if it compiles the graphs, ``build.py`` (a
-:class:`synflux_ros.build.builder.Builder`), and one row in each table. A backend in another package
+:class:`synflux_ros.graphkit.builder.Builder`), and one row in each table. A backend in another package
 registers the same two entries under the entry-point groups ``synflux_ros.executors`` and
 ``synflux_ros.builders`` (values ``module:Class``).
 """

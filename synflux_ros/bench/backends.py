@@ -27,7 +27,7 @@ from ..backends import EXECUTORS, BackendUnavailableError, UnknownBackendError, 
 from ..core.config import load_config
 from ..tools.harness import config_path
 from ..runtimes.base import create_executor
-from ..build.validate import seeded_feeds
+from ..graphkit.feeds import seeded_feeds
 
 WIDTHS = dict(num_layers=8, hidden_dim=512, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1536,
               vocab_size=32000)
@@ -43,7 +43,7 @@ def graph_set(work: str) -> str:
     out = os.path.join(work, "vlm-h512-l8")
     if os.path.isfile(os.path.join(out, "manifest.json")):
         return out
-    from ..build.export import build
+    from ..buildtool.export import build
     base = load_config(config_path("vlm_demo.yaml"))
     cfg = base.with_overrides(llm=WIDTHS, name="vlm-h512-l8")
     build(cfg, out)

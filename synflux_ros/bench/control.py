@@ -287,7 +287,7 @@ def prepare(args) -> tuple[str, str]:
     with open(base, "w", encoding="utf-8") as fh:
         yaml.safe_dump(raw, fh)
     graphs = stem + "-graphs-vjp"
-    from ..build.export import main as build
+    from ..buildtool.export import main as build
     if build(["--config", base, "--out", graphs, "--from-hf", ckpt]):
         raise RuntimeError("synflux-build failed for the vjp graph set")
     return ckpt, graphs

@@ -58,7 +58,7 @@ def _stem(path: str) -> str:
 
 def checkpoint(path: str, work: str) -> str:
     """The GGUF file as a Hugging Face checkpoint directory in ``work`` (converted once)."""
-    from ..build.gguf_import import convert
+    from ..buildtool.gguf_import import convert
 
     out = os.path.join(work, f"{_stem(path)}.hf")
     if not os.path.isfile(os.path.join(out, "config.json")):
@@ -82,8 +82,8 @@ def model_config(path: str, prefill_buckets, context: int) -> ModelConfig:
 
 def graph_sets(path: str, work: str, prefill_buckets, context: int, weights=WEIGHTS, threads: int = 2) -> dict:
     """``{weights: graph set directory}`` built from the GGUF file (each skipped when unchanged)."""
-    from ..build.export import build
-    from ..build.gguf_import import record_source
+    from ..buildtool.export import build
+    from ..buildtool.gguf_import import record_source
 
     hf = checkpoint(path, work)
     cfg = model_config(path, prefill_buckets, context)

@@ -38,7 +38,7 @@ PROMPT = "What is on the table in front of the robot?"
 def graph_set(work: str) -> str:
     out = os.path.join(work, "qwen3vl-h512-l8")
     if not os.path.isfile(os.path.join(out, "manifest.json")):
-        from ..build.export import build
+        from ..buildtool.export import build
         cfg = load_config(config_path("vlm_qwen3.yaml")).with_overrides(name="qwen3vl-h512-l8", **WIDTHS)
         build(cfg, out)
     return out

@@ -397,7 +397,7 @@ def _status(key: str, path: str = "/proc/self/status") -> int:
 def memory_probe(graph_dir: str, threads: int, options: dict) -> dict:
     """:func:`graph_set_memory`'s measurement, in the fresh process it runs in."""
     import onnxruntime  # noqa: F401  (loaded before the baseline)
-    from ..build.validate import seeded_feeds
+    from ..graphkit.feeds import seeded_feeds
 
     base, base_pss = _status("VmRSS:"), _status("Pss:", "/proc/self/smaps_rollup")
     cfg = graph_config(graph_dir, threads, options)
@@ -495,7 +495,7 @@ def compare(ckpt: str, work: str, input_lens, output_len: int, threads: int, jso
     """The checkpoint through synflux (default executor options, and prepacked), transformers and
     onnxruntime-genai; rows, and each synflux variant's decode ratios to the other two (None where that
     peer failed)."""
-    from ..build.export import build
+    from ..buildtool.export import build
     name = os.path.basename(os.path.normpath(ckpt))
     gdir = os.path.join(work, f"{name}.synflux")
     build(bench_graph_config(max(input_lens), output_len), gdir, hf_dir=ckpt, threads=threads)
@@ -598,7 +598,7 @@ def suite(work: str, threads: int, input_len: int, output_len: int, jsonl=None, 
         print(f"  weights once ({label}): loading all {mem['graphs']} graphs of qwen3-h1024-l8 grows peak RSS by "
               f"{mem['rss_peak_growth'] / 2**20:.0f} MiB and PSS by {mem['pss_growth'] / 2**20:.0f} MiB for "
               f"{mem['weights_file'] / 2**20:.0f} MiB of weights ({mem['pss_growth'] / mem['weights_file']:.2f}x)")
-    from ..build.export import build
+    from ..buildtool.export import build
     ttft_dir = os.path.join(work, "qwen3-tiny.ttft.synflux")
     build(bench_graph_config(input_len, output_len, TTFT_CONTEXT), ttft_dir, hf_dir=os.path.join(work, "qwen3-tiny"),
           threads=threads)

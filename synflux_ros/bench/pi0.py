@@ -126,7 +126,7 @@ def prepare(args) -> tuple[str, str]:
                    "--options", json.dumps(options))
     graphs = stem + "-graphs"
     # synflux-build brings the graph set up to date: a set built from the same config and sources is kept
-    from ..build.export import main as build
+    from ..buildtool.export import main as build
     if build(["--config", base_config(stem + "-base.yaml", args), "--out", graphs, "--from-hf", ckpt]):
         raise RuntimeError("synflux-build failed")
     return ckpt, graphs

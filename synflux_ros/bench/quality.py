@@ -167,7 +167,7 @@ def greedy_replies(graph_dir: str, prompts=PROMPTS, new_tokens: int = NEW_TOKENS
 def requantized_checkpoint(hf: str) -> str:
     """The GGUF checkpoint ``hf`` without its GGML blocks (links to its other files), so that
     ``--weights int8`` quantizes the dequantized values again, as it does for a float checkpoint."""
-    from ..build.gguf_import import BLOCKS_FILE
+    from ..buildtool.gguf_import import BLOCKS_FILE
 
     out = hf.rstrip("/") + "-requantized"
     os.makedirs(out, exist_ok=True)
@@ -186,7 +186,7 @@ def run(path: str, work: str, threads: int = 2, llama_cpp: bool = True) -> dict:
     (activations quantized to int8), and int8 requantized from the dequantized values (not carried) is run
     for comparison. Perplexity is at the executor's defaults, as llama.cpp runs (its Q4_1 kernels quantize
     the activations to 8 bits too), and int4 at level 1 as well."""
-    from ..build.export import build
+    from ..buildtool.export import build
     from ..graphset import reader as graphset
     from ..model.tokenizer import load_tokenizer
 

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import yaml
 
-from ..build.export import build
+from ..buildtool.export import build
 from .control import append_rows
 from ..core.config import load_config
 from ..runtimes.base import resolve_graph_dir

@@ -29,6 +29,31 @@ def key(fields, default=None) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:KEY_LENGTH]
 
 
+def digest(paths=(), *, head=(), named: bool = False, length: int | None = None) -> str:
+    """SHA-256 hex digest of ``head`` (str or bytes items, in order) and then of the content of each file of
+    ``paths``: a path, or ``(path, offset, length)`` for a byte range (length < 0: to the end). ``named``
+    prefixes each file's content with its base name (a renamed file changes the digest); ``length`` cuts the
+    digest to that many hex digits. The one way the package fingerprints its own source files (what an
+    exported or compiled graph depends on) and digests the files a build reads."""
+    h = hashlib.sha256()
+    for part in head:
+        h.update(part.encode() if isinstance(part, str) else part)
+    for item in paths:
+        path, offset, size = (item, 0, -1) if isinstance(item, (str, os.PathLike)) else item
+        if named:
+            h.update(os.path.basename(path).encode())
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            left = size
+            while left:
+                chunk = fh.read(1 << 20 if left < 0 else min(left, 1 << 20))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk) if left > 0 else 0
+    return h.hexdigest()[:length] if length else h.hexdigest()
+
+
 def file_stamps(paths: dict[str, str], missing_ok: bool = False) -> dict[str, list[int]]:
     """``name -> [size, mtime_ns]`` of each file of ``paths`` (name -> path): what a cache entry records of a
     file it was made from, cheaper than its content and changed by any rewrite. ``missing_ok``: a missing file

@@ -29,7 +29,7 @@ def build_graph_set(name: str, out_dir: str) -> str:
     sys.path.insert(0, os.path.dirname(HERE))  # test/: checkpoints
     from checkpoints import demo_size
     from synflux_ros.backends.tensorrt.build import export_profiled
-    from synflux_ros.build.export import build
+    from synflux_ros.buildtool.export import build
     from synflux_ros.core.config import load_config
     os.makedirs(out_dir, exist_ok=True)
     name, _, extra = name.partition("+")

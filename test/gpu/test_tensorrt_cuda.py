@@ -569,7 +569,7 @@ def test_stages_run_concurrently_on_their_streams(device, trt, vlm):
 @pytest.mark.parametrize("which", ["vlm", "vla", "vla_vjp", "vla_smolvla", "vla_pi05_vjp"])
 def test_synflux_validate_against_onnxruntime(device, trt, request, which):
     """``synflux-validate --backend tensorrt`` (every graph, then the whole model) with CUDA graphs on."""
-    from synflux_ros.build.validate import validate
+    from synflux_ros.buildtool.validate import validate
     graphs = request.getfixturevalue(which)
     rows = validate(graphs, "tensorrt", options={"cuda_graphs": True})
     failed = [f"{r.check}: diff {r.max_abs_diff:.3g} cos {r.cosine:.6f} {r.detail}" for r in rows if not r.passed]

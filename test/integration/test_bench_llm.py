@@ -33,7 +33,7 @@ def ckpt(tmp_path_factory):
 
 
 def test_graph_set_rows_follow_the_one_batch_semantics(ckpt, tmp_path, capsys):
-    from synflux_ros.build.export import build
+    from synflux_ros.buildtool.export import build
     gdir = str(tmp_path / "graphs")
     build(bench.bench_graph_config(20, 6), gdir, hf_dir=ckpt, threads=1)  # prefill 20, decode span 32
     jsonl = tmp_path / "rows.jsonl"
@@ -73,7 +73,7 @@ def test_compare_times_every_engine_on_one_checkpoint(ckpt, tmp_path, capsys):
 
 
 def test_bandwidth_probe_samples_between_engine_runs(ckpt, tmp_path):
-    from synflux_ros.build.export import build
+    from synflux_ros.buildtool.export import build
     gdir = str(tmp_path / "graphs")
     build(bench.bench_graph_config(8, 4), gdir, hf_dir=ckpt, threads=1)
     calls = []
@@ -95,7 +95,7 @@ def test_bandwidth_probe_samples_between_engine_runs(ckpt, tmp_path):
 
 
 def test_ttft_turns_reuse_the_cache_and_recompute_the_history(ckpt, tmp_path):
-    from synflux_ros.build.export import build
+    from synflux_ros.buildtool.export import build
     gdir = str(tmp_path / "graphs")
     build(bench.bench_graph_config(64, 8, 256), gdir, hf_dir=ckpt, threads=1)
     tt = bench.ttft_turns(gdir, 1, turns=3, max_new=2, repeats=2)

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 
-from synflux_ros.build.check import check_graph_set, report  # noqa: E402
-from synflux_ros.build.export import main as synflux_build  # noqa: E402
+from synflux_ros.buildtool.check import check_graph_set, report  # noqa: E402
+from synflux_ros.buildtool.export import main as synflux_build  # noqa: E402
 from synflux_ros.core.contract import graph_set  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.tools.harness import config_path  # noqa: E402

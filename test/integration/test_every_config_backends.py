@@ -18,8 +18,8 @@ pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs onnxrun
 
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.tools.harness import config_path, rgb_image, share_dir  # noqa: E402
-from synflux_ros.build.validate import validate  # noqa: E402
-from synflux_ros.build.export import build  # noqa: E402
+from synflux_ros.buildtool.validate import validate  # noqa: E402
+from synflux_ros.buildtool.export import build  # noqa: E402
 
 from ros_clients import Harness  # noqa: E402
 from ros_clients import ChatClient, ok  # noqa: E402

@@ -36,7 +36,7 @@ IMAGE_KEY = "observation/exterior_image_1_left"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from synflux_ros.build.export import build
+    from synflux_ros.buildtool.export import build
     d = tmp_path_factory.mktemp("serve")
     with open(testing.config_path("vla_demo_orin.yaml"), encoding="utf-8") as fh:
         raw = yaml.safe_load(fh)

@@ -21,7 +21,7 @@ from synflux_ros.tools.serve_process import ServeProcess  # noqa: E402
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from synflux_ros.build.export import build
+    from synflux_ros.buildtool.export import build
     d = tmp_path_factory.mktemp("serve_remote")
     with open(testing.config_path("vla_demo_orin.yaml"), encoding="utf-8") as fh:
         raw = yaml.safe_load(fh)

@@ -179,7 +179,7 @@ def slow_graph_sets(tmp_path_factory):
     pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs onnxruntime")
     pytest.importorskip("onnx", reason="optimized_model_dir needs onnx")
-    from synflux_ros.build.export import build
+    from synflux_ros.buildtool.export import build
     root = tmp_path_factory.mktemp("slow_graphs")
     out = {}
     for node, base in (("vla_node", "vla_demo_orin.yaml"), ("vlm_node", "vlm_demo.yaml")):

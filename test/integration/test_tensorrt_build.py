@@ -19,7 +19,7 @@ pytest.importorskip("torch", reason="synflux-build needs torch (make test instal
 from synflux_ros.backends import BackendUnavailableError, build_executor  # noqa: E402
 from synflux_ros.backends.tensorrt import plan  # noqa: E402
 from synflux_ros.backends.tensorrt import build as trt_build  # noqa: E402
-from synflux_ros.build.export import build  # noqa: E402
+from synflux_ros.buildtool.export import build  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.tools.harness import config_path, share_dir  # noqa: E402
@@ -149,7 +149,7 @@ def test_dla_without_gpu_fallback_names_the_layers_dla_cannot_run(vla_set):
 
 
 def run_build(*args):
-    return subprocess.run([sys.executable, "-m", "synflux_ros.build", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "synflux_ros.buildtool", *args], capture_output=True, text=True,
                           timeout=600)
 
 

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 pytest.importorskip("onnxruntime", reason="the reference backend needs onnxruntime")
 
-from synflux_ros.build.validate import main, validate  # noqa: E402
+from synflux_ros.buildtool.validate import main, validate  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.core.contract import graph_set  # noqa: E402
 from synflux_ros.tools.harness import config_path  # noqa: E402
@@ -80,7 +80,7 @@ def test_the_command_is_installed(demo_graphs):
 def test_rtc_guidance_inputs_are_fed_in_their_ranges():
     """Prefix weights and flow time are fractions; a Gaussian feed would validate the vjp graph far outside them."""
     import numpy as np
-    from synflux_ros.build.validate import seeded_feeds
+    from synflux_ros.graphkit.feeds import seeded_feeds
     cfg = load_config(config_path("vla_demo_orin.yaml")).with_overrides(
         execution={"mode": "rtc", "rtc": {"guidance": "vjp"}})
     vjp = [m for m in graph_set(cfg) if m.kind == "action_expert_vjp"]

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
 import rclpy  # noqa: E402
-from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.tools import harness as testing  # noqa: E402
 
 from checkpoints import write_tokenizer  # noqa: E402

@@ -18,8 +18,8 @@ from synflux_ros.model.backbone import LLMBackbone  # noqa: E402
 from synflux_ros.model.tokenizer import HFTokenizer  # noqa: E402
 from synflux_ros.runtimes.base import create_executor  # noqa: E402
 from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime  # noqa: E402
-from synflux_ros.build import export as build_tool  # noqa: E402
-from synflux_ros.build.torch_models import config_from_hf  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
+from synflux_ros.graphkit.torch_models import config_from_hf  # noqa: E402
 from checkpoints import write_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.reference

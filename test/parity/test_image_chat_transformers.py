@@ -22,7 +22,7 @@ pytest.importorskip("onnxruntime")
 
 import rclpy  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
-from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.core.config import PreprocessSpec
 from synflux_ros.model.image import Preprocessor  # noqa: E402

@@ -27,7 +27,7 @@ import yaml
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 pytest.importorskip("onnxruntime")
 
-from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.model.normalization import StateActionMaps  # noqa: E402
 from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
@@ -154,7 +154,7 @@ def test_realistic_sequences_decode_to_lerobots_actions(imported):
 def test_the_graph_set_runs_on_openvino_as_on_onnxruntime(imported):
     """synflux-validate on OpenVINO: every graph within the fp32 bar and the generated FAST tokens equal."""
     pytest.importorskip("openvino")
-    from synflux_ros.build.validate import validate
+    from synflux_ros.buildtool.validate import validate
     rows = validate(str(imported["out"]), "openvino")
     assert not [r for r in rows if not r.passed], [r for r in rows if not r.passed]
     tokens = [r for r in rows if r.check.startswith("FAST action tokens")]

@@ -22,7 +22,7 @@ pytest.importorskip("onnxruntime")
 import rclpy  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
-from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.msg import ActionChunk  # noqa: E402
 from synflux_ros.tools import harness as testing  # noqa: E402

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 pytest.importorskip("onnxruntime")
 
-from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.model.heads.rtc import RTCGuidance  # noqa: E402
 from synflux_ros.model.tokenizer import load_tokenizer  # noqa: E402

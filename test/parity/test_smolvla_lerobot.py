@@ -28,7 +28,7 @@ pytest.importorskip("onnxruntime")
 import rclpy  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image, JointState  # noqa: E402
-from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.core.contract import select_bucket  # noqa: E402
 from synflux_ros.model.tokenizer import load_tokenizer  # noqa: E402

@@ -20,9 +20,9 @@ pytest.importorskip("torch", reason="synflux-build needs torch (make test instal
 onnx = pytest.importorskip("onnx")
 
 from synflux_ros.backends import BackendUnavailableError, build_executor, resolve_executor_class  # noqa: E402
-from synflux_ros.build import validate as validate_cli  # noqa: E402
-from synflux_ros.build.validate import seeded_feeds, validate  # noqa: E402
-from synflux_ros.build.export import build  # noqa: E402
+from synflux_ros.buildtool import validate as validate_cli  # noqa: E402
+from synflux_ros.buildtool.validate import seeded_feeds, validate  # noqa: E402
+from synflux_ros.buildtool.export import build  # noqa: E402
 from synflux_ros.graphset import writer as graphset_writer  # noqa: E402
 from synflux_ros.core.config import ConfigError, load_config  # noqa: E402
 from synflux_ros.core.contract import GraphMeta, TensorSpec  # noqa: E402

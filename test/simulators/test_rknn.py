@@ -24,10 +24,10 @@ onnx = pytest.importorskip("onnx")
 
 from synflux_ros.backends import BackendUnavailableError, build_executor, resolve_executor_class  # noqa: E402
 from synflux_ros.backends.rknn import executor as rknn_backend  # noqa: E402
-from synflux_ros.build.validate import validate  # noqa: E402
+from synflux_ros.buildtool.validate import validate  # noqa: E402
 from synflux_ros.backends.rknn import build as rknn_build  # noqa: E402
 from synflux_ros.backends.rknn.build import RKNNOptions  # noqa: E402
-from synflux_ros.build.export import BuildError, build, main as build_main  # noqa: E402
+from synflux_ros.buildtool.export import BuildError, build, main as build_main  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.core.contract import graph_set  # noqa: E402
@@ -132,7 +132,7 @@ def test_compiled_graph_sets_and_skip_unchanged(rknn_sets):
             assert entry["onnx_key"] == keys[graph]
             # a graph that reads its KV views unsliced (decode over the whole cache) is compiled from a copy
             # that passes each view through an Identity, and takes no view that nothing reads (see
-            # synflux_ros/build/rknn.py)
+            # synflux_ros/buildtool/rknn.py)
             assert entry["source"] in (f"{graph}.onnx", f"{graph}.rknn.onnx")
             fed = [n for n, _ in entry["inputs"]]
             declared = [n for n, _ in rknn_build.model_inputs(metas(gdir, graph)[0])]
@@ -262,7 +262,7 @@ def test_quantize_values_are_checked(tmp_path):
         rknn_build.compile_graph_set(str(tmp_path), {"graphs": []}, TARGET, "fp16", calib=str(tmp_path))
     with pytest.raises(rknn_build.RKNNBuildError, match=r"--calib /nonexistent: no such directory"):
         rknn_build.compile_graph_set(str(tmp_path), {"graphs": []}, TARGET, "int8", calib="/nonexistent")
-    from synflux_ros.build.export import main
+    from synflux_ros.buildtool.export import main
     assert main(["--config", str(REPO / "config" / "vlm_demo.yaml"), "--out", str(tmp_path / "cli"), "--backend",
                  "rknn", "--target", TARGET, "--quantize", "int8:vison_encoder"]) == 2
     assert main(["--config", str(REPO / "config" / "vlm_demo.yaml"), "--out", str(tmp_path / "cli"), "--backend",
@@ -349,7 +349,7 @@ def test_int8_vision_encoder_on_the_simulator(rknn_sets, tmp_path):
     """--quantize int8 on the compiled fp16 demo VLA set: only the vision encoder is compiled again (int8, on
     generated samples), it runs in the simulator within the measured tolerance of onnxruntime, and other
     calibration data or going back to fp16 recompile it alone."""
-    from synflux_ros.build.validate import cosine, seeded_feeds
+    from synflux_ros.buildtool.validate import cosine, seeded_feeds
 
     gdir = str(tmp_path / "vla")
     shutil.copytree(rknn_sets["vla_demo_orin"], gdir)
@@ -417,7 +417,7 @@ def test_int8_vision_encoder_on_the_simulator(rknn_sets, tmp_path):
 def test_int8_prefill_that_takes_unread_views_is_calibrated_on_the_inputs_it_takes(rknn_sets, tmp_path):
     """A flow-matching VLA's prefill takes its last layer's KV views without reading them; its compiled
     graph leaves them out, and so must each calibration sample (one .npy per compiled input)."""
-    from synflux_ros.build.validate import seeded_feeds
+    from synflux_ros.graphkit.feeds import seeded_feeds
     gdir = str(tmp_path / "vla")
     shutil.copytree(rknn_sets["vla_demo_orin"], gdir)
     manifest = graphset.read_manifest(gdir)

@@ -2,7 +2,8 @@
 
 Every module of ``synflux_ros`` is parsed (imports inside functions count too) and each import is
 checked against the room it lives in: imports point down, rclpy and the ROS message packages appear
-only in ``nodes/``, and nothing a robot runs imports torch or the other build/benchmark libraries.
+only in ``nodes/``, and nothing a robot runs imports torch, the other build/benchmark libraries or the
+build-time rooms (a backend's build step excepted: it runs in synflux-build).
 """
 from __future__ import annotations
 
@@ -17,22 +18,22 @@ ROOMS = {
     # room: rooms it may import (besides itself)
     "core": set(),
     "graphset": {"core"},
-    "backends": {"core", "graphset"},
     "model": {"core"},
+    "graphkit": {"core", "graphset", "model"},
+    "backends": {"core", "graphset", "graphkit"},
     "runtimes": {"core", "graphset", "backends", "model"},
     "execution": {"core", "model"},
     "sim": {"core"},
     "nodes": {"core", "model", "runtimes", "execution", "sim", "msg", "srv"},
-    "build": {"core", "graphset", "backends", "model", "runtimes"},
+    "buildtool": {"core", "graphset", "graphkit", "backends", "model", "runtimes"},
     "serve": {"core", "graphset", "backends", "model", "runtimes"},
-    "tools": {"core", "graphset", "backends", "model", "runtimes", "execution", "sim", "build", "serve", "nodes",
-              "msg", "srv"},
-    "bench": {"core", "graphset", "backends", "model", "runtimes", "execution", "build", "serve", "nodes", "tools",
-              "msg", "srv"},
+    "tools": {"core", "graphset", "graphkit", "backends", "model", "runtimes", "execution", "sim", "buildtool",
+              "serve", "nodes", "msg", "srv"},
+    "bench": {"core", "graphset", "graphkit", "backends", "model", "runtimes", "execution", "buildtool", "serve",
+              "nodes", "tools", "msg", "srv"},
 }
-# A backend folder's build step (backends/<name>/build*.py, compile.py) runs in synflux-build: it may use the
-# build room and torch. Every other file of a backend is run-time.
-BACKEND_BUILD_ROOMS = {"core", "graphset", "backends", "model", "build"}
+BUILD_TIME_ROOMS = {"graphkit", "buildtool"}
+"""Rooms that need torch: run-time code imports them no more than it imports torch."""
 ROS_PACKAGES = {"rclpy", "rcl_interfaces", "sensor_msgs", "std_msgs", "std_srvs", "trajectory_msgs",
                 "diagnostic_msgs", "lifecycle_msgs", "builtin_interfaces", "ament_index_python", "rosgraph_msgs"}
 ROS_ROOMS = {"nodes", "tools"}  # tools/ drives nodes over DDS (demo, test harness); a robot runs nodes/ only
@@ -41,6 +42,8 @@ RUN_TIME_ROOMS = {"core", "graphset", "backends", "model", "runtimes", "executio
 
 
 def is_backend_build_step(module: str) -> bool:
+    """Whether ``module`` is a backend folder's build step (backends/<name>/build*.py, compile.py): it runs in
+    synflux-build, so it may import torch and graphkit; every other file of a backend is run-time."""
     parts = module.split(".")
     return len(parts) == 4 and parts[1] == "backends" and (parts[3].startswith("build") or parts[3] == "compile")
 
@@ -79,9 +82,10 @@ def violations(path: str, module: str) -> list[str]:
             target = name.split(".")[1] if "." in name else ""
             if target.startswith("__"):  # synflux_ros.__version__: the package's own metadata
                 continue
-            allowed = BACKEND_BUILD_ROOMS if is_backend_build_step(module) else ROOMS.get(room, set())
-            if target and target != room and target not in allowed:
+            if target and target != room and target not in ROOMS.get(room, set()):
                 found.append(f"{where}: {room or 'synflux_ros'} imports {name} (upward or sideways)")
+            elif target in BUILD_TIME_ROOMS and room in RUN_TIME_ROOMS and not is_backend_build_step(module):
+                found.append(f"{where}: run-time code imports {name}")
         elif top in ROS_PACKAGES and room not in ROS_ROOMS:
             found.append(f"{where}: {name} imported outside nodes/")
         elif top in BUILD_TIME and room in RUN_TIME_ROOMS and not is_backend_build_step(module):
@@ -115,7 +119,11 @@ def test_every_import_points_down():
     ("model", "def f():\n    from ..backends.mock.executor import MockExecutor\n", "upward"),
     ("core", "from ..graphset.reader import read_manifest\n", "upward"),
     ("graphset", "from ..backends import build_executor\n", "upward"),
-    ("backends.tensorrt", "from ...build.export import BuildError\n", "upward"),
+    ("backends.tensorrt", "from ...buildtool.export import build\n", "upward"),
+    ("backends.tensorrt", "from ...graphkit.builder import BuildError\n", "run-time code imports"),
+    ("graphkit", "from ..backends import build_executor\n", "upward"),
+    ("graphkit.torch_models", "from ...buildtool.export import OPSET\n", "upward"),
+    ("serve", "from ..graphkit.feeds import seeded_feeds\n", "sideways"),
     ("backends.tensorrt", "import torch\n", "run-time code imports torch"),
     ("bench", "import torch\nfrom ..graphset import reader\nfrom ..tools.harness import ros_env\n"
               "from ..nodes.vla_node import main\nimport rclpy\n", "outside nodes/"),
@@ -124,10 +132,10 @@ def test_every_import_points_down():
     ("runtimes", "import torch\n", "run-time code imports torch"),
     ("execution", "from ..runtimes.vla import VLARuntime\n", "sideways"),
     ("execution", "import rclpy\n", "outside nodes/"),
-    ("nodes", "from ..build.export import build\n", "upward"),
+    ("nodes", "from ..buildtool.export import build\n", "upward"),
     ("nodes", "from ..tools.harness import config_path\n", "upward"),
-    ("build", "from ..nodes import vla_node\n", "upward"),
-    ("backends", "from ..build import check\n", "upward"),
+    ("buildtool", "from ..nodes import vla_node\n", "upward"),
+    ("backends", "from ..buildtool import check\n", "upward"),
 ])
 def test_the_check_catches_a_wrong_import(tmp_path, room, source, needle):
     path = tmp_path / "mod.py"
@@ -143,12 +151,21 @@ def test_allowed_imports_pass(tmp_path):
     assert violations(str(path), "synflux_ros.runtimes.mod") == []
 
 
-def test_a_backend_build_step_may_use_the_build_room_and_torch(tmp_path):
+def test_a_backend_build_step_may_use_graphkit_and_torch(tmp_path):
     path = tmp_path / "build_onnx.py"
-    path.write_text("import torch\nfrom ...build.export import BuildError\nfrom .plan import SPAN_INPUT\n"
+    path.write_text("import torch\nfrom ...graphkit.builder import BuildError\nfrom .plan import SPAN_INPUT\n"
                     "from ...graphset import writer\n")
     assert violations(str(path), "synflux_ros.backends.tensorrt.build_onnx") == []
-    assert violations(str(path), "synflux_ros.backends.tensorrt.executor") != []
+    assert len(violations(str(path), "synflux_ros.backends.tensorrt.executor")) == 2  # torch and graphkit
+
+
+def test_a_backend_build_step_may_not_import_the_build_command(tmp_path):
+    """The build command (synflux-build, synflux-validate) chooses backends from the registry: a build step that
+    imported it would close a loop, so the direction rule holds for build steps too."""
+    path = tmp_path / "build.py"
+    path.write_text("from ...buildtool.validate import seeded_feeds\n")
+    found = violations(str(path), "synflux_ros.backends.rknn.build")
+    assert len(found) == 1 and "upward" in found[0], found
 
 
 def test_tools_may_drive_nodes_over_ros(tmp_path):

@@ -507,11 +507,6 @@ class OnnxRuntimeExecutor(HostBufferHooks, Executor):
                                    f"of its own instead of the bound buffer")
         g.verified = True
 
-    @property
-    def weights_bytes(self) -> int:
-        """Size of the one shared weights buffer (0 without ``share_weights``)."""
-        return int(self._weights.size) if self._weights is not None else 0
-
     def shared_initializers(self, graph: str) -> int:
         """How many initializers of ``graph`` use the shared weights buffer."""
         self._require_loaded()

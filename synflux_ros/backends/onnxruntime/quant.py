@@ -1,7 +1,7 @@
 """Load-time rewrite of affine 4-bit weights into onnxruntime's ``com.microsoft.MatMulNBits``.
 
 A weight carried over from a llama.cpp ``Q4_1`` tensor (``synflux-build --from-gguf F --weights int4``
-or ``int8``, see :mod:`synflux_ros.build.quantize`) is stored in standard ONNX as
+or ``int8``, see :mod:`synflux_ros.buildtool.quantize`) is stored in standard ONNX as
 
     W = Reshape(Add(Reshape(DequantizeLinear(Wq [K, N] uint4, d [K/B, N], axis=0, block_size=B),
                             [K/B, B, N]), m [K/B, 1, N]), [K, N])        (W = d * q + m per block)
@@ -70,11 +70,6 @@ def _find_chains(graph) -> list[_Chain]:
         chains.append(_Chain(r2.output[0], [dq, r1, add, r2], dq.input[0], dq.input[1], add.input[1],
                              int(attrs["block_size"]), k, n, q.data_type == UINT8))
     return chains
-
-
-def has_affine(model) -> bool:
-    """Whether ``model`` (an ``onnx.ModelProto``) holds an affine 4-bit weight chain."""
-    return bool(_find_chains(model.graph))
 
 
 def unpack_uint4(raw: np.ndarray, count: int) -> np.ndarray:

@@ -32,7 +32,7 @@ from . import sidecar
 from .executor import toolkit_env
 from ...graphset import cache, reader as graphset
 from ...core.contract import GraphMeta
-from ...build.builder import BuildError, Builder
+from ...graphkit.builder import BuildError, Builder
 
 TARGETS = ("rk3562", "rk3566", "rk3568", "rk3576", "rk3588")
 """Platforms of rknn-toolkit2 whose NPU takes these graphs; rk3588 is the one exercised here."""
@@ -150,11 +150,8 @@ def model_inputs(meta: GraphMeta) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _fingerprint() -> str:
-    h = hashlib.sha256()
-    for path in (os.path.abspath(__file__), COMPILER):
-        with open(path, "rb") as fh:
-            h.update(fh.read())
-    return h.hexdigest()[:12]
+    """This module's and the compiler script's source: editing either recompiles."""
+    return cache.digest([os.path.abspath(__file__), COMPILER], length=12)
 
 
 def rknn_key(onnx_key: str, target: str, toolkit: str, dtype: str, quantization: dict | None = None) -> str:
@@ -290,7 +287,7 @@ def generated_calibration(cfg, meta: GraphMeta, n: int = CALIB_SAMPLES) -> Calib
     """``n`` seeded samples for bring-up: ``synflux-validate``'s representative inputs (Gaussian pixel
     values and embeddings, ids in the vocabulary, positions in the bucket, a random KV cache), drawn
     from seeds of their own (validation runs on other draws)."""
-    from ...build.validate import seeded_feeds
+    from ...graphkit.feeds import seeded_feeds
 
     samples = []
     for s in range(n):

@@ -4,10 +4,11 @@ One schema for both sides (run time: standard library only); the JSON layout is 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from dataclasses import dataclass, field
+
+from .. import sidecar as common
 
 FILE = "rknn.json"
 FORMAT = "synflux-rknn/1"
@@ -17,7 +18,7 @@ DTYPES = ("fp16", "int8")
 """Data types of a compiled graph."""
 
 
-class SidecarError(ValueError):
+class SidecarError(common.SidecarError):
     """A sidecar that cannot be read or is not a ``synflux-rknn/1`` description for its target."""
 
 
@@ -138,22 +139,11 @@ class Sidecar:
 def read(graph_dir: str, target: str) -> Sidecar:
     """The sidecar of ``target`` in ``graph_dir``: ``FileNotFoundError`` when there is none, :class:`SidecarError`
     when it is unreadable or not a description of ``target``."""
-    path = sidecar_path(graph_dir, target)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError) as exc:
-        raise SidecarError(f"unreadable ({exc})") from None
-    return Sidecar.from_json(data, target)
+    return Sidecar.from_json(common.load(sidecar_path(graph_dir, target), SidecarError), target)
 
 
 def write(graph_dir: str, sidecar: Sidecar) -> dict:
     """Write ``sidecar`` (atomically, stamped with the time) and return the JSON written."""
     data = dataclasses.replace(sidecar, written=time.strftime("%Y-%m-%dT%H:%M:%S")).to_json()
-    path = sidecar_path(graph_dir, sidecar.target)
-    with open(path + ".partial", "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1)
-    os.replace(path + ".partial", path)
+    common.write(sidecar_path(graph_dir, sidecar.target), data)
     return data

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import importlib
 import json
 import os
@@ -27,10 +26,10 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from . import plan
+from . import plan, sidecar
 from .options import PRECISIONS
-from ...graphset import reader as graphset
-from ...build.builder import BuildError, Builder
+from ...graphset import cache, reader as graphset
+from ...graphkit.builder import BuildError, Builder
 
 JETPACK_HINT = ("TensorRT comes with JetPack on a Jetson (python3-libnvinfer); on an x86 workstation with an "
                 "NVIDIA GPU, NVIDIA's tensorrt wheel")
@@ -74,7 +73,7 @@ class TensorRTOptions:
         d = dataclasses.asdict(self)
         for k in ("module", "sm", "calib_dir"):
             d.pop(k)
-        d["calib"] = plan.file_digest(sorted(glob.glob(os.path.join(self.calib_dir, "*.npz")))) if self.calib_dir else ""
+        d["calib"] = cache.digest(sorted(glob.glob(os.path.join(self.calib_dir, "*.npz")))) if self.calib_dir else ""
         return d
 
 
@@ -264,18 +263,21 @@ def engine_dir(graph_dir: str, sm: str, opts: TensorRTOptions) -> str:
     return os.path.join(graph_dir, "tensorrt", plan.device_tag(sm, opts.dla_core, opts.precision))
 
 
-def build_engines(graph_dir: str, metas, opts: TensorRTOptions, force: bool = False, progress=print) -> dict:
+def build_engines(graph_dir: str, metas, opts: TensorRTOptions, force: bool = False,
+                  progress=print) -> sidecar.Sidecar:
     """Build every stale engine of the graph set in ``graph_dir``; returns the sidecar written."""
     trt = load_tensorrt(opts.module)
     sm = _target_sm(opts)
     dla_kinds = plan.DLA_CAPABLE if opts.dla_core is not None else ()
     engines = plan.plan_engines(metas, dla_kinds)
     out_dir = engine_dir(graph_dir, sm, opts)
-    side_path = os.path.join(out_dir, plan.SIDECAR)
     old = {}
-    if not force and os.path.isfile(side_path):
-        with open(side_path, encoding="utf-8") as fh:
-            old = json.load(fh).get("engines", {})
+    if not force and os.path.isfile(sidecar.sidecar_path(out_dir)):
+        try:
+            old = sidecar.read(out_dir).engines
+        except sidecar.SidecarError as exc:
+            raise TensorRTBuildError(f"{sidecar.sidecar_path(out_dir)}: {exc}; add --force to build every engine "
+                                     f"again") from None
     os.makedirs(out_dir, exist_ok=True)
     timing_path = os.path.join(out_dir, "timing.cache")
     timing = b""
@@ -290,8 +292,8 @@ def build_engines(graph_dir: str, metas, opts: TensorRTOptions, force: bool = Fa
         tag = f"  [{i + 1}/{len(engines)}] {spec.name}"
         key = plan.engine_key(spec, onnx_digest(graph_dir, spec), trt.__version__, sm,
                               opts.dla_core, flags)
-        prev = old.get(spec.name, {})
-        if prev.get("key") == key and os.path.isfile(os.path.join(out_dir, prev.get("file", ""))):
+        prev = old.get(spec.name)
+        if prev is not None and prev.key == key and os.path.isfile(os.path.join(out_dir, prev.file)):
             progress(f"{tag}: unchanged, skipped")
             entries[spec.name] = prev
             continue
@@ -302,19 +304,19 @@ def build_engines(graph_dir: str, metas, opts: TensorRTOptions, force: bool = Fa
         seconds = time.perf_counter() - t0
         file = f"{spec.name}.engine"
         _write_atomic(os.path.join(out_dir, file), blob)
-        entries[spec.name] = {"file": file, "onnx": spec.onnx, "key": key, "kind": spec.kind,
-                              "profiles": [p.graph for p in spec.profiles], "dla": spec.dla, "bytes": len(blob),
-                              "seconds": round(seconds, 2), "dla_fallback_layers": [list(x) for x in fallback]}
+        entries[spec.name] = sidecar.EngineEntry(
+            file=file, onnx=spec.onnx, key=key, kind=spec.kind, profiles=tuple(p.graph for p in spec.profiles),
+            dla=spec.dla, bytes=len(blob), seconds=round(seconds, 2),
+            dla_fallback_layers=tuple(tuple(x) for x in fallback))
         more = f", {len(fallback)} layers fall back to the GPU" if fallback else ""
         progress(f"{tag}: {len(blob) / 2**20:.1f} MiB in {seconds:.1f} s{more}")
     if timing:
         _write_atomic(timing_path, timing)
     graph_keys = {g["name"]: g.get("key", "") for g in graphset.read_manifest(graph_dir).get("graphs", [])}
-    sidecar = {"format": plan.FORMAT, "tensorrt": trt.__version__, "module": opts.module, "sm": sm,
-               "dla_core": opts.dla_core, "precision": opts.precision, "flags": flags, "graph_keys": graph_keys,
-               "engines": entries}
-    _write_atomic(side_path, json.dumps(sidecar, indent=1, sort_keys=True).encode())
-    return sidecar
+    side = sidecar.Sidecar(tensorrt=trt.__version__, module=opts.module, sm=sm, dla_core=opts.dla_core,
+                           precision=opts.precision, flags=flags, graph_keys=graph_keys, engines=entries)
+    sidecar.write(out_dir, side)
+    return side
 
 
 def onnx_digest(graph_dir: str, spec: plan.EngineSpec) -> str:
@@ -323,15 +325,10 @@ def onnx_digest(graph_dir: str, spec: plan.EngineSpec) -> str:
     if not os.path.isfile(path):
         raise TensorRTBuildError(f"engine {spec.name}: {path} is missing; "
                                  f"{graphset.BUILD_HINT.format(dir=graph_dir)} --backend tensorrt")
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        h.update(fh.read())
     base = os.path.dirname(path)
-    for t in sorted(graphset.external_initializers(path), key=lambda t: (t.location, t.offset)):
-        with open(os.path.join(base, t.location), "rb") as fh:
-            fh.seek(t.offset)
-            h.update(fh.read(t.length) if t.length >= 0 else fh.read())
-    return h.hexdigest()
+    ranges = [(os.path.join(base, t.location), t.offset, t.length)
+              for t in sorted(graphset.external_initializers(path), key=lambda t: (t.location, t.offset))]
+    return cache.digest([path] + ranges)
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -345,14 +342,10 @@ def _profiled_key(manifest: dict) -> str:
     """What the shape-polymorphic ONNX depend on: the static graphs' keys (contract, weights, tools) and
     the source of their export."""
     here = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256()
-    for g in sorted(manifest["graphs"], key=lambda g: g["name"]):
-        if g["kind"] in ("embed", "prefill", "decode", "action_expert", "action_expert_vjp"):
-            h.update(f"{g['name']}={g.get('key', '')};".encode())
-    for path in (os.path.join(here, "build_onnx.py"), os.path.join(here, "build_models.py")):
-        with open(path, "rb") as fh:
-            h.update(fh.read())
-    return h.hexdigest()[:16]
+    keys = [f"{g['name']}={g.get('key', '')};" for g in sorted(manifest["graphs"], key=lambda g: g["name"])
+            if g["kind"] in ("embed", "prefill", "decode", "action_expert", "action_expert_vjp")]
+    return cache.digest([os.path.join(here, "build_onnx.py"), os.path.join(here, "build_models.py")],
+                        head=keys, length=16)
 
 
 def export_profiled(cfg, out: str, manifest: dict, hf_dir: str | None, seed: int, force: bool, progress=print) -> None:
@@ -368,7 +361,7 @@ def export_profiled(cfg, out: str, manifest: dict, hf_dir: str | None, seed: int
                     os.path.isfile(os.path.join(onnx_dir, f"{k}.onnx")) for k in kinds):
                 progress(f"  profiled ONNX ({', '.join(kinds)}): unchanged, skipped")
                 return
-    from ...build.torch_models import build_graph_modules
+    from ...graphkit.torch_models import build_graph_modules
     t0 = time.perf_counter()
     progress(f"  profiled ONNX ({', '.join(kinds)}): exporting ...")
     modules = build_graph_modules(cfg, seed=seed, hf_dir=hf_dir)
@@ -379,7 +372,7 @@ def export_profiled(cfg, out: str, manifest: dict, hf_dir: str | None, seed: int
 
 
 def build_for_tensorrt(cfg, out: str, manifest: dict, hf_dir: str | None, seed: int, force: bool,
-                       opts: TensorRTOptions, progress=print) -> dict:
+                       opts: TensorRTOptions, progress=print) -> sidecar.Sidecar:
     """The shape-polymorphic ONNX, then the engines (the portable set exists); returns the engines' sidecar."""
     export_profiled(cfg, out, manifest, hf_dir, seed, force, progress)
     return build_engines(out, graphset.graph_metas(out, manifest), opts, force=force, progress=progress)
@@ -387,7 +380,7 @@ def build_for_tensorrt(cfg, out: str, manifest: dict, hf_dir: str | None, seed: 
 
 def check_engines(graph_dir: str, metas, opts: TensorRTOptions) -> list:
     """``synflux-build --check`` for TensorRT: per engine, does it parse and build, and (with a DLA core)
-    which layers would fall back from DLA to the GPU. Rows as :class:`synflux_ros.build.check.GraphCheck`."""
+    which layers would fall back from DLA to the GPU. Rows as :class:`synflux_ros.buildtool.check.GraphCheck`."""
     trt = load_tensorrt(opts.module)
     dla_kinds = plan.DLA_CAPABLE if opts.dla_core is not None else ()
     with tempfile.TemporaryDirectory(prefix="synflux_trt_check_") as tmp:
@@ -395,7 +388,7 @@ def check_engines(graph_dir: str, metas, opts: TensorRTOptions) -> list:
 
 
 def _check_engine(trt, graph_dir: str, spec: plan.EngineSpec, opts: TensorRTOptions, tmp: str):
-    from ...build.check import GraphCheck
+    from ...graphkit.builder import GraphCheck
     try:
         _blob, _timing, fallback = build_engine(trt, graph_dir, spec, opts,
                                                 calibrator=_calibrator(trt, spec, opts, tmp, "check"))

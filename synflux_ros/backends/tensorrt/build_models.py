@@ -1,8 +1,8 @@
 """Shape-polymorphic graph modules: one per graph *kind*, for engines with one optimization profile per
 bucket (TensorRT, see ``synflux_ros.backends.tensorrt.plan``).
 
-They wrap the same :class:`~synflux_ros.build.torch_models.decoder.CausalLM` /
-:class:`~synflux_ros.build.torch_models.action_expert.ActionExpert` objects as the static per-bucket
+They wrap the same :class:`~synflux_ros.graphkit.torch_models.decoder.CausalLM` /
+:class:`~synflux_ros.graphkit.torch_models.action_expert.ActionExpert` objects as the static per-bucket
 modules (so the weights are identical) and compute the same thing, with the bucket sizes taken from the
 input shapes instead of Python ints, so a trace exports them as dynamic dims:
 
@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...build.torch_models.action_expert import ActionExpert
-from ...build.torch_models.action_expert_vjp import ActionExpertVJPGraph
-from ...build.torch_models.decoder import CausalLM, state_row, torch_dtype
+from ...graphkit.torch_models.action_expert import ActionExpert
+from ...graphkit.torch_models.action_expert_vjp import ActionExpertVJPGraph
+from ...graphkit.torch_models.decoder import CausalLM, state_row, torch_dtype
 
 
 def _arange(n) -> torch.Tensor:

@@ -21,8 +21,8 @@ from .plan import PROFILED_KINDS, SPAN_DTYPE, SPAN_INPUT
 from ...graphset import reader as graphset, writer as graphset_writer
 from ...core.config import ModelConfig
 from ...core.contract import graph_set, reads_logits, time_embedding_dim
-from ...build.builder import BuildError
-from ...build.export import OPSET, example_tensors, restore_unused_inputs
+from ...graphkit.builder import BuildError
+from ...graphkit.onnx_export import OPSET, example_tensors, restore_unused_inputs
 
 DYNAMIC_DIMS = ("T", "D")
 STANDARD_DOMAINS = ("", "ai.onnx")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import importlib
-import json
 import os
 import threading
 
@@ -22,7 +21,7 @@ from ...graphset import reader as graphset
 from ...core.executor import Executor
 from ...core.contract import GraphMeta
 from ..options import parse_options
-from . import plan
+from . import plan, sidecar
 from .options import TensorRTExecutorOptions
 
 MAX_CUDA_GRAPHS = 64
@@ -53,7 +52,7 @@ class DeviceBuffer:
 class _Engine:
     def __init__(self, name, engine, entry):
         self.name, self.engine, self.entry = name, engine, entry
-        self.profiles: list[str] = list(entry["profiles"])
+        self.profiles: list[str] = list(entry.profiles)
 
 
 class TensorRTExecutor(graphset.ChecksWeightFormat, Executor):
@@ -80,7 +79,7 @@ class TensorRTExecutor(graphset.ChecksWeightFormat, Executor):
         self._region_host: DeviceBuffer | None = None
         self._region_lock = threading.Lock()
         self._engine_bytes = 0
-        self.sidecar: dict = {}
+        self.sidecar: sidecar.Sidecar | None = None
 
     # ------------------------------------------------------------------ CUDA helpers
     def _cuda(self, result, what: str):
@@ -130,18 +129,18 @@ class TensorRTExecutor(graphset.ChecksWeightFormat, Executor):
             raise TensorRTError(f"tensorrt executor: no engines for this device (sm {sm}, {self.precision}"
                                 f"{'' if self.dla_core is None else f', DLA core {self.dla_core}'}): {side_path} "
                                 f"is missing; build them on this device with: {hint}")
-        with open(side_path, encoding="utf-8") as fh:
-            side = json.load(fh)
+        try:
+            side = sidecar.read(edir)
+        except sidecar.SidecarError as exc:
+            raise TensorRTError(f"tensorrt executor: {side_path}: {exc}; rebuild with: {hint}") from None
         self.sidecar = side
-        if side.get("format") != plan.FORMAT:
-            raise TensorRTError(f"tensorrt executor: {side_path} is not a {plan.FORMAT} file; rebuild with: {hint}")
         version = getattr(self.trt, "__version__", "")
         if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < MIN_VERSION:
             raise TensorRTError(f"tensorrt executor: TensorRT {version} is too old: this backend needs TensorRT >= "
                                 f"{MIN_VERSION[0]}.{MIN_VERSION[1]} (JetPack 6.1 or later)")
-        if side.get("tensorrt") != version or side.get("sm") != sm:
+        if side.tensorrt != version or side.sm != sm:
             raise TensorRTError(f"tensorrt executor: the engines in {edir} were built with TensorRT "
-                                f"{side.get('tensorrt')} for sm {side.get('sm')}; this device is sm {sm} with "
+                                f"{side.tensorrt} for sm {side.sm}; this device is sm {sm} with "
                                 f"TensorRT {version}: rebuild them with: {hint}")
         manifest = graphset.read_manifest(self.graph_dir)
         stale = self._stale_graphs(manifest, side)
@@ -155,8 +154,8 @@ class TensorRTExecutor(graphset.ChecksWeightFormat, Executor):
             runtime.DLA_core = int(self.dla_core)
         self._runtime = runtime
         for spec in specs:
-            entry = side.get("engines", {}).get(spec.name)
-            path = os.path.join(edir, (entry or {}).get("file", f"{spec.name}.engine"))
+            entry = side.engines.get(spec.name)
+            path = os.path.join(edir, entry.file if entry is not None else f"{spec.name}.engine")
             if entry is None or not os.path.isfile(path):
                 raise TensorRTError(f"tensorrt executor: engine {spec.name!r} is missing ({path}); rebuild with: {hint}")
             with open(path, "rb") as fh:
@@ -199,9 +198,9 @@ class TensorRTExecutor(graphset.ChecksWeightFormat, Executor):
             steps.append(dataclasses.replace(step, profile=built.index(graph), bindings=binds))
         return dataclasses.replace(route, steps=tuple(steps))
 
-    def _stale_graphs(self, manifest: dict, side: dict) -> list[str]:
+    def _stale_graphs(self, manifest: dict, side: sidecar.Sidecar) -> list[str]:
         """Graphs whose manifest key differs from the one the engines were built from."""
-        built = side.get("graph_keys") or {}
+        built = side.graph_keys
         now = {g["name"]: g.get("key", "") for g in manifest.get("graphs", [])}
         return [n for n in self.graphs if n in built and built[n] != now.get(n)]
 

@@ -8,7 +8,6 @@ say where each engine tensor lives. The engine table: docs/backends/tensorrt.md#
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -266,16 +265,6 @@ def device_tag(sm: str, dla_core: int | None, precision: str) -> str:
     devices and precisions live side by side under ``<graph set>/tensorrt/``."""
     tag = f"sm{sm.replace('.', '')}-{precision}"
     return f"{tag}-dla{dla_core}" if dla_core is not None else tag
-
-
-def file_digest(paths) -> str:
-    """sha256 over the bytes of ``paths`` (an ONNX file and its external weights)."""
-    h = hashlib.sha256()
-    for p in paths:
-        with open(p, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def engine_key(spec: EngineSpec, onnx_digest: str, tensorrt_version: str, sm: str, dla_core: int | None,

@@ -5,7 +5,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from synflux_ros.build.builder import BuildError, Builder
+from synflux_ros.graphkit.builder import BuildError, Builder
 
 MARKER = "toy.json"
 

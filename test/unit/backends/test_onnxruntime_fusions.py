@@ -21,7 +21,7 @@ import onnx  # noqa: E402
 
 from synflux_ros.backends import build_executor
 from synflux_ros.backends.onnxruntime import fusions as ort_fusions  # noqa: E402
-from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
 from synflux_ros.core.config import from_dict, load_config  # noqa: E402
 from synflux_ros.core.contract import graph_set  # noqa: E402
@@ -526,6 +526,18 @@ def test_bucket_graphs_of_the_fused_set_hold_one_copy_of_the_weights(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ errors
+def test_the_rules_and_onnxscript_are_imported_only_to_fuse():
+    """Parsing the option and keying a fused set (what loading an up-to-date one does) import neither the rules
+    nor onnxscript; fusing imports the rules module."""
+    code = ("import sys\n"
+            "from synflux_ros.backends.onnxruntime import fusions\n"
+            "fusions.parse(True); fusions.versions()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('onnxscript') or m.endswith('fusion_rules')))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def test_missing_onnxscript_is_named_with_the_install_command(tmp_path, monkeypatch):
     gdir = build_set(tmp_path / "g")
     monkeypatch.setitem(sys.modules, "onnxscript", None)  # as if it were not installed

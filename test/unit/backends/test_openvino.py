@@ -17,7 +17,7 @@ pytest.importorskip("onnxruntime", reason="onnxruntime is the reference these te
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 
 from synflux_ros.backends import BackendUnavailableError, build_executor, resolve_executor_class  # noqa: E402
-from synflux_ros.build.validate import seeded_feeds  # noqa: E402
+from synflux_ros.graphkit.feeds import seeded_feeds  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
 from synflux_ros.core.contract import GraphMeta, TensorSpec
 from synflux_ros.core.executor import ShapeError  # noqa: E402
@@ -334,7 +334,7 @@ def test_registry_entry(monkeypatch):
 def vjp_graphs(request, tmp_path_factory):
     """vla_demo_orin with the vjp guidance of Real-Time Chunking (adds the action_expert_vjp graphs); as π0.5
     (adaptive norms, the state in the prompt) too."""
-    from synflux_ros.build.export import build
+    from synflux_ros.buildtool.export import build
     from synflux_ros.core.config import load_config
     from synflux_ros.model.normalization import PI05_PROMPT
     cfg = load_config(str(REPO / "config" / "vla_demo_orin.yaml")).with_overrides(
@@ -351,7 +351,7 @@ def vjp_graphs(request, tmp_path_factory):
 def test_vjp_graphs_validate_against_onnxruntime(vjp_graphs):
     """The correction multiplies by the transposes of square weights that the velocity multiplies by as they are;
     OpenVINO's CPU plugin got those products wrong (1e-2 relative) until the build put them the other way round."""
-    from synflux_ros.build.validate import validate
+    from synflux_ros.buildtool.validate import validate
     rows = {r.check: r for r in validate(str(vjp_graphs), "openvino")}
     vjp = [c for c in rows if c.startswith("action_expert_vjp_")]
     assert sorted(vjp) == ["action_expert_vjp_160/correction", "action_expert_vjp_160/velocity",

@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.backends.tensorrt import build_onnx as tro  # noqa: E402
-from synflux_ros.build.torch_models import build_graph_modules  # noqa: E402
+from synflux_ros.graphkit.torch_models import build_graph_modules  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
 from synflux_ros.core.config import from_dict  # noqa: E402
 from synflux_ros.core.contract import graph_set, reads_logits, time_embedding_dim

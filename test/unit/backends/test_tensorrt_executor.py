@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 
@@ -20,8 +21,8 @@ pytest.importorskip("torch", reason="synflux-build needs torch (make test instal
 pytest.importorskip("onnxruntime", reason="the reference backend is onnxruntime")
 
 from synflux_ros.backends.tensorrt import plan  # noqa: E402
-from synflux_ros.build.validate import validate  # noqa: E402
-from synflux_ros.build.export import build  # noqa: E402
+from synflux_ros.buildtool.validate import validate  # noqa: E402
+from synflux_ros.buildtool.export import build  # noqa: E402
 from synflux_ros.backends.tensorrt.build import export_profiled  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
@@ -136,7 +137,7 @@ def test_stand_in_device_memory_counts_engines_and_the_pool(fake_device, graphs)
     ex = create_executor(cfg)
     ex.load()
     try:
-        engine_bytes = sum(e["bytes"] for e in ex.sidecar["engines"].values())
+        engine_bytes = sum(e.bytes for e in ex.sidecar.engines.values())
         assert ex.device_bytes == engine_bytes + ex.pool.allocated_bytes
         names = ex.pool.breakdown()
         assert any(n.startswith("tensorrt/activations/llm/") for n in names)
@@ -159,6 +160,21 @@ def test_stand_in_engines_for_another_device_or_version_are_refused(fake_device,
     with pytest.raises(RuntimeError, match=message) as info:
         create_executor(cfg).load()
     assert edir in str(info.value) and "synflux-build" in str(info.value) and "--backend tensorrt" in str(info.value)
+
+
+def test_stand_in_bad_sidecar_names_the_field_and_the_build_command(fake_device, tmp_path_factory):
+    out = graph_set_for(tmp_path_factory, "vlm_demo.yaml")
+    edir = stand_in.write_engines(out, TAG)
+    path = os.path.join(edir, "tensorrt.json")
+    with open(path, encoding="utf-8") as fh:
+        side = json.load(fh)
+    side["engines"]["llm"]["profiles"] = "prefill_8"
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(side, fh)
+    cfg = load_config(os.path.join(out, "config.yaml")).with_overrides(executor={"backend": "tensorrt", "graph_dir": out})
+    with pytest.raises(RuntimeError, match=r"tensorrt\.json: engine 'llm': field 'profiles' must be a list.*"
+                                           r"rebuild with: synflux-build .*--backend tensorrt"):
+        create_executor(cfg).load()
 
 
 def test_stand_in_missing_engines_name_the_file_and_the_build_command(fake_device, tmp_path_factory):

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
 from synflux_ros.bench import quality  # noqa: E402
-from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
 
 from gguf_files import base_yaml, hf_reference, write_gguf  # noqa: E402
 

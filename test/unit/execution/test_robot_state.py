@@ -107,8 +107,8 @@ def test_the_buffer_keeps_the_newest_states_only():
 def test_the_state_token_conditions_the_velocity_and_the_exported_graph_agrees():
     torch = pytest.importorskip("torch")
     ort = pytest.importorskip("onnxruntime")
-    from synflux_ros.build.export import example_inputs, export_graph
-    from synflux_ros.build.torch_models import build_graph_modules
+    from synflux_ros.graphkit.onnx_export import example_inputs, export_graph
+    from synflux_ros.graphkit.torch_models import build_graph_modules
     cfg = with_state()
     meta = next(m for m in graph_set(cfg) if m.kind == "action_expert")
     module = build_graph_modules(cfg, seed=0).modules[meta.name]

@@ -47,6 +47,20 @@ def test_keys_stay_what_the_caches_on_disk_were_named_with():
     assert cache.key(fp) == hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def test_a_digest_is_sha256_of_the_head_then_the_files(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.bin"
+    a.write_bytes(b"print(1)\n")
+    b.write_bytes(bytes(range(256)) * 9000)  # more than one read chunk
+    whole = hashlib.sha256(b"k=1;" + a.read_bytes() + b.read_bytes()).hexdigest()
+    assert cache.digest([str(a), str(b)], head=["k=1;"]) == whole
+    assert cache.digest([str(a), str(b)], head=[b"k=1;"], length=12) == whole[:12]
+    named = hashlib.sha256(b"a.py" + a.read_bytes() + b"b.bin" + b.read_bytes()).hexdigest()
+    assert cache.digest([a, b], named=True) == named
+    data = b.read_bytes()
+    ranged = hashlib.sha256(data[10:10 + 1_500_000] + data[7:]).hexdigest()
+    assert cache.digest([(str(b), 10, 1_500_000), (str(b), 7, -1)]) == ranged
+
+
 def test_entry_dirs_name_the_model_and_kind(tmp_path):
     fp = {"x": 1}
     assert cache.entry_dir("/c", {"model": "Qwen3 0.6B/it"}, fp) == f"/c/Qwen3_0.6B_it-{cache.key(fp)}"

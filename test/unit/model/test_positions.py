@@ -70,7 +70,7 @@ def test_positions_equal_transformers_get_rope_index(images):
 
 def test_column_masks_follow_transformers_interleaving():
     torch = pytest.importorskip("torch")
-    from synflux_ros.build.torch_models.decoder import mrope_axis_masks
+    from synflux_ros.graphkit.torch_models.decoder import mrope_axis_masks
     axes = lambda m: "".join("thw"[int(a)] for a in m.argmax(0)[:m.shape[1] // 2])  # noqa: E731
     m = mrope_axis_masks(16, (4, 2, 2))
     assert axes(m) == "thwthwtt" and torch.equal(m.sum(0), torch.ones(16))

@@ -212,7 +212,7 @@ def test_pi05_config_rules():
 
 def test_prefill_rows_see_every_valid_row_with_a_bidirectional_prefix_and_only_earlier_ones_when_causal():
     torch = pytest.importorskip("torch")
-    from synflux_ros.build.torch_models import build_graph_modules
+    from synflux_ros.graphkit.torch_models import build_graph_modules
     from synflux_ros.core.contract import graph_set
 
     def first_row_kv(cfg, embeds, n):
@@ -256,8 +256,8 @@ def test_a_bidirectional_prefix_starts_the_cache(tmp_path):
     finally:
         rt.close()
     pytest.importorskip("torch")
-    from synflux_ros.build import export as build_tool
-    from synflux_ros.build.torch_models import build_graph_modules
+    from synflux_ros.buildtool import export as build_tool
+    from synflux_ros.graphkit.torch_models import build_graph_modules
     cfg = demo()
     meta = next(m for m in graph_set(cfg) if m.kind == "prefill")
     model = build_tool.export_graph(build_graph_modules(cfg, seed=0).modules[meta.name], meta, str(tmp_path))
@@ -346,7 +346,7 @@ def test_smolvla_prefill_graph_projects_the_state_into_a_row_only_it_sees():
     """The prefill graph's last valid row is state_proj(state); it attends to the whole prefix, while no other
     row attends to it: the state changes its own keys/values alone, and a prompt row changes the state row's."""
     torch = pytest.importorskip("torch")
-    from synflux_ros.build.torch_models import build_graph_modules
+    from synflux_ros.graphkit.torch_models import build_graph_modules
     from synflux_ros.core.contract import graph_set
     cfg = smolvla()
     meta = next(m for m in graph_set(cfg) if m.kind == "prefill")

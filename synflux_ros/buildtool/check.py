@@ -8,22 +8,11 @@ or would fall back from) lists them by node name and op type.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from ..backends import build_executor
+from ..graphkit.builder import GraphCheck
 from ..graphset import reader as graphset
 
-
-@dataclass
-class GraphCheck:
-    graph: str
-    compiles: bool
-    error: str = ""
-    unsupported: list[tuple[str, str]] = field(default_factory=list)  # (node name, op type)
-
-    @property
-    def ok(self) -> bool:
-        return self.compiles and not self.unsupported
+__all__ = ["GraphCheck", "check_graph_set", "report"]
 
 
 def check_graph_set(graph_dir: str, backend: str, options: dict | None = None) -> list[GraphCheck]:

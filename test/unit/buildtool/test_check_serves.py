@@ -10,8 +10,8 @@ import yaml
 
 pytest.importorskip("tokenizers")
 
-from synflux_ros.build.builder import BuildError  # noqa: E402
-from synflux_ros.build.export import build, check_serves  # noqa: E402
+from synflux_ros.graphkit.builder import BuildError  # noqa: E402
+from synflux_ros.buildtool.export import build, check_serves  # noqa: E402
 from synflux_ros.core.config import ConfigError, load_config  # noqa: E402
 from synflux_ros.model.chat_template import CHATML  # noqa: E402
 from synflux_ros.model.tokenizer import load_tokenizer  # noqa: E402

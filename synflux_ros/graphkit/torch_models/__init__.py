@@ -29,9 +29,8 @@ from ...core.config import ConfigError, ModelConfig
 from ...core.contract import graph_set
 from .action_expert import ActionExpert, ActionExpertGraph
 from .action_expert_vjp import ActionExpertVJPGraph
-from .decoder import (
-    CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, fuse_projections, hf_llm_fields, init_random, load_hf_weights,
-    materialize, read_hf_config)
+from .decoder import CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, fuse_projections, init_random, materialize
+from .hf_decoder import hf_llm_fields, load_hf_weights, read_hf_config
 from .lerobot_pi0 import config_from_lerobot_pi0, is_lerobot_pi0, load_lerobot_pi0
 from .lerobot_smolvla import config_from_lerobot_smolvla, is_lerobot_smolvla, load_lerobot_smolvla
 from .qwen3_vl_vision import build_qwen3_vl_vision, vision_config_from_hf

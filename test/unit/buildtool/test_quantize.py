@@ -15,8 +15,8 @@ pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from synflux_ros.build import export as build_tool  # noqa: E402
-from synflux_ros.build import quantize  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import quantize  # noqa: E402
 from synflux_ros.graphset import reader as graphset, writer as graphset_writer  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.graphset.reader import GraphSetError  # noqa: E402

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ..core.config import ConfigError
+from ..graphset import cache
 
 MAGIC = b"GGUF"
 SHARD_BYTES = 2 << 30
@@ -180,14 +180,6 @@ def _dequantizable(qtype) -> bool:
     except (NotImplementedError, ValueError, TypeError):
         return False
     return True
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(8 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _llama3_rope(freqs, theta: float, head_dim: int, context: int | None, path: str) -> dict:
@@ -538,8 +530,7 @@ def _importer_version() -> str:
             return version(name)
         except PackageNotFoundError:
             return "?"
-    with open(os.path.abspath(__file__), "rb") as fh:
-        source = hashlib.sha256(fh.read()).hexdigest()[:12]
+    source = cache.digest([os.path.abspath(__file__)], length=12)
     return f"{source};gguf {ver('gguf')};transformers {ver('transformers')}"
 
 
@@ -549,7 +540,7 @@ def convert(path: str, out_dir: str, progress: Callable[[str], None] | None = No
     docs/internals/build.md; ``model``: what :func:`inspect_gguf` found, if already known)."""
     say = progress or (lambda msg: None)
     model = model or inspect_gguf(path)
-    digest = file_sha256(path)
+    digest = cache.digest([path])
     types = ", ".join(f"{n} {k}" for k, n in sorted(model.types.items(), key=lambda kv: -kv[1]))
     c = model.config
     say(f"  GGUF {os.path.basename(path)}: {model.architecture}, {c['num_hidden_layers']} layers, hidden "

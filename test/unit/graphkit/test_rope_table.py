@@ -18,10 +18,10 @@ ort = pytest.importorskip("onnxruntime")
 
 from onnx import TensorProto, numpy_helper  # noqa: E402
 
-from synflux_ros.build import export as build_tool  # noqa: E402
-from synflux_ros.build.torch_models import build_graph_modules  # noqa: E402
-from synflux_ros.build.torch_models import decoder  # noqa: E402
-from synflux_ros.build.torch_models.decoder import rope_cos_sin, rope_inv_freq  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
+from synflux_ros.graphkit.torch_models import build_graph_modules  # noqa: E402
+from synflux_ros.graphkit.torch_models import decoder  # noqa: E402
+from synflux_ros.graphkit.torch_models.decoder import rope_cos_sin, rope_inv_freq  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.core.contract import graph_set
@@ -103,7 +103,7 @@ def computed_in_graph(monkeypatch, owner):
     """Make ``rope_lookup`` compute cos/sin from the positions as the graphs did before the table
     (``rope_cos_sin(positions, owner.inv_freq)``, no clamping): the reference for float32 equality."""
     monkeypatch.setattr(decoder, "rope_lookup", lambda cos, sin, positions: rope_cos_sin(positions, owner.inv_freq))
-    from synflux_ros.build.torch_models import action_expert
+    from synflux_ros.graphkit.torch_models import action_expert
     monkeypatch.setattr(action_expert, "rope_lookup",
                         lambda cos, sin, positions: rope_cos_sin(positions, owner.inv_freq))
 

@@ -13,8 +13,8 @@ ort = pytest.importorskip("onnxruntime")
 
 from onnx import numpy_helper  # noqa: E402
 
-from synflux_ros.build import export as build_tool  # noqa: E402
-from synflux_ros.build.torch_models import build_graph_modules  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
+from synflux_ros.graphkit.torch_models import build_graph_modules  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.core.contract import graph_set  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402

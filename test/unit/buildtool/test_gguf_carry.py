@@ -16,8 +16,8 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 from synflux_ros.backends.onnxruntime import quant as ort_quant  # noqa: E402
-from synflux_ros.build import export as build_tool  # noqa: E402
-from synflux_ros.build import gguf_import, quantize  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import gguf_import, quantize  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402

@@ -34,49 +34,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..core.config import ConfigError, ModelConfig, load_config
-from ..core.contract import GraphMeta
 from ..graphset.reader import MANIFEST_FILE, GraphSetError
-from ..model.time_embedding import time_embedding
+from ..graphkit.feeds import seeded_feeds
 
 PROMPTS = ("Describe what the robot sees on the table.", "Which object is closest to the gripper?")
 GREEDY_TOKENS = 24
 FRAMES = 3
-
-
-def seeded_feeds(meta: GraphMeta, cfg: ModelConfig, rng: np.random.Generator, kv) -> dict:
-    """Inputs a graph accepts by construction: ids inside the vocabulary, positions inside the bucket;
-    ``kv`` (a device tensor) is fed as ``past_kv``. Used to validate backends and to calibrate."""
-    bucket = int(meta.attrs.get("bucket", 0))
-    S = cfg.llm.max_seq_len
-    feeds = {}
-    for spec in meta.inputs:
-        name = spec.name
-        if name == "past_kv":
-            feeds[name] = kv
-        elif name == "input_ids":
-            feeds[name] = rng.integers(0, cfg.llm.vocab_size, spec.shape).astype(spec.dtype)
-        elif name == "num_tokens":  # a partly filled prefill bucket
-            feeds[name] = np.array([max(1, bucket - bucket // 4)], spec.dtype)
-        elif name == "cache_position":  # decode: the last position of its span; prefill: after a history
-            pos = bucket - 1 if meta.kind == "decode" else min(S - bucket, S // 4)
-            if meta.kind == "prefill" and cfg.llm.prefill_attention == "bidirectional":
-                pos = 0  # a bidirectional prefix starts the cache
-            feeds[name] = np.array([pos], spec.dtype)
-        elif name == "position_ids":  # text positions after a history (an image's rows differ per axis)
-            n = spec.shape[1]
-            first = bucket - 1 if meta.kind == "decode" else min(S - bucket, S // 4)
-            grid = rng.integers(0, 3, (3, n)) * (meta.kind != "decode")
-            feeds[name] = (first + np.arange(n)[None, :] + grid).astype(spec.dtype)
-        elif name == "prefix_len":
-            feeds[name] = np.array([max(1, bucket // 2)], spec.dtype)
-        elif name == "time_embedding":
-            feeds[name] = time_embedding(rng.uniform(0.0, 1.0), spec.shape[-1])
-        elif name in ("weights", "flow_time"):  # RTC guidance: prefix weights and flow time lie in [0, 1]
-            feeds[name] = rng.uniform(0.0, 1.0, spec.shape).astype(spec.dtype)
-        else:  # pixel values, embeddings, noisy actions, RTC targets: Gaussian at the scale the graph sees
-            scale = 0.05 if name in ("inputs_embeds", "deepstack_embeds") else 1.0
-            feeds[name] = (rng.standard_normal(spec.shape) * scale).astype(spec.dtype)
-    return feeds
 
 
 @dataclass

@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from synflux_ros.build.torch_models import build_graph_modules, config_from_hf  # noqa: E402
-from synflux_ros.build.torch_models.lerobot_smolvla import prefill_buckets  # noqa: E402
+from synflux_ros.graphkit.torch_models import build_graph_modules, config_from_hf  # noqa: E402
+from synflux_ros.graphkit.torch_models.lerobot_smolvla import prefill_buckets  # noqa: E402
 from synflux_ros.core.config import ConfigError, load_config  # noqa: E402
 from checkpoints import flow_head_shapes, siglip_shapes, write_lerobot_processors  # noqa: E402
 

@@ -22,24 +22,22 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
 import tempfile
 import time
-import warnings
 
 import yaml
 
 from ..backends import UnknownBackendError, buildable_backends, builder_table, resolve_builder
 from ..core.config import ConfigError, ModelConfig, load_config
 from ..core.contract import GraphMeta, graph_set
-from ..model.time_embedding import time_embedding
 from ..graphset import cache, reader as graphset, writer as graphset_writer
-from .builder import PORTABLE_WEIGHT_DTYPES, BuildError, flags_given
+from ..graphkit.builder import PORTABLE_WEIGHT_DTYPES, BuildError, flags_given
+from ..graphkit.onnx_export import (  # noqa: F401 (the export helpers stay importable from here)
+    OPSET, check_model_io, example_inputs, example_tensors, export_graph, onnx_inputs, restore_unused_inputs)
 
-OPSET = 17
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
 """Files of a checkpoint copied beside its tokenizer.json: the chat template and the special tokens."""
 
@@ -54,19 +52,17 @@ def _versions() -> dict:
 
 
 def _exporter_fingerprint() -> str:
-    """Hash of the model definitions, this file and the graph-set format: editing them invalidates the
-    exported graphs (the other tools, e.g. the benchmark, do not)."""
+    """Hash of the model definitions, the export code (this file and the ONNX export helpers) and the graph-set
+    format: editing them invalidates the exported graphs (the other tools, e.g. the benchmark, do not)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    models = os.path.join(here, "torch_models")
-    fmt = os.path.join(os.path.dirname(here), "graphset")
-    paths = [os.path.abspath(__file__), os.path.join(fmt, "reader.py"), os.path.join(fmt, "writer.py"),
-             os.path.join(here, "quantize.py")]
+    package = os.path.dirname(here)
+    kit = os.path.join(package, "graphkit")
+    models = os.path.join(kit, "torch_models")
+    fmt = os.path.join(package, "graphset")
+    paths = [os.path.abspath(__file__), os.path.join(kit, "onnx_export.py"), os.path.join(fmt, "reader.py"),
+             os.path.join(fmt, "writer.py"), os.path.join(here, "quantize.py")]
     paths += [os.path.join(models, n) for n in sorted(os.listdir(models)) if n.endswith(".py")]
-    h = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as fh:
-            h.update(os.path.basename(path).encode() + fh.read())
-    return h.hexdigest()[:12]
+    return cache.digest(paths, named=True, length=12)
 
 
 def weights_fingerprint(seed: int, hf_dir: str | None) -> str:
@@ -102,93 +98,6 @@ def graph_key(cfg: ModelConfig, meta: GraphMeta, weights: str, versions: dict) -
     return cache.key({"graph": meta.to_dict(), "sections": sections, "weights": weights, "tools": versions})
 
 
-def onnx_inputs(meta: GraphMeta) -> list[tuple[str, tuple, str]]:
-    """The exported graph's inputs (name, shape, dtype): the contract's, with each of
-    ``graphset.VIEW_INPUTS`` replaced by its views (``past_kv.<layer>.<k|v>``)."""
-    out = []
-    for spec in meta.inputs:
-        lead = graphset.VIEW_INPUTS.get(spec.name, 0)
-        if lead:
-            out += [(graphset.view_name(spec.name, idx), tuple(spec.shape[lead:]), spec.dtype)
-                    for idx in graphset.view_indices(spec.shape, lead)]
-        else:
-            out.append((spec.name, tuple(spec.shape), spec.dtype))
-    return out
-
-
-def example_inputs(meta: GraphMeta):
-    """Valid example tensors for tracing the exported inputs (:func:`onnx_inputs`)."""
-    return example_tensors(onnx_inputs(meta))
-
-
-def example_tensors(inputs):
-    """Example tensors for ``inputs`` (name, shape, dtype): zeros, with counts/positions that are in range."""
-    import numpy as np
-    import torch
-    out = []
-    for name, shape, dtype in inputs:
-        arr = np.zeros(shape, dtype)
-        if name in ("num_tokens", "prefix_len"):
-            arr[...] = 1
-        elif name == "time_embedding":
-            arr[...] = time_embedding(1.0, shape[-1])
-        out.append(torch.from_numpy(arr))
-    return tuple(out)
-
-
-def _with_views(module, meta: GraphMeta):
-    """``module`` (which takes the contract inputs) as a module taking :func:`onnx_inputs`: the views of
-    an input are handed to it nested by index (``past_kv[layer] == (keys, values)``)."""
-    import torch
-
-    class Views(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = module
-
-        def forward(self, *flat):
-            args, pos = [], 0
-            for spec in meta.inputs:
-                lead = graphset.VIEW_INPUTS.get(spec.name, 0)
-                if not lead:
-                    args.append(flat[pos])
-                    pos += 1
-                    continue
-                count = math.prod(int(d) for d in spec.shape[:lead])
-                views = list(flat[pos:pos + count])
-                pos += count
-                for d in reversed(spec.shape[1:lead]):
-                    views = [tuple(views[i:i + int(d)]) for i in range(0, len(views), int(d))]
-                args.append(views)
-            return self.inner(*args)
-
-    return Views().eval()
-
-
-def export_graph(module, meta: GraphMeta, workdir: str):
-    """Trace ``module`` to an ONNX ModelProto (weights loaded in memory) named after ``meta``, taking the
-    inputs of :func:`onnx_inputs`."""
-    import onnx
-    import torch
-    path = os.path.join(workdir, f"{meta.name}.onnx")
-    module.eval()
-    # Modules may offer a context that turns resolution-dependent tables into constants for export.
-    folded = module.folded() if hasattr(module, "folded") else contextlib.nullcontext()
-    with torch.no_grad(), folded, warnings.catch_warnings():
-        # The TorchScript exporter is chosen on purpose: static shapes, opset 17, no dynamo dependency.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        # The graphs are static-shape by design: the model code's decisions on tensor sizes are meant to
-        # be constants of the trace.
-        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r".*\.torch_models\.")
-        torch.onnx.export(_with_views(module, meta), example_inputs(meta), path, dynamo=False, opset_version=OPSET,
-                          input_names=[n for n, _, _ in onnx_inputs(meta)],
-                          output_names=[t.name for t in meta.outputs], do_constant_folding=True)
-    model = onnx.load(path, load_external_data=True)
-    restore_unused_inputs(model, onnx_inputs(meta))
-    check_model_io(model, meta)
-    return model
-
-
 def _remove_graph_files(out: str, old: dict, gone: list[str]) -> None:
     """Delete the files of the last build's graphs ``gone`` from the set (e.g. decode graphs left in the
     directory by a build of a config that had them), once the new manifest does not name them."""
@@ -202,53 +111,6 @@ def _remove_graph_files(out: str, old: dict, gone: list[str]) -> None:
             _progress(f"  removed {os.path.basename(path)} (no longer in the graph set)")
 
 
-def restore_unused_inputs(model, declared) -> list[str]:
-    """Put back the ``declared`` inputs (``(name, shape, dtype)``, shape dims ints or symbolic names) that
-    the exporter dropped because nothing reads them, in the declared order; returns their names.
-
-    A flow-matching VLA's prefill computes the new cache entries alone, so the last layer's attention, the
-    only reader of that layer's ``past_kv`` views, is dead code; a bidirectional prefill reads no view at all
-    (``core.contract``). The graph still takes every view of the contract: the same bindings serve every graph
-    set, and a backend is handed one input list per kind."""
-    import numpy as np
-    from onnx import helper
-    have = {v.name: v for v in model.graph.input}
-    missing = [d for d in declared if d[0] not in have]
-    if not missing:
-        return []
-    ordered = [have[name] if name in have else
-               helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), list(shape))
-               for name, shape, dtype in declared]
-    rest = [v for v in model.graph.input if v.name not in {d[0] for d in declared}]  # initializers listed as inputs
-    del model.graph.input[:]
-    model.graph.input.extend(ordered + rest)
-    return [d[0] for d in missing]
-
-
-def check_model_io(model, meta: GraphMeta) -> None:
-    """The exported model's inputs/outputs must be exactly the GraphMeta's (names, order, shapes, dtypes;
-    inputs as :func:`onnx_inputs`)."""
-    import onnx
-    from onnx import helper
-
-    def describe(values):
-        res = []
-        for v in values:
-            t = v.type.tensor_type
-            shape = tuple(d.dim_value for d in t.shape.dim)
-            res.append((v.name, shape, helper.tensor_dtype_to_np_dtype(t.elem_type).name))
-        return res
-    init = {i.name for i in model.graph.initializer}
-    got_in = [x for x in describe(model.graph.input) if x[0] not in init]
-    want_in = onnx_inputs(meta)
-    got_out = describe(model.graph.output)
-    want_out = [(t.name, t.shape, t.dtype) for t in meta.outputs]
-    if got_in != want_in or got_out != want_out:
-        raise BuildError(f"exported graph {meta.name!r} does not match its contract:\n  inputs  {got_in}\n"
-                         f"  expected {want_in}\n  outputs {got_out}\n  expected {want_out}")
-    onnx.checker.check_model(model)
-
-
 def _progress(msg: str) -> None:
     print(msg, flush=True)
 
@@ -257,7 +119,7 @@ def resolve_config(cfg: ModelConfig, hf_dir: str | None) -> ModelConfig:
     """The config whose graphs are built: the YAML, with model dimensions from the checkpoint if given."""
     if not hf_dir:
         return cfg
-    from .torch_models import config_from_hf
+    from ..graphkit.torch_models import config_from_hf
     return config_from_hf(hf_dir, cfg)
 
 
@@ -286,7 +148,7 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
     build step of its own (``BUILDERS``) then compiles the graphs beside it, with ``options`` (its options
     dataclass, e.g. :class:`~synflux_ros.backends.tensorrt.build.TensorRTOptions`). ``weights`` ``int8``/``int4``
     quantizes the decoder's MatMul weights block-wise (``block`` rows per scale; see
-    :mod:`synflux_ros.build.quantize`), for the onnxruntime backend only."""
+    :mod:`synflux_ros.buildtool.quantize`), for the onnxruntime backend only."""
     try:
         builder = resolve_builder(backend)
     except UnknownBackendError as exc:
@@ -358,7 +220,7 @@ def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, se
             _write_effective_config(cfg, out, backend, manifest.get("tokenizer") or "")
             _remove_graph_files(out, previous, gone)
         return manifest
-    from .torch_models import build_graph_modules
+    from ..graphkit.torch_models import build_graph_modules
     gm = build_graph_modules(cfg, seed=seed, hf_dir=hf_dir)
     modules, tokenizer = gm.modules, gm.tokenizer_path
     missing = [m.name for m in metas if m.name not in modules]

@@ -8,11 +8,26 @@ alone, which onnxruntime, openvino and qnn load as it is.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
 
 class BuildError(RuntimeError):
     """The graph set cannot be built: unknown backend, bad options, a graph without a module, or an exported
     graph that does not match its contract."""
+
+
+@dataclass
+class GraphCheck:
+    """One row of ``synflux-build --check``: does a graph compile on a backend, and which of its nodes the
+    backend cannot run."""
+    graph: str
+    compiles: bool
+    error: str = ""
+    unsupported: list[tuple[str, str]] = field(default_factory=list)  # (node name, op type)
+
+    @property
+    def ok(self) -> bool:
+        return self.compiles and not self.unsupported
 
 
 class Builder:
@@ -41,7 +56,7 @@ class Builder:
         """Compile the portable graph set in ``out`` (its ``manifest``) into this backend's form, beside it."""
 
     def check(self, out: str, metas, options) -> list | None:
-        """``synflux-build --check``: rows as :class:`synflux_ros.build.check.GraphCheck` for this backend's own
+        """``synflux-build --check``: rows as :class:`GraphCheck` for this backend's own
         compiled form, or ``None`` to load the graphs on the backend's executor instead."""
         return None
 

@@ -21,9 +21,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
-from synflux_ros.build import export as build_tool  # noqa: E402
-from synflux_ros.build import gguf_import  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import gguf_import  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
+from synflux_ros.graphset import cache  # noqa: E402
 from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402
 from synflux_ros.model.backbone import LLMBackbone  # noqa: E402
 from synflux_ros.model.chat_template import load_chat_template  # noqa: E402
@@ -163,7 +164,7 @@ def test_manifest_names_the_gguf_and_rebuild_follows_its_content(tmp_path, capsy
     assert load_config(os.path.join(out, "config.yaml")).vision is None
     assert not os.path.exists(os.path.join(out, "vision_encoder.onnx"))
     manifest = json.load(open(os.path.join(out, "manifest.json")))
-    assert manifest["source"]["gguf"] == {"path": os.path.abspath(path), "sha256": gguf_import.file_sha256(path)}
+    assert manifest["source"]["gguf"] == {"path": os.path.abspath(path), "sha256": cache.digest([path])}
     assert manifest["source"]["hf_dir"] == "" and not glob.glob(os.path.join(out, ".synflux-gguf-*"))
     first = manifest["source"]["weights"]
     capsys.readouterr()
@@ -328,7 +329,7 @@ def test_llama3_rope_freqs_become_llama3_rope_parameters(tmp_path):
 
 def test_large_checkpoints_are_written_in_shards(tmp_path, monkeypatch):
     from safetensors.numpy import load_file
-    from synflux_ros.build.torch_models.checkpoint import read_tensors, tensor_files
+    from synflux_ros.graphkit.torch_models.checkpoint import read_tensors, tensor_files
     path = write_gguf(tmp_path / "m.gguf")
     gguf_import.convert(path, str(tmp_path / "one"))
     monkeypatch.setattr(gguf_import, "SHARD_BYTES", 100_000)

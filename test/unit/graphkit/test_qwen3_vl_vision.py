@@ -14,8 +14,8 @@ from synflux_ros.core.config import ConfigError, from_dict  # noqa: E402
 from synflux_ros.core.contract import graph_set  # noqa: E402
 from synflux_ros.model.image import Preprocessor
 from synflux_ros.core.config import PreprocessSpec  # noqa: E402
-from synflux_ros.build import export as build_tool  # noqa: E402
-from synflux_ros.build.torch_models.qwen3_vl_vision import (  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
+from synflux_ros.graphkit.torch_models.qwen3_vl_vision import (  # noqa: E402
     Qwen3VLVision,
     build_qwen3_vl_vision,
     load_hf_vision_state_dict,

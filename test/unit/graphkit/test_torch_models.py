@@ -19,9 +19,9 @@ from synflux_ros.core.contract import graph_set, select_bucket
 from synflux_ros.model.normalization import PI05_PROMPT  # noqa: E402
 from synflux_ros.model.time_embedding import time_embedding  # noqa: E402
 from synflux_ros.model.backbone import LLMBackbone  # noqa: E402
-from synflux_ros.build import export as build_tool  # noqa: E402
+from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.graphset import reader as graphset  # noqa: E402
-from synflux_ros.build.torch_models import build_graph_modules, config_from_hf  # noqa: E402
+from synflux_ros.graphkit.torch_models import build_graph_modules, config_from_hf  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -185,7 +185,7 @@ def test_random_weights_are_seeded_and_tied_when_configured():
 
 
 def test_qwen3_vl_vision_tower_is_built_by_its_own_builder():
-    from synflux_ros.build.torch_models.qwen3_vl_vision import Qwen3VLVision, build_qwen3_vl_vision
+    from synflux_ros.graphkit.torch_models.qwen3_vl_vision import Qwen3VLVision, build_qwen3_vl_vision
     # 224 x 224 tiles of 16-pixel patches merged 2 x 2: 7 x 7 tokens
     cfg = cfg_of("vlm_demo", vision={"architecture": "qwen3_vl", "patch_size": 16, "spatial_merge_size": 2,
                                      "num_layers": 1, "num_heads": 2, "tokens_per_tile": 49})
