@@ -27,8 +27,7 @@ from ..core.pipeline import source_rate
 from ..execution.controller import ControlLoop, Controller
 from ..execution.plan import ChunkRefused
 from ..execution.robot_state import CameraImages, NoFreshState, RobotStateBuffer
-from ..runtimes.remote import RemoteVLARuntime
-from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
+from ..runtimes.vla import Frame, VLAPipeline
 from .dds_workarounds import DedicatedSubscription
 from .diagnostics import ERROR, OK, WARN, median
 from .lifecycle import SynfluxNode, destroy_entities
@@ -129,7 +128,7 @@ class VLANode(SynfluxNode):
         if p["publish_joint_trajectory"] and not joints:
             raise self.fail("publish_joint_trajectory", "needs the commanded joints: set joint_names or the "
                                                         "config's execution.joints")
-        self.runtime = self.load_runtime(RemoteVLARuntime if cfg.executor.backend == "remote" else VLARuntime, cfg)
+        self.runtime = self.load_runtime(cfg)
         if p["default_instruction"]:
             try:
                 self.runtime.set_instruction(p["default_instruction"])
