@@ -13,7 +13,6 @@ import threading
 import time
 from collections import deque
 
-from builtin_interfaces.msg import Duration
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
@@ -33,6 +32,7 @@ from .diagnostics import ERROR, OK, WARN, median
 from .lifecycle import SynfluxNode, destroy_entities
 from .params import COMMON_PARAMS, Param
 from .ros_compat import fastdds_profile_variables, subscription_event_callbacks
+from .stamps import stamp_seconds, to_duration, to_stamp
 from .process import run_lifecycle_node
 
 PARAMS = [
@@ -253,7 +253,7 @@ class VLANode(SynfluxNode):
         t_receipt = time.perf_counter()
         with self._lock:
             self._counts["received"] += 1
-            self._arrivals.append((time.monotonic(), self._now(), header.stamp.sec + header.stamp.nanosec * 1e-9))
+            self._arrivals.append((time.monotonic(), self._now(), stamp_seconds(header.stamp)))
         if not self._active:
             self._count("inactive")
             return
@@ -266,7 +266,7 @@ class VLANode(SynfluxNode):
         except ImageError as exc:
             self._reject("image", exc)
             return
-        stamp = header.stamp.sec + header.stamp.nanosec * 1e-9
+        stamp = stamp_seconds(header.stamp)
         if self._cameras is not None:
             try:
                 rgb = self._cameras.images_for(stamp, rgb)
@@ -296,7 +296,7 @@ class VLANode(SynfluxNode):
 
     def _on_joint_state(self, msg: JointState):
         self._count("states_received")
-        stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+        stamp = stamp_seconds(msg.header.stamp)
         try:
             if self.controller is not None:
                 self.controller.on_joint_state(stamp, msg.name, msg.position, self._now())
@@ -323,7 +323,7 @@ class VLANode(SynfluxNode):
         def store(msg):
             self._count("camera_images")
             try:
-                self._cameras.add(name, msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9, self._decode(msg))
+                self._cameras.add(name, stamp_seconds(msg.header.stamp), self._decode(msg))
             except (ImageError, ValueError) as exc:
                 self._count("camera_images_rejected")
                 self._last_input_error = f"{name} image: {exc}"
@@ -371,7 +371,7 @@ class VLANode(SynfluxNode):
     def _execute(self, frame: Frame):
         """Hand a chunk to the controller; a refused one is counted and logged, the plan in force goes on."""
         now = self._now()
-        t_obs = frame.meta.stamp.sec + frame.meta.stamp.nanosec * 1e-9
+        t_obs = stamp_seconds(frame.meta.stamp)
         try:
             self.controller.on_chunk(frame.actions, t_obs, now, frame.raw_actions)
         except ChunkRefused as exc:
@@ -388,14 +388,10 @@ class VLANode(SynfluxNode):
     def _trajectory(self, points, now: float) -> JointTrajectory:
         """Stamped now; every point lies ahead of it (header.stamp + time_from_start > now)."""
         traj = JointTrajectory()
-        sec, nsec = divmod(int(round(now * 1e9)), 10**9)
-        traj.header.stamp.sec, traj.header.stamp.nanosec = sec, nsec
+        traj.header.stamp = to_stamp(now)
         traj.joint_names = list(self.joint_names)
         for t, row in points:
-            s = int(t)
-            traj.points.append(JointTrajectoryPoint(
-                positions=[float(v) for v in row],
-                time_from_start=Duration(sec=s, nanosec=int(round((t - s) * 1e9)))))
+            traj.points.append(JointTrajectoryPoint(positions=[float(v) for v in row], time_from_start=to_duration(t)))
         return traj
 
     def _send_command(self, cmd):
