@@ -15,14 +15,10 @@ import time
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
-from std_msgs.msg import Float64MultiArray, String
-from std_srvs.srv import SetBool
-from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+from std_msgs.msg import String
 
 from ..msg import ActionChunk
 from ..model.image import ImageError, decode_compressed, decode_raw
-from ..execution.controller import ControlLoop, Controller
-from ..execution.plan import ChunkRefused
 from ..execution.robot_state import CameraImages, NoFreshState, RobotStateBuffer
 from ..runtimes.ledger import FrameLedger
 from ..runtimes.vla import Frame, VLAPipeline
@@ -31,7 +27,8 @@ from .diagnostics import median
 from .lifecycle import SynfluxNode, destroy_entities
 from .params import COMMON_PARAMS, Param
 from .ros_compat import fastdds_profile_variables, subscription_event_callbacks
-from .stamps import stamp_seconds, to_duration, to_stamp
+from .stamps import stamp_seconds
+from .vla_commands import ChunkCommands
 from .process import run_lifecycle_node
 
 PARAMS = [
@@ -68,7 +65,7 @@ TRANSPORT_HINT = (f"large frames need shared memory: start the camera driver wit
                   f"(share/synflux_ros/config/fastdds_shm.xml); see docs/ros-interfaces.md")
 
 
-class VLANode(SynfluxNode):
+class VLANode(ChunkCommands, SynfluxNode):
     """Lifecycle node serving a VLA model: camera frames + instruction in, action chunks out."""
 
     MODE = "vla"
@@ -87,10 +84,6 @@ class VLANode(SynfluxNode):
         self._subs, self._pubs = [], {}
         self._state_reader: DedicatedSubscription | None = None
         self._busy_pipelines = []  # pipelines whose stage threads outlived stop()
-        self.controller: Controller | None = None
-        self._control_loop: ControlLoop | None = None
-        self._enable_srv = None
-        self._chunk_error = ""
 
     # ---------------------------------------------------------------- lifecycle hooks
     def setup(self, p: dict, cfg) -> str:
@@ -153,59 +146,23 @@ class VLANode(SynfluxNode):
                 f"{cfg.action.published_dim}{cams}) on {cfg.executor.backend!r}, instruction "
                 f"{self.runtime.instruction!r}{commands}")
 
-    def _setup_execution(self, p: dict, cfg) -> None:
-        """The chunk executor, its command streams, the enable service and the control timer."""
-        ex = cfg.resolved_execution
-        self.controller = Controller(ex, cfg.action.step_period, cfg.action.action_horizon)
-        if p["publish_joint_command"]:
-            self._pubs["command"] = self.create_lifecycle_publisher(Float64MultiArray, "joint_command", 10)
-        if p["publish_joint_trajectory"]:
-            self._pubs["traj"] = self.create_lifecycle_publisher(JointTrajectory, "joint_trajectory", 10)
-        # The control ticks run in a thread of their own (not an executor timer): the executor's other callbacks
-        # (image decoding, the pipeline's results) would delay and bunch them. The controller takes a lock.
-        self._enable_srv = self.create_service(SetBool, "~/enable", self._on_enable,
-                                               callback_group=MutuallyExclusiveCallbackGroup())
-        self._control_loop = ControlLoop(self.controller, self._now, self._send_command, self._on_tick_error)
-
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
-
-    def halt_commands(self) -> None:
-        """At a signal: the control loop sends nothing more (a flag its thread reads before each send; the
-        controller's lock is not taken here, in the signal handler). Teardown disables and joins it later."""
-        loop = self._control_loop
-        if loop is not None:
-            loop.halted = True
 
     def activate(self) -> None:
         self.ledger.activate(time.monotonic())
         self.pipeline.start()
-        if self._control_loop is not None:
-            self._control_loop.start()
-        if self.controller is not None and self.cfg.execution.autoenable:
-            try:
-                self.get_logger().info(f"commands {self.controller.enable(self._now())} (execution.autoenable)")
-            except ValueError as exc:
-                self.get_logger().error(f"execution.autoenable: {exc}; call ~/enable once the state arrives")
+        self._start_commands()
 
     def deactivate(self) -> None:
-        if self.controller is not None:
-            self.controller.disable("deactivated")
-            self._control_loop.stop()
+        self._stop_commands()
         self.pipeline.stop()
 
     def runtime_in_use(self) -> bool:
         return any(p.busy for p in self._busy_pipelines)
 
     def teardown(self) -> None:
-        if self.controller is not None:
-            self.controller.disable("cleaned up")
-        if self._control_loop is not None:
-            self._control_loop.stop()
-            self._control_loop = None
-        if self._enable_srv is not None:
-            self.destroy_service(self._enable_srv)
-            self._enable_srv = None
+        self._destroy_commands()
         if self.pipeline is not None:
             if not self.pipeline.stop(PIPELINE_STOP_TIMEOUT_S):
                 self.get_logger().error(
@@ -341,55 +298,6 @@ class VLANode(SynfluxNode):
         if self.controller is not None:
             self._execute(frame)
 
-    def _execute(self, frame: Frame):
-        """Hand a chunk to the controller; a refused one is counted and logged, the plan in force goes on."""
-        now = self._now()
-        t_obs = stamp_seconds(frame.meta.stamp)
-        try:
-            self.controller.on_chunk(frame.actions, t_obs, now, frame.raw_actions)
-        except ChunkRefused as exc:
-            self._chunk_error = f"chunk of frame {frame.seq} refused: {exc}"
-            self.get_logger().warning(self._chunk_error, throttle_duration_sec=2.0)
-            return
-        if "traj" in self._pubs:
-            points = self.controller.trajectory(now)
-            if points:
-                traj = self._trajectory(points, now)
-                traj.header.frame_id = frame.meta.frame_id
-                self._pubs["traj"].publish(traj)
-
-    def _trajectory(self, points, now: float) -> JointTrajectory:
-        """Stamped now; every point lies ahead of it (header.stamp + time_from_start > now)."""
-        traj = JointTrajectory()
-        traj.header.stamp = to_stamp(now)
-        traj.joint_names = list(self.joint_names)
-        for t, row in points:
-            traj.points.append(JointTrajectoryPoint(positions=[float(v) for v in row], time_from_start=to_duration(t)))
-        return traj
-
-    def _send_command(self, cmd):
-        pub = self._pubs.get("command")
-        if pub is not None and self._active:
-            pub.publish(Float64MultiArray(data=[float(v) for v in cmd]))
-
-    def _on_tick_error(self, exc: Exception):
-        self.get_logger().error(f"control tick failed: {type(exc).__name__}: {exc}", throttle_duration_sec=2.0)
-
-    def _on_enable(self, request, response):
-        if request.data:
-            if not self._active:
-                response.success, response.message = False, "cannot enable: the node is not active"
-            else:
-                try:
-                    response.success, response.message = True, self.controller.enable(self._now())
-                except ValueError as exc:
-                    response.success, response.message = False, str(exc)
-        else:
-            self.controller.disable("disabled by ~/enable")
-            response.success, response.message = True, "disabled"
-        self.get_logger().info(f"~/enable {request.data}: {response.message}")
-        return response
-
     def _on_error(self, frame: Frame, stage: str, exc: Exception):
         self._last_input_error = f"frame {frame.seq} failed in {stage}: {exc}"
         self.get_logger().error(self._last_input_error, throttle_duration_sec=2.0)
@@ -430,35 +338,6 @@ class VLANode(SynfluxNode):
         health = self.ledger.health(counts, rates, silence, topic, problems)
         return health.level, health.message(rate), values
 
-    def _execution_diagnostics(self, values: dict, counts: dict) -> list[str]:
-        """The controller's state and every intervention, counted; the problems worth a WARN."""
-        c = self.controller
-        status = c.status
-        offer = c.last_offer
-        values.update(execution_mode=c.cfg.mode, commands_enabled=c.enabled,
-                      command_state=status.state, command_reason=status.reason, frames_not_needed=counts["not_needed"],
-                      chunk_delay_steps=offer.delay_steps if offer else -1,
-                      chunk_delay_ms=offer.delay_s * 1e3 if offer else float("nan"),
-                      last_switch_jump=offer.switch_jump if offer else float("nan"),
-                      last_switch_disagreement=offer.disagreement if offer else float("nan"),
-                      last_chunk_error=self._chunk_error, hold_reaction_ms=c.hold_reaction_s * 1e3)
-        for key in ("chunks_accepted", "chunks_refused", "chunks_late", "chunks_non_finite", "chunks_unplaced",
-                    "ticks_commanded", "ticks_held", "watchdog_holds", "hold_stale_state", "hold_chunk_timeout",
-                    "hold_ran_out", "hold_no_chunk", "position_limit", "velocity_limit", "acceleration_limit",
-                    "braking", "max_relative_target", "relative_target_unmet", "braking_unmet",
-                    "enable_while_enabled", "enabled_outside_limits", "states_from_the_future", "chunks_invalid",
-                    "chunks_clipped"):
-            values[key] = c.counts[key]
-        loop = self._control_loop
-        if loop is not None:
-            values.update(control_ticks=loop.ticks, control_ticks_late=loop.late_ticks,
-                          control_ticks_skipped=loop.skipped_ticks, control_max_late_ms=loop.max_late_s * 1e3)
-        problems = []
-        if status.state == "holding":
-            problems.append(f"holding: {status.reason}")
-        if c.counts["chunks_refused"]:
-            problems.append(f"{c.counts['chunks_refused']} chunks refused")
-        return problems
 
 
 def main(args=None) -> int:
