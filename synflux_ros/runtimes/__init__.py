@@ -1,6 +1,7 @@
-"""Runtimes: a config turned into a running model (executor, tokenizer, pieces, KV pool), ROS-free.
-:class:`~synflux_ros.runtimes.vla.VLARuntime` maps frames to action chunks, and
-:class:`~synflux_ros.runtimes.vlm.VLMRuntime` serves multi-turn chat."""
+"""A config turned into a running model (executor, tokenizer, pieces, KV pool), ROS-free:
+:class:`~synflux_ros.runtimes.vla.VLARuntime` maps frames to action chunks,
+:class:`~synflux_ros.runtimes.vlm.VLMRuntime` serves multi-turn chat, and :func:`open_runtime` opens the one a
+config asks for, on this machine or on a server."""
 from __future__ import annotations
 
 
