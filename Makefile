@@ -188,8 +188,9 @@ $(VENV)/.stamp-sim: requirements-sim.txt synflux_ros/sim/gl.py | $(VENV)/.stamp-
 sim: install sim-venv
 	cd $(BUILD) && $(PY) -m synflux_ros.tools.sim_loop $(ARGS)
 
-# The documentation site (mkdocs, in a venv of its own): docs/benchmarks.md must be what the benchmarks' JSONL
-# gives, and the site must build with --strict (a broken link or a missing page fails); out: build/site.
+# The documentation site (mkdocs, in a venv of its own): the generated parts of docs/ must be what their sources
+# give (benchmarks.md, the backends' option tables, architecture.md's rooms and commands; .ci/docs.sh), and the
+# site must build with --strict (a broken link or a missing page fails); out: build/site.
 DOCS_VENV := .venv-docs
 DOCS_PY := $(abspath $(DOCS_VENV))/bin/python
 $(DOCS_VENV)/.stamp-docs: requirements-docs.txt

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Documentation check and build: docs/benchmarks.md must be what docs/benchmarks/results.jsonl gives, the
-# backends' option tables what their options dataclasses give, and the site must build with
+# backends' option tables what their options dataclasses give, the rooms and commands of architecture.md what
+# the layer test, the modules' docstrings, setup.py and CMakeLists.txt give, and the site must build with
 # `mkdocs build --strict` (a broken link, a missing page or a bad anchor fails it).
 #
 #   bash .ci/docs.sh [PYTHON [PACKAGE_PYTHON]]
@@ -24,5 +25,6 @@ if ! "$PKG_PY" -c "import numpy, yaml" 2>/dev/null; then
 fi
 "$PY" docs/gen_benchmarks.py --check
 "$PKG_PY" docs/gen_backend_options.py --check
+"$PY" docs/gen_architecture.py --check
 "$PY" -m mkdocs build --strict --clean -f mkdocs.yml -d build/site
 echo "docs: built build/site/index.html"

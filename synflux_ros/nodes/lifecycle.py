@@ -13,6 +13,7 @@ from rclpy.lifecycle import Node as LifecycleNode
 from rclpy.lifecycle import State, TransitionCallbackReturn
 
 from ..core.config import ConfigError, ModelConfig
+from ..runtimes import open_runtime
 from .diagnostics import ERROR, diagnostic_array
 from .params import Param, ParameterError, declare, load_node_config, read
 
@@ -127,9 +128,11 @@ class SynfluxNode(ManagedNode):
     def fail(self, param: str, problem: str) -> ParameterError:
         return ParameterError(f"[{self.get_name()}] parameter '{param}': {problem}")
 
-    def load_runtime(self, runtime_cls, cfg: ModelConfig):
+    def load_runtime(self, cfg: ModelConfig):
+        """The runtime of ``cfg``, local or remote (:func:`~synflux_ros.runtimes.open_runtime`); a model that
+        cannot be loaded is a ParameterError naming it and the executor."""
         try:
-            return runtime_cls(cfg)
+            return open_runtime(cfg)
         except (ConfigError, ImportError, ValueError) as exc:
             raise ParameterError(f"[{self.get_name()}] cannot load model {cfg.name!r} with executor "
                                  f"{cfg.executor.backend!r}: {exc}") from None

@@ -30,6 +30,7 @@ from .diagnostics import ERROR, OK, WARN, diagnostic_array
 from .lifecycle import ManagedNode, destroy_entities
 from .params import Param, ParameterError
 from .process import run_lifecycle_node
+from .stamps import to_stamp
 
 MAX_IMAGE_SIDE = 4096
 
@@ -230,8 +231,7 @@ class SimRobotNode(ManagedNode):
         """Simulated time with publish_clock (what /clock says), else this node's clock."""
         if not self._p["publish_clock"]:
             return self.get_clock().now().to_msg()
-        ns = int(round(robot.time * 1e9))
-        return Time(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+        return to_stamp(robot.time)
 
     def _publish_clock(self, robot: SimRobot) -> None:
         pub = self._pubs.get("clock")

@@ -11,29 +11,24 @@ from __future__ import annotations
 import array
 import threading
 import time
-from collections import deque
 
-from builtin_interfaces.msg import Duration
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
-from std_msgs.msg import Float64MultiArray, String
-from std_srvs.srv import SetBool
-from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+from std_msgs.msg import String
 
 from ..msg import ActionChunk
 from ..model.image import ImageError, decode_compressed, decode_raw
-from ..core.pipeline import source_rate
-from ..execution.controller import ControlLoop, Controller
-from ..execution.plan import ChunkRefused
 from ..execution.robot_state import CameraImages, NoFreshState, RobotStateBuffer
-from ..runtimes.remote import RemoteVLARuntime
-from ..runtimes.vla import Frame, VLAPipeline, VLARuntime
+from ..runtimes.ledger import FrameLedger
+from ..runtimes.vla import Frame, VLAPipeline
 from .dds_workarounds import DedicatedSubscription
-from .diagnostics import ERROR, OK, WARN, median
+from .diagnostics import median
 from .lifecycle import SynfluxNode, destroy_entities
 from .params import COMMON_PARAMS, Param
 from .ros_compat import fastdds_profile_variables, subscription_event_callbacks
+from .stamps import stamp_seconds
+from .vla_commands import ChunkCommands
 from .process import run_lifecycle_node
 
 PARAMS = [
@@ -65,19 +60,12 @@ INSTRUCTION_QOS = (
 
 PIPELINE_STOP_TIMEOUT_S = 5.0
 """How long stopping waits for the stages to finish their current device calls."""
-RATE_WINDOW = 120
-"""Frames over which the receive and camera rates are estimated."""
-MIN_DELIVERY_RATIO = 0.9
-"""Below this share of the camera's frames received, /diagnostics warns of transport loss."""
-NO_FRAME_PERIODS = 10
-"""With a stated camera rate: no frame for this many camera periods (at least NO_FRAME_MIN_S) is an ERROR."""
-NO_FRAME_MIN_S = 2.0
 TRANSPORT_HINT = (f"large frames need shared memory: start the camera driver with "
                   f"{' or '.join(fastdds_profile_variables())} set to the profile the nodes use "
                   f"(share/synflux_ros/config/fastdds_shm.xml); see docs/ros-interfaces.md")
 
 
-class VLANode(SynfluxNode):
+class VLANode(ChunkCommands, SynfluxNode):
     """Lifecycle node serving a VLA model: camera frames + instruction in, action chunks out."""
 
     MODE = "vla"
@@ -86,36 +74,24 @@ class VLANode(SynfluxNode):
     def __init__(self, **kwargs):
         super().__init__("vla_node", **kwargs)
         self.pipeline: VLAPipeline | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the frame sequence
         self._seq = 0
-        # Frames are counted here until they reach the pipeline, and by the pipeline after that
-        # (processed = published, dropped, failed); counters of pipelines torn down are carried over.
-        self._counts = dict(received=0, rejected=0, inactive=0, no_state=0, no_camera=0, not_needed=0,
-                            instructions_rejected=0,
-                            states_received=0, states_rejected=0, camera_images=0, camera_images_rejected=0)
+        self.ledger = FrameLedger(transport_hint=TRANSPORT_HINT)  # kept over cleanups: the counts go on
         self._states: RobotStateBuffer | None = None
         self._cameras: CameraImages | None = None
         self._state_age_ms = float("nan")
-        self._retired = dict(processed=0, dropped=0, failed=0)
-        self._latencies = deque(maxlen=200)
-        self._published_times = deque(maxlen=200)
-        self._arrivals = deque(maxlen=RATE_WINDOW)  # (receipt monotonic s, receipt on the node's clock, stamp s)
         self._last_input_error = ""
         self._subs, self._pubs = [], {}
         self._state_reader: DedicatedSubscription | None = None
         self._busy_pipelines = []  # pipelines whose stage threads outlived stop()
-        self.controller: Controller | None = None
-        self._control_loop: ControlLoop | None = None
-        self._enable_srv = None
-        self._chunk_error = ""
 
     # ---------------------------------------------------------------- lifecycle hooks
     def setup(self, p: dict, cfg) -> str:
         rate = p["camera_rate_hz"]
         if not isinstance(rate, (int, float)) or not 0.0 <= rate < 10000.0 or rate != rate:
             raise self.fail("camera_rate_hz", f"must be a rate in Hz >= 0 (0 = not stated), got {rate!r}")
-        self.camera_rate = float(rate)
-        self._active_since = time.monotonic()
+        self.ledger.camera_rate = float(rate)
+        self.ledger.activate(time.monotonic())
         joints = [j for j in p["joint_names"] if j]
         if joints:
             if len(joints) != cfg.action.published_dim:
@@ -129,7 +105,7 @@ class VLANode(SynfluxNode):
         if p["publish_joint_trajectory"] and not joints:
             raise self.fail("publish_joint_trajectory", "needs the commanded joints: set joint_names or the "
                                                         "config's execution.joints")
-        self.runtime = self.load_runtime(RemoteVLARuntime if cfg.executor.backend == "remote" else VLARuntime, cfg)
+        self.runtime = self.load_runtime(cfg)
         if p["default_instruction"]:
             try:
                 self.runtime.set_instruction(p["default_instruction"])
@@ -170,69 +146,30 @@ class VLANode(SynfluxNode):
                 f"{cfg.action.published_dim}{cams}) on {cfg.executor.backend!r}, instruction "
                 f"{self.runtime.instruction!r}{commands}")
 
-    def _setup_execution(self, p: dict, cfg) -> None:
-        """The chunk executor, its command streams, the enable service and the control timer."""
-        ex = cfg.resolved_execution
-        self.controller = Controller(ex, cfg.action.step_period, cfg.action.action_horizon)
-        if p["publish_joint_command"]:
-            self._pubs["command"] = self.create_lifecycle_publisher(Float64MultiArray, "joint_command", 10)
-        if p["publish_joint_trajectory"]:
-            self._pubs["traj"] = self.create_lifecycle_publisher(JointTrajectory, "joint_trajectory", 10)
-        # The control ticks run in a thread of their own (not an executor timer): the executor's other callbacks
-        # (image decoding, the pipeline's results) would delay and bunch them. The controller takes a lock.
-        self._enable_srv = self.create_service(SetBool, "~/enable", self._on_enable,
-                                               callback_group=MutuallyExclusiveCallbackGroup())
-        self._control_loop = ControlLoop(self.controller, self._now, self._send_command, self._on_tick_error)
-
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
 
-    def halt_commands(self) -> None:
-        """At a signal: the control loop sends nothing more (a flag its thread reads before each send; the
-        controller's lock is not taken here, in the signal handler). Teardown disables and joins it later."""
-        loop = self._control_loop
-        if loop is not None:
-            loop.halted = True
-
     def activate(self) -> None:
-        self._active_since = time.monotonic()
+        self.ledger.activate(time.monotonic())
         self.pipeline.start()
-        if self._control_loop is not None:
-            self._control_loop.start()
-        if self.controller is not None and self.cfg.execution.autoenable:
-            try:
-                self.get_logger().info(f"commands {self.controller.enable(self._now())} (execution.autoenable)")
-            except ValueError as exc:
-                self.get_logger().error(f"execution.autoenable: {exc}; call ~/enable once the state arrives")
+        self._start_commands()
 
     def deactivate(self) -> None:
-        if self.controller is not None:
-            self.controller.disable("deactivated")
-            self._control_loop.stop()
+        self._stop_commands()
         self.pipeline.stop()
 
     def runtime_in_use(self) -> bool:
         return any(p.busy for p in self._busy_pipelines)
 
     def teardown(self) -> None:
-        if self.controller is not None:
-            self.controller.disable("cleaned up")
-        if self._control_loop is not None:
-            self._control_loop.stop()
-            self._control_loop = None
-        if self._enable_srv is not None:
-            self.destroy_service(self._enable_srv)
-            self._enable_srv = None
+        self._destroy_commands()
         if self.pipeline is not None:
             if not self.pipeline.stop(PIPELINE_STOP_TIMEOUT_S):
                 self.get_logger().error(
                     f"a pipeline stage is still in a device call {PIPELINE_STOP_TIMEOUT_S:.0f} s after stop; "
                     "its executor is left in place (freeing it under the call would crash the process)")
                 self._busy_pipelines.append(self.pipeline.pipeline)
-            c = self.pipeline.pipeline.counters()
-            with self._lock:
-                for key in self._retired:
-                    self._retired[key] += getattr(c, key)
+            self.ledger.retire(self.pipeline.pipeline.counters())
             self.pipeline = None
         if self._state_reader is not None:
             if not self._state_reader.destroy():
@@ -241,38 +178,32 @@ class VLANode(SynfluxNode):
         destroy_entities(self, self._subs, self._pubs)
 
     # ---------------------------------------------------------------- inputs
-    def _count(self, key: str, n: int = 1):
-        with self._lock:
-            self._counts[key] += n
-
     def _reject(self, what: str, exc: Exception):
-        self._count("rejected")
+        self.ledger.count("rejected")
         self._last_input_error = f"{what}: {exc}"
         self.get_logger().warning(f"rejected {what}: {exc}", throttle_duration_sec=2.0)
 
     def _submit(self, header, decode):
         t_receipt = time.perf_counter()
-        with self._lock:
-            self._counts["received"] += 1
-            self._arrivals.append((time.monotonic(), self._now(), header.stamp.sec + header.stamp.nanosec * 1e-9))
+        stamp = stamp_seconds(header.stamp)
+        self.ledger.receive(time.monotonic(), self._now(), stamp)
         if not self._active:
-            self._count("inactive")
+            self.ledger.count("inactive")
             return
         if self.controller is not None and self.cfg.execution.request == "threshold" and \
                 (self.pipeline.pipeline.counters().in_flight > 0 or not self.controller.wants_chunk(self._now())):
-            self._count("not_needed")
+            self.ledger.count("not_needed")
             return
         try:
             rgb = decode()
         except ImageError as exc:
             self._reject("image", exc)
             return
-        stamp = header.stamp.sec + header.stamp.nanosec * 1e-9
         if self._cameras is not None:
             try:
                 rgb = self._cameras.images_for(stamp, rgb)
             except NoFreshState as exc:
-                self._count("no_camera")
+                self.ledger.count("no_camera")
                 self._last_input_error = f"frame skipped: {exc}"
                 self.get_logger().warning(self._last_input_error, throttle_duration_sec=2.0)
                 return
@@ -281,7 +212,7 @@ class VLANode(SynfluxNode):
             try:
                 state, age = self._states.at(stamp)
             except NoFreshState as exc:
-                self._count("no_state")
+                self.ledger.count("no_state")
                 self._last_input_error = f"frame skipped: {exc}"
                 self.get_logger().warning(self._last_input_error, throttle_duration_sec=2.0)
                 return
@@ -296,8 +227,8 @@ class VLANode(SynfluxNode):
         self.pipeline.submit(frame)
 
     def _on_joint_state(self, msg: JointState):
-        self._count("states_received")
-        stamp = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+        self.ledger.count("states_received")
+        stamp = stamp_seconds(msg.header.stamp)
         try:
             if self.controller is not None:
                 self.controller.on_joint_state(stamp, msg.name, msg.position, self._now())
@@ -307,7 +238,7 @@ class VLANode(SynfluxNode):
                 raise ValueError("header stamp is zero (the state cannot be matched to camera frames)")
             self._states.add(stamp, msg.name, msg.position)
         except ValueError as exc:
-            self._count("states_rejected")
+            self.ledger.count("states_rejected")
             self._last_input_error = f"joint_states: {exc}"
             self.get_logger().warning(f"joint state rejected: {exc}", throttle_duration_sec=2.0)
 
@@ -322,11 +253,11 @@ class VLANode(SynfluxNode):
     def _other_camera(self, name: str):
         """Callback storing the images of a camera after the first (they are used by its frames)."""
         def store(msg):
-            self._count("camera_images")
+            self.ledger.count("camera_images")
             try:
-                self._cameras.add(name, msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9, self._decode(msg))
+                self._cameras.add(name, stamp_seconds(msg.header.stamp), self._decode(msg))
             except (ImageError, ValueError) as exc:
-                self._count("camera_images_rejected")
+                self.ledger.count("camera_images_rejected")
                 self._last_input_error = f"{name} image: {exc}"
                 self.get_logger().warning(f"rejected {name} image: {exc}", throttle_duration_sec=2.0)
         return store
@@ -340,7 +271,7 @@ class VLANode(SynfluxNode):
         try:
             self.runtime.set_instruction(msg.data)
         except ValueError as exc:
-            self._count("instructions_rejected")
+            self.ledger.count("instructions_rejected")
             self._last_input_error = f"instruction: {exc}"
             self.get_logger().error(f"instruction rejected, keeping {self.runtime.instruction!r}: {exc}")
             return
@@ -363,64 +294,9 @@ class VLANode(SynfluxNode):
         latency = (time.perf_counter() - frame.t_receipt) * 1e3
         msg.latency_ms = float(latency)
         self._pubs["chunk"].publish(msg)
-        with self._lock:
-            self._latencies.append(latency)
-            self._published_times.append(time.monotonic())
+        self.ledger.published(latency, time.monotonic())
         if self.controller is not None:
             self._execute(frame)
-
-    def _execute(self, frame: Frame):
-        """Hand a chunk to the controller; a refused one is counted and logged, the plan in force goes on."""
-        now = self._now()
-        t_obs = frame.meta.stamp.sec + frame.meta.stamp.nanosec * 1e-9
-        try:
-            self.controller.on_chunk(frame.actions, t_obs, now, frame.raw_actions)
-        except ChunkRefused as exc:
-            self._chunk_error = f"chunk of frame {frame.seq} refused: {exc}"
-            self.get_logger().warning(self._chunk_error, throttle_duration_sec=2.0)
-            return
-        if "traj" in self._pubs:
-            points = self.controller.trajectory(now)
-            if points:
-                traj = self._trajectory(points, now)
-                traj.header.frame_id = frame.meta.frame_id
-                self._pubs["traj"].publish(traj)
-
-    def _trajectory(self, points, now: float) -> JointTrajectory:
-        """Stamped now; every point lies ahead of it (header.stamp + time_from_start > now)."""
-        traj = JointTrajectory()
-        sec, nsec = divmod(int(round(now * 1e9)), 10**9)
-        traj.header.stamp.sec, traj.header.stamp.nanosec = sec, nsec
-        traj.joint_names = list(self.joint_names)
-        for t, row in points:
-            s = int(t)
-            traj.points.append(JointTrajectoryPoint(
-                positions=[float(v) for v in row],
-                time_from_start=Duration(sec=s, nanosec=int(round((t - s) * 1e9)))))
-        return traj
-
-    def _send_command(self, cmd):
-        pub = self._pubs.get("command")
-        if pub is not None and self._active:
-            pub.publish(Float64MultiArray(data=[float(v) for v in cmd]))
-
-    def _on_tick_error(self, exc: Exception):
-        self.get_logger().error(f"control tick failed: {type(exc).__name__}: {exc}", throttle_duration_sec=2.0)
-
-    def _on_enable(self, request, response):
-        if request.data:
-            if not self._active:
-                response.success, response.message = False, "cannot enable: the node is not active"
-            else:
-                try:
-                    response.success, response.message = True, self.controller.enable(self._now())
-                except ValueError as exc:
-                    response.success, response.message = False, str(exc)
-        else:
-            self.controller.disable("disabled by ~/enable")
-            response.success, response.message = True, "disabled"
-        self.get_logger().info(f"~/enable {request.data}: {response.message}")
-        return response
 
     def _on_error(self, frame: Frame, stage: str, exc: Exception):
         self._last_input_error = f"frame {frame.seq} failed in {stage}: {exc}"
@@ -428,61 +304,21 @@ class VLANode(SynfluxNode):
 
     # ---------------------------------------------------------------- diagnostics
     def frame_counts(self) -> dict[str, int]:
-        """Every received frame (of the first camera) is in exactly one of published, dropped, rejected,
-        failed, inactive, no_state (skipped: no fresh robot state), no_camera (skipped: another camera had no
-        image close enough) or in flight (inside the pipeline)."""
-        with self._lock:
-            counts = dict(self._counts)
-            done = dict(self._retired)
-        if self.pipeline is not None:
-            c = self.pipeline.pipeline.counters()
-            for key in done:
-                done[key] += getattr(c, key)
-        counts.update(published=done["processed"], dropped=done["dropped"], failed=done["failed"])
-        counts["in_flight"] = counts["received"] - counts["rejected"] - counts["inactive"] - counts["published"] \
-            - counts["dropped"] - counts["failed"] - counts["no_state"] - counts["no_camera"] - counts["not_needed"]
-        return counts
-
-    def input_rates(self) -> dict[str, float]:
-        """Receive rate against the camera's rate, estimated from the header stamps of the frames that
-        arrived (:func:`source_rate`), so frames lost before the node show as ``delivery_ratio`` < 1."""
-        with self._lock:
-            arrivals = list(self._arrivals)
-        out = {"receive_rate_hz": 0.0, "camera_rate_hz": self.camera_rate, "delivery_ratio": 1.0,
-               "estimated_camera_rate_hz": 0.0}
-        if len(arrivals) < 3:
-            return out
-        span = arrivals[-1][1] - arrivals[0][1]  # on the node's clock: simulated time with use_sim_time
-        if span > 0:
-            out["receive_rate_hz"] = (len(arrivals) - 1) / span
-        estimate, ratio = source_rate(s for _, _, s in arrivals)
-        out["estimated_camera_rate_hz"] = estimate
-        if self.camera_rate > 0:  # stated: frames that never arrive count too
-            out["delivery_ratio"] = min(1.0, out["receive_rate_hz"] / self.camera_rate)
-        else:
-            out["camera_rate_hz"], out["delivery_ratio"] = estimate, ratio
-        return out
-
-    def frame_silence(self) -> float:
-        """Seconds since the last frame (or since activation, before the first)."""
-        with self._lock:
-            last = self._arrivals[-1][0] if self._arrivals else None
-        return time.monotonic() - max(last or 0.0, self._active_since)
+        """Every received frame (of the first camera) in exactly one outcome or in flight (FrameLedger)."""
+        pipeline = self.pipeline
+        return self.ledger.counts(pipeline.pipeline.counters() if pipeline is not None else None)
 
     def diagnostics(self) -> tuple[int, str, dict]:
         counts = self.frame_counts()
-        with self._lock:
-            lat = list(self._latencies)
-            times = list(self._published_times)
-        rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
-        rates = self.input_rates()
+        rate = self.ledger.publish_rate()
+        rates = self.ledger.rates()
         values = {"backend": self.cfg.executor.backend, "model": self.cfg.name, "instruction":
                   self.runtime.instruction, "frames_received": counts["received"], "frames_published":
                   counts["published"], "frames_dropped": counts["dropped"], "frames_rejected": counts["rejected"],
                   "frames_failed": counts["failed"], "frames_while_inactive": counts["inactive"],
                   "frames_in_flight": counts["in_flight"], "frames_no_state": counts["no_state"],
                   "instructions_rejected": counts["instructions_rejected"], "publish_rate_hz": rate,
-                  **rates, "latency_median_ms": median(lat)}
+                  **rates, "latency_median_ms": median(self.ledger.latencies())}
         for st in self.pipeline.pipeline.stats if self.pipeline else []:
             values[f"stage_{st.name}_median_ms"] = median(st.recent_ms)
         for stage, device in self.runtime.stage_devices.items():
@@ -495,70 +331,13 @@ class VLANode(SynfluxNode):
                           state_age_ms=self._state_age_ms)
         values["device_memory_mib"] = self.runtime.executor.device_bytes / 2**20
         values["last_error"] = self._last_input_error
-        problems = []
-        if self.controller is not None:
-            problems += self._execution_diagnostics(values, counts)
-        if counts["rejected"] or counts["failed"]:
-            problems.append(f"{counts['rejected']} rejected, {counts['failed']} failed")
-        if counts["no_state"]:
-            problems.append(f"{counts['no_state']} skipped without a fresh joint state")
-        if counts["no_camera"]:
-            problems.append(f"{counts['no_camera']} skipped without an image of every camera")
-        if counts["camera_images_rejected"]:
-            problems.append(f"{counts['camera_images_rejected']} camera images rejected")
-        if counts["states_rejected"]:
-            problems.append(f"{counts['states_rejected']} joint states rejected")
-        level = WARN if problems else OK
-        if rates["delivery_ratio"] < MIN_DELIVERY_RATIO:
-            problems.append(f"receiving {rates['delivery_ratio']:.0%} of the camera's "
-                            f"{rates['camera_rate_hz']:.1f} Hz: frames are lost in transport ({TRANSPORT_HINT})")
-            level = WARN
-        if self.camera_rate <= 0:
-            problems.append("camera_rate_hz not set: frames lost before this node cannot be counted")
-            level = WARN
-        elif rates["estimated_camera_rate_hz"] and abs(rates["estimated_camera_rate_hz"] / self.camera_rate - 1) > 0.2:
-            problems.append(f"the frames' stamps say {rates['estimated_camera_rate_hz']:.1f} Hz, camera_rate_hz "
-                            f"says {self.camera_rate:g}: check the parameter")
-            level = WARN
-        silence = self.frame_silence()
+        problems = self._execution_diagnostics(values, counts) if self.controller is not None else []
+        silence = self.ledger.silence(time.monotonic())
         values["seconds_since_frame"] = silence
-        if self.camera_rate > 0 and silence > max(NO_FRAME_MIN_S, NO_FRAME_PERIODS / self.camera_rate):
-            topic = self._subs[0].topic_name if self._subs else "image"
-            problems.append(f"no camera frame for {silence:.1f} s on {topic} (is the camera "
-                            f"publishing? {TRANSPORT_HINT})")
-            level = ERROR
-        message = ", ".join([f"{rate:.1f} Hz"] + problems)
-        return level, message, values
+        topic = self._subs[0].topic_name if self._subs else "image"
+        health = self.ledger.health(counts, rates, silence, topic, problems)
+        return health.level, health.message(rate), values
 
-    def _execution_diagnostics(self, values: dict, counts: dict) -> list[str]:
-        """The controller's state and every intervention, counted; the problems worth a WARN."""
-        c = self.controller
-        status = c.status
-        offer = c.last_offer
-        values.update(execution_mode=c.cfg.mode, commands_enabled=c.enabled,
-                      command_state=status.state, command_reason=status.reason, frames_not_needed=counts["not_needed"],
-                      chunk_delay_steps=offer.delay_steps if offer else -1,
-                      chunk_delay_ms=offer.delay_s * 1e3 if offer else float("nan"),
-                      last_switch_jump=offer.switch_jump if offer else float("nan"),
-                      last_switch_disagreement=offer.disagreement if offer else float("nan"),
-                      last_chunk_error=self._chunk_error, hold_reaction_ms=c.hold_reaction_s * 1e3)
-        for key in ("chunks_accepted", "chunks_refused", "chunks_late", "chunks_non_finite", "chunks_unplaced",
-                    "ticks_commanded", "ticks_held", "watchdog_holds", "hold_stale_state", "hold_chunk_timeout",
-                    "hold_ran_out", "hold_no_chunk", "position_limit", "velocity_limit", "acceleration_limit",
-                    "braking", "max_relative_target", "relative_target_unmet", "braking_unmet",
-                    "enable_while_enabled", "enabled_outside_limits", "states_from_the_future", "chunks_invalid",
-                    "chunks_clipped"):
-            values[key] = c.counts[key]
-        loop = self._control_loop
-        if loop is not None:
-            values.update(control_ticks=loop.ticks, control_ticks_late=loop.late_ticks,
-                          control_ticks_skipped=loop.skipped_ticks, control_max_late_ms=loop.max_late_s * 1e3)
-        problems = []
-        if status.state == "holding":
-            problems.append(f"holding: {status.reason}")
-        if c.counts["chunks_refused"]:
-            problems.append(f"{c.counts['chunks_refused']} chunks refused")
-        return problems
 
 
 def main(args=None) -> int:

@@ -16,7 +16,7 @@ from ..model.image import ImageError, decode_raw
 from ..runtimes.remote import RemoteError
 from ..runtimes.remote_chat import RemoteVLMRuntime
 from ..runtimes.sessions import RequestError
-from ..runtimes.vlm import ChatRequest, VLMRuntime
+from ..runtimes.vlm import ChatRequest
 from ..srv import Chat, EndSession
 from .dds_workarounds import ResponseSender
 from .diagnostics import OK, median, ros_text
@@ -58,7 +58,7 @@ class VLMNode(SynfluxNode):
         self._last_refusal = ""
 
     def setup(self, p: dict, cfg) -> str:
-        self.runtime = self.load_runtime(RemoteVLMRuntime if cfg.executor.backend == "remote" else VLMRuntime, cfg)
+        self.runtime = self.load_runtime(cfg)
         # Created once and kept for the node's life: destroying a service at cleanup could drop the answer
         # of a turn that has just finished; while inactive the services refuse instead.
         if not self._chat_services:

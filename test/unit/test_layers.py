@@ -8,12 +8,15 @@ build-time rooms (a backend's build step excepted: it runs in synflux-build).
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 
 import pytest
 
 import synflux_ros
 
+# ROOMS, ROS_ROOMS and RUN_TIME_ROOMS stay literals: docs/gen_architecture.py reads them (without importing this
+# file) to write the rooms of docs/architecture.md.
 ROOMS = {
     # room: rooms it may import (besides itself)
     "core": set(),
@@ -73,7 +76,8 @@ def violations(path: str, module: str) -> list[str]:
     room = parts[1] if len(parts) > 1 and not path.endswith(os.sep + "synflux_ros" + os.sep + "__init__.py") \
         else ""
     if room and room not in ROOMS:
-        return [f"{module}: room {room!r} is not in the architecture (add it to README and ROOMS)"]
+        return [f"{module}: room {room!r} is not in the architecture (add it to ROOMS, then run "
+                f"python docs/gen_architecture.py)"]
     found = []
     for line, name in module_imports(path, module):
         top = name.split(".")[0]
@@ -172,3 +176,15 @@ def test_tools_may_drive_nodes_over_ros(tmp_path):
     path = tmp_path / "harness.py"
     path.write_text("import rclpy\nfrom sensor_msgs.msg import Image\nfrom ..nodes.params import PACKAGE\n")
     assert violations(str(path), "synflux_ros.tools.harness") == []
+
+
+def test_the_architecture_page_is_written_from_these_rooms():
+    """docs/gen_architecture.py reads this file's literals, without importing it, for docs/architecture.md."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "gen_architecture.py")
+    spec = importlib.util.spec_from_file_location("gen_architecture", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    rules = gen.layer_rules(__file__)
+    assert (rules["ROOMS"], rules["ROS_ROOMS"], rules["RUN_TIME_ROOMS"]) == (ROOMS, ROS_ROOMS, RUN_TIME_ROOMS)
+    assert [line.split("|")[1].strip() for line in gen.rooms_block(rules) if line.startswith("| `")] == \
+        [f"`{room}/`" for room in ROOMS]
