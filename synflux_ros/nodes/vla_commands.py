@@ -15,7 +15,7 @@ from std_srvs.srv import SetBool
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from ..execution.controller import ControlLoop, Controller
-from ..execution.plan import ChunkRefused
+from ..execution.plan import CLOCK_SKEW_S, SIM_CLOCK_SKEW_S, ChunkRefused
 from ..runtimes.vla import Frame
 from .stamps import stamp_seconds, to_duration, to_stamp
 
@@ -31,7 +31,9 @@ class ChunkCommands:
     def _setup_execution(self, p: dict, cfg) -> None:
         """The chunk executor, its command streams, the enable service and the control timer."""
         ex = cfg.resolved_execution
-        self.controller = Controller(ex, cfg.action.step_period, cfg.action.action_horizon)
+        sim_time = bool(self.get_parameter("use_sim_time").value)  # stamps may lead the clock by a /clock's lag
+        self.controller = Controller(ex, cfg.action.step_period, cfg.action.action_horizon,
+                                     SIM_CLOCK_SKEW_S if sim_time else CLOCK_SKEW_S)
         if p["publish_joint_command"]:
             self._pubs["command"] = self.create_lifecycle_publisher(Float64MultiArray, "joint_command", 10)
         if p["publish_joint_trajectory"]:
@@ -140,7 +142,8 @@ class ChunkCommands:
         for key in ("chunks_accepted", "chunks_refused", "chunks_late", "chunks_non_finite", "chunks_unplaced",
                     "ticks_commanded", "ticks_held", "watchdog_holds", "hold_stale_state", "hold_chunk_timeout",
                     "hold_ran_out", "hold_no_chunk", "position_limit", "velocity_limit", "acceleration_limit",
-                    "braking", "max_relative_target", "relative_target_unmet", "braking_unmet",
+                    "braking", "max_relative_target", "jerk_limit", "relative_target_unmet", "braking_unmet",
+                    "jerk_unmet",
                     "enable_while_enabled", "enabled_outside_limits", "states_from_the_future", "chunks_invalid",
                     "chunks_clipped"):
             values[key] = c.counts[key]

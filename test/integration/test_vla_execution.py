@@ -107,6 +107,7 @@ def test_commands_flow_only_while_enabled_and_within_the_limits(robot):
     assert d["commands_enabled"] == "True" and int(d["chunks_accepted"]) > 10
     # the mock's actions span [-1, 1]: the limits had to intervene
     assert int(d["position_limit"]) > 0
+    assert {"jerk_limit", "jerk_unmet", "braking", "braking_unmet", "relative_target_unmet"} <= set(d)
     assert robot.trajs, "no joint_trajectory while enabled"
     for traj in robot.trajs[-5:]:
         assert list(traj.joint_names) == JOINTS
