@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -91,8 +92,14 @@ def choices_hint(name, choices) -> str:
     return f" (choices: {', '.join(choices)}" + (f"; did you mean {close[0]!r}?" if close else "") + ")"
 
 
+@functools.cache
+def _type_hints(cls) -> dict:
+    """The resolved annotations of a section, once per class: resolving them is most of a load's time."""
+    return typing.get_type_hints(cls)
+
+
 def _build(cls, raw: dict, prefix: str):
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
