@@ -11,7 +11,7 @@ from .execution import (EXECUTION_MODES, GUIDED_MODES, ChunkValidation, Executio
                         RTCConfig)
 from .heads import ActionConfig, NormalizationConfig, TextConfig
 from .model import ModelConfig, describe_fields, from_dict, load_config
-from .schema import ConfigError, choices_hint, options_from_dict, setting
+from .schema import ConfigError, choices_hint, graph_values, options_from_dict, setting
 from .service import (PROXY_WS_MAX_BYTES, ExecutorConfig, PipelineConfig, Placement, RemoteConfig, ServeConfig,
                       SessionConfig)
 
@@ -20,6 +20,6 @@ __all__ = [
     "TOKEN_ID_DTYPES", "ActionConfig", "ChunkValidation", "ConfigError", "ExecutionConfig", "ExecutorConfig",
     "LLMConfig", "LimitsConfig", "ModelConfig", "NormalizationConfig", "PipelineConfig", "Placement",
     "PreprocessSpec", "RTCConfig", "RemoteConfig", "ServeConfig", "SessionConfig", "TextConfig",
-    "TokenizerConfig", "VisionConfig", "choices_hint", "describe_fields", "from_dict", "load_config",
-    "options_from_dict", "setting",
+    "TokenizerConfig", "VisionConfig", "choices_hint", "describe_fields", "from_dict", "graph_values",
+    "load_config", "options_from_dict", "setting",
 ]

@@ -118,12 +118,12 @@ class VisionConfig:
     resolution: tuple[int, int] = setting((448, 448), min=1, doc="fixed input size [H, W] of the vision encoder")
     tile_size: tuple[int, int] = setting((224, 224), min=1, doc="tile size [h, w]; must divide resolution")
     tokens_per_tile: int = setting(256, min=1, doc="vision tokens produced per tile")
-    resize: str = setting("letterbox", choices=PreprocessSpec.RESIZE_MODES)
+    resize: str = setting("letterbox", choices=PreprocessSpec.RESIZE_MODES, graph=False)
     interpolation: str = setting("bilinear", choices=PreprocessSpec.INTERPOLATIONS,
-                                  doc="resampling when the camera size differs from the resolution")
-    pad_value: int = setting(0, min=0, max=255)
-    mean: tuple[float, float, float] = setting((0.5, 0.5, 0.5))
-    std: tuple[float, float, float] = setting((0.5, 0.5, 0.5))
+                                  doc="resampling when the camera size differs from the resolution", graph=False)
+    pad_value: int = setting(0, min=0, max=255, graph=False)
+    mean: tuple[float, float, float] = setting((0.5, 0.5, 0.5), graph=False)
+    std: tuple[float, float, float] = setting((0.5, 0.5, 0.5), graph=False)
     # Architecture of the vision tower (what synflux-build exports; the mock ignores it).
     architecture: str = setting("vit", choices=("vit", "qwen3_vl"),
                                  doc="vit: patch ViT pooled to tokens_per_tile; qwen3_vl: Qwen3-VL vision tower")
@@ -144,13 +144,14 @@ class VisionConfig:
     deepstack_layers: tuple[int, ...] = setting(default_factory=tuple, doc="qwen3_vl: layers feeding DeepStack")
     max_input_pixels: int = setting(DEFAULT_MAX_INPUT_PIXELS, min=1,
                                      doc="largest width*height of an incoming image (raw, compressed or a chat "
-                                         "image), checked before it is decoded")
+                                         "image), checked before it is decoded", graph=False)
     cameras: tuple[str, ...] = setting(
         default_factory=tuple, doc="VLA: camera names, in the order their tokens enter the prefix (each image runs "
                                    "through the vision encoder on its own; vla_node subscribes '<name>/image'); "
-                                   "empty = one camera on 'image'")
-    camera_max_skew: float = setting(0.05, min=0.0, doc="VLA with several cameras: seconds another camera's image may "
-                                                         "lie from the first camera's frame (by header stamps)")
+                                   "empty = one camera on 'image'", graph=False)
+    camera_max_skew: float = setting(0.05, min=0.0, graph=False,
+                                     doc="VLA with several cameras: seconds another camera's image may lie from the "
+                                         "first camera's frame (by header stamps)")
 
     def __post_init__(self):
         if self.architecture != "vit":
@@ -304,8 +305,8 @@ class TokenizerConfig:
     prompt_end_token: str = setting("", doc="VLA: a special token appended after the cut prompt (pi0-FAST's second "
                                              "'<bos>'); empty = none")
     prompt_special_tokens: bool = setting(False, doc="VLA: the prompt gets the special tokens tokenizer.json's "
-                                                      "post-processor adds (transformers' tokenizer(text), as LeRobot's "
-                                                      "SmolVLA tokenises)")
+                                                      "post-processor adds (transformers' tokenizer(text), as "
+                                                      "LeRobot's SmolVLA tokenises)")
     chat_template: str = setting("", doc="VLM: a chat template (.jinja file); empty = the checkpoint's (beside the "
                                           "tokenizer), else plain text completion for a text-only model's "
                                           "tokenizer without one (a base model), else the built-in ChatML")

@@ -47,41 +47,45 @@ class ActionConfig:
     head_type: str = setting(choices=("flow_matching", "autoregressive"))
     action_dim: int = setting(min=1)
     action_horizon: int = setting(min=1, doc="steps per chunk")
-    step_period: float = setting(0.02, min=1e-6, doc="seconds between two steps of a chunk")
+    step_period: float = setting(0.02, min=1e-6, doc="seconds between two steps of a chunk", graph=False)
     num_denoise_steps: int = setting(10, min=1, doc="flow matching: Euler steps")
-    seed: int = setting(0, min=0, doc="flow matching: base seed of the initial noise")
+    seed: int = setting(0, min=0, doc="flow matching: base seed of the initial noise", graph=False)
     num_bins: int = setting(256, min=2, doc="autoregressive: uniform bins over [-1, 1]")
     token_vocab_size: int = setting(0, min=0, doc="autoregressive: vocabulary whose last num_bins ids are the "
                                                    "action tokens (0 = llm.vocab_size; OpenVLA: 32000)")
     token_codec: str = setting("bins", choices=("bins", "fast"),
                                 doc="autoregressive: bins (OpenVLA): one token per value, a bin over [-1, 1]; fast "
                                     "(pi0-FAST): BPE tokens of the chunk's DCT coefficients, after 'Action: ', up to "
-                                    "'|'")
-    fast_tokenizer: str = setting("", doc="fast: the FAST tokenizer.json (BPE over coefficient characters)")
-    fast_scale: float = setting(10.0, min=1e-9, doc="fast: DCT coefficients were multiplied by it before rounding")
-    fast_min_token: int = setting(0, doc="fast: the coefficient of character 0")
+                                    "'|'", graph=False)
+    fast_tokenizer: str = setting("", graph=False, doc="fast: the FAST tokenizer.json (BPE over coefficient "
+                                                        "characters)")
+    fast_scale: float = setting(10.0, min=1e-9, graph=False,
+                                doc="fast: DCT coefficients were multiplied by it before rounding")
+    fast_min_token: int = setting(0, doc="fast: the coefficient of character 0", graph=False)
     fast_skip_tokens: int = setting(128, min=0, doc="fast: ids below the end of the vocabulary that FAST tokens skip "
-                                                     "(FAST token k is id base_vocab - 1 - skip - k)")
-    fast_clean_up_spaces: bool = setting(False, doc="fast: the FAST tokenizer's clean_up_tokenization_spaces")
-    max_decoding_steps: int = setting(256, min=1, doc="fast: most tokens generated per chunk")
-    norm_q01: tuple[float, ...] = setting(default_factory=tuple, doc="per-dimension 1st percentile")
-    norm_q99: tuple[float, ...] = setting(default_factory=tuple, doc="per-dimension 99th percentile")
-    norm_mask: tuple[bool, ...] = setting(default_factory=tuple, doc="False = keep the dimension as predicted")
+                                                     "(FAST token k is id base_vocab - 1 - skip - k)", graph=False)
+    fast_clean_up_spaces: bool = setting(False, graph=False,
+                                         doc="fast: the FAST tokenizer's clean_up_tokenization_spaces")
+    max_decoding_steps: int = setting(256, min=1, doc="fast: most tokens generated per chunk", graph=False)
+    norm_q01: tuple[float, ...] = setting(default_factory=tuple, doc="per-dimension 1st percentile", graph=False)
+    norm_q99: tuple[float, ...] = setting(default_factory=tuple, doc="per-dimension 99th percentile", graph=False)
+    norm_mask: tuple[bool, ...] = setting(default_factory=tuple, graph=False,
+                                          doc="False = keep the dimension as predicted")
     expert_hidden_dim: int = setting(0, min=0, doc="flow matching: action-expert width (0 = llm.hidden_dim)")
     expert_intermediate_size: int = setting(0, min=0, doc="flow matching: action-expert MLP width (0 = 4 x width)")
     state_dim: int = setting(0, min=0, doc="flow matching: length of the robot-state vector the action expert takes "
                                             "as its state token (pi0: 32, zero-padded); 0 = no state input")
     state_joints: tuple[str, ...] = setting(
         default_factory=tuple, doc="joint names whose sensor_msgs/JointState positions fill the state vector, in "
-                                   "order (the rest is zero); required with state_dim")
+                                   "order (the rest is zero); required with state_dim", graph=False)
     state_max_age: float = setting(0.1, min=0.0, doc="seconds a joint state may be older than a camera frame (by "
-                                                      "header stamps) and still be used for it")
+                                                      "header stamps) and still be used for it", graph=False)
     output_dim: int = setting(0, min=0, doc="flow matching: action dimensions published, the first output_dim of "
-                                             "action_dim (pi0 predicts 32, zero-padded); 0 = action_dim")
+                                             "action_dim (pi0 predicts 32, zero-padded); 0 = action_dim", graph=False)
     state_norm: NormalizationConfig | None = setting(
-        None, doc="flow matching: normalisation of the state_joints values before they enter the model")
+        None, doc="flow matching: normalisation of the state_joints values before they enter the model", graph=False)
     action_norm: NormalizationConfig | None = setting(
-        None, doc="flow matching: un-normalisation of the output_dim published values")
+        None, doc="flow matching: un-normalisation of the output_dim published values", graph=False)
     time_conditioning: str = setting(
         "action_mlp", choices=("action_mlp", "adarms"),
         doc="flow matching: how the flow time enters the expert. action_mlp (pi0): joined with each action token "

@@ -21,29 +21,30 @@ import yaml
 from .backbone import LLMConfig, TokenizerConfig, VisionConfig
 from .execution import ExecutionConfig
 from .heads import ActionConfig, TextConfig
-from .schema import ConfigError, _build, _type_name, setting
+from .schema import ConfigError, _build, _type_name, graph_values, setting
 from .service import ExecutorConfig, PipelineConfig, RemoteConfig, ServeConfig, SessionConfig
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """One model YAML, validated: every field checked at load with its path and the allowed values."""
-    name: str = setting()
+    """One model YAML, validated: every field checked at load with its path and the allowed values. The
+    sections marked ``graph=False`` shape no graph (see ``graph_hash``)."""
+    name: str = setting(graph=False)
     mode: str = setting(choices=("vla", "vlm"))
     vision: VisionConfig | None = setting(None, doc="the vision encoder; none (no section, or null) = a text-only "
                                                       "chat model (mode vlm)")
     llm: LLMConfig = setting()
     action: ActionConfig | None = setting(None)
-    text: TextConfig = setting(default_factory=TextConfig)
-    tokenizer: TokenizerConfig = setting(default_factory=TokenizerConfig)
-    session: SessionConfig = setting(default_factory=SessionConfig)
-    executor: ExecutorConfig = setting(default_factory=ExecutorConfig)
-    pipeline: PipelineConfig = setting(default_factory=PipelineConfig)
-    execution: ExecutionConfig = setting(default_factory=ExecutionConfig)
-    serve: ServeConfig = setting(default_factory=ServeConfig)
-    remote: RemoteConfig = setting(default_factory=RemoteConfig)
-    default_instruction: str = setting("pick up the object")
-    source: str = setting("", doc="file the config was loaded from (set by the loader)")
+    text: TextConfig = setting(default_factory=TextConfig, graph=False)
+    tokenizer: TokenizerConfig = setting(default_factory=TokenizerConfig, graph=False)
+    session: SessionConfig = setting(default_factory=SessionConfig, graph=False)
+    executor: ExecutorConfig = setting(default_factory=ExecutorConfig, graph=False)
+    pipeline: PipelineConfig = setting(default_factory=PipelineConfig, graph=False)
+    execution: ExecutionConfig = setting(default_factory=ExecutionConfig, graph=False)  # but rtc_vjp_graphs
+    serve: ServeConfig = setting(default_factory=ServeConfig, graph=False)
+    remote: RemoteConfig = setting(default_factory=RemoteConfig, graph=False)
+    default_instruction: str = setting("pick up the object", graph=False)
+    source: str = setting("", doc="file the config was loaded from (set by the loader)", graph=False)
 
     def __post_init__(self):
         if self.mode == "vla" and self.action is None:
@@ -132,6 +133,14 @@ class ModelConfig:
         return dataclasses.replace(self.execution, mode="rtc" if rtc else "replace")
 
     @property
+    def rtc_vjp_graphs(self) -> bool:
+        """Whether the graph set holds RTC's vector-Jacobian graphs (``action_expert_vjp_<d>``): a flow-matching
+        VLA whose resolved execution mode guides inference, with ``execution.rtc.guidance: vjp``. What the graph
+        contract reads of the execution section."""
+        flow = self.mode == "vla" and self.action is not None and self.action.head_type == "flow_matching"
+        return flow and self.resolved_execution.guides_inference and self.execution.rtc.guidance == "vjp"
+
+    @property
     def prefix_state_dim(self) -> int:
         """Length of the prefill graphs' state input (a VLA with ``action.state_input: prefix``), else 0."""
         return self.action.prefix_state_dim if self.mode == "vla" and self.action is not None else 0
@@ -147,16 +156,8 @@ class ModelConfig:
         return d
 
     def hash(self) -> str:
-        """Hash of everything that shapes the graphs (not the file name)."""
+        """Hash of the whole config (not the file name)."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
-
-    # Fields that change no graph: runtime behaviour only.
-    _RUNTIME_ONLY = {"action": ("step_period", "seed", "norm_q01", "norm_q99", "norm_mask", "state_joints",
-                                "state_max_age", "output_dim", "state_norm", "action_norm", "token_codec",
-                                "fast_tokenizer", "fast_scale", "fast_min_token", "fast_skip_tokens",
-                                "fast_clean_up_spaces", "max_decoding_steps"),
-                     "vision": ("resize", "pad_value", "interpolation", "mean", "std", "max_input_pixels", "cameras",
-                                "camera_max_skew")}
 
     def relative_to_source(self, path: str) -> str:
         """``path`` (a file a field names) resolved against the config file's directory when it is relative and
@@ -166,13 +167,12 @@ class ModelConfig:
         return path
 
     def graph_hash(self) -> str:
-        """Hash of what shapes and fills the graphs (vision, llm, action heads); a graph set built for
-        one config can be reused by any config with the same graph hash."""
-        d = self.to_dict()
-        keep = {k: d[k] for k in ("mode", "vision", "llm", "action")}
-        for section, fields in self._RUNTIME_ONLY.items():
-            if keep.get(section):
-                keep[section] = {k: v for k, v in keep[section].items() if k not in fields}
+        """Hash of what shapes and fills the graphs: the fields ``setting`` leaves at ``graph=True`` (mode and
+        most of vision, llm and action) and whether the set holds RTC's vjp graphs. A graph set built for one
+        config can be reused by any config with the same graph hash."""
+        keep = graph_values(self)
+        if self.rtc_vjp_graphs:  # only then, so that the hash of every set without them stays what it was
+            keep["rtc_vjp_graphs"] = True
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
     def with_overrides(self, **sections) -> "ModelConfig":

@@ -17,14 +17,30 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
 
 
-def setting(default=dataclasses.MISSING, *, choices=None, min=None, max=None, doc="", default_factory=None):
+def setting(default=dataclasses.MISSING, *, choices=None, min=None, max=None, doc="", default_factory=None,
+            graph=True):
     """A config field: its default (none = required), the values it may take (``choices``, ``min``, ``max``,
     checked at load) and ``doc``, the line ``describe_fields`` prints. Every section and every backend's
-    ``executor.options`` declares its fields with it."""
-    meta = {"choices": choices, "min": min, "max": max, "doc": doc}
+    ``executor.options`` declares its fields with it.
+
+    ``graph=False`` marks a field that neither shapes nor fills a compiled graph (run-time behaviour only): a
+    graph set built for one value serves every other, so ``ModelConfig.graph_hash`` leaves it out. On a
+    section, it leaves out the whole section."""
+    meta = {"choices": choices, "min": min, "max": max, "doc": doc, "graph": graph}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def graph_values(section) -> dict:
+    """The fields of the dataclass ``section`` that shape its graphs (``setting(graph=True)``, the default),
+    nested sections reduced the same way, as plain values for a hash."""
+    out = {}
+    for f in dataclasses.fields(section):
+        if f.metadata.get("graph", True):
+            value = getattr(section, f.name)
+            out[f.name] = graph_values(value) if dataclasses.is_dataclass(value) else value
+    return out
 
 
 def _type_name(tp) -> str:
