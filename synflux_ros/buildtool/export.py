@@ -31,7 +31,7 @@ import time
 import yaml
 
 from ..backends import UnknownBackendError, buildable_backends, builder_table, resolve_builder
-from ..core.config import ConfigError, ModelConfig, load_config
+from ..core.config import ConfigError, ModelConfig, graph_values, load_config
 from ..core.contract import GraphMeta, graph_set
 from ..graphset import cache, reader as graphset, writer as graphset_writer
 from ..graphkit.builder import PORTABLE_WEIGHT_DTYPES, BuildError, flags_given
@@ -91,8 +91,7 @@ def graph_key(cfg: ModelConfig, meta: GraphMeta, weights: str, versions: dict) -
     if meta.kind == "vision_encoder":
         sections = {"vision": d["vision"], "hidden_dim": d["llm"]["hidden_dim"]}
     elif meta.kind in ("action_expert", "action_expert_vjp"):
-        sections = {"llm": llm, "action": {k: v for k, v in (d["action"] or {}).items()
-                                           if k not in ModelConfig._RUNTIME_ONLY["action"]}}
+        sections = {"llm": llm, "action": graph_values(cfg.action) if cfg.action is not None else {}}
     else:
         sections = {"llm": llm}
     return cache.key({"graph": meta.to_dict(), "sections": sections, "weights": weights, "tools": versions})

@@ -200,7 +200,7 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
                  *((TensorSpec("state", (1, act.state_token_dim), F32),) if act.state_token_dim else ())),
                 (TensorSpec("velocity", (1, act.action_horizon, act.action_dim), F32),),
                 group="action_expert", file=f"action_expert_{d}.onnx", attrs={"bucket": d}))
-        if cfg.resolved_execution.guides_inference and cfg.execution.rtc.guidance == "vjp":
+        if cfg.rtc_vjp_graphs:
             chunk = (1, act.action_horizon, act.action_dim)
             for expert in [g for g in graphs if g.kind == "action_expert"]:
                 d = expert.attrs["bucket"]

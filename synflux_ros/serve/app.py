@@ -35,7 +35,7 @@ from ray.serve.config import RequestRouterConfig
 from starlette.websockets import WebSocketDisconnect
 
 from ..backends import executor_table
-from ..core.config import ConfigError, ModelConfig, _spec, choices_hint, load_config, options_from_dict
+from ..core.config import ConfigError, ModelConfig, choices_hint, load_config, options_from_dict, setting
 from ..runtimes.sessions import RequestError as ChatRefused
 from ..runtimes.vlm import VLMRuntime
 from ..runtimes import wire
@@ -84,12 +84,12 @@ REASON_BYTES = 120  # a close frame's reason is at most 123 bytes
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AppArgs:
     """The application's arguments (the ``args`` of its entry in a Serve config file)."""
-    config: str = _spec(doc="model config YAML (a path on every node of the cluster)")
-    graph_dir: str = _spec("", doc="graph set directory; empty = the config's executor.graph_dir")
-    backend: str = _spec("", doc="backend; empty = the config's executor.backend")
-    api_key_file: str = _spec("", doc="file holding the API key; empty = no key asked for")
-    session_affinity: bool = _spec(True, doc="vlm: route x-session-id to the replica holding the session (off: "
-                                             "Ray's default router, for comparison)")
+    config: str = setting(doc="model config YAML (a path on every node of the cluster)")
+    graph_dir: str = setting("", doc="graph set directory; empty = the config's executor.graph_dir")
+    backend: str = setting("", doc="backend; empty = the config's executor.backend")
+    api_key_file: str = setting("", doc="file holding the API key; empty = no key asked for")
+    session_affinity: bool = setting(True, doc="vlm: route x-session-id to the replica holding the session (off: "
+                                                "Ray's default router, for comparison)")
 
 
 def load_app_config(args: AppArgs) -> ModelConfig:
