@@ -36,6 +36,13 @@ def write(path: str, data: dict, sort_keys: bool = False) -> None:
     os.replace(tmp, path)
 
 
+def with_optional(data: dict, **optional) -> dict:
+    """``data`` with each of ``optional`` that is not None, in that order (an absent value stays out of the
+    file rather than being written as null)."""
+    data.update((k, v) for k, v in optional.items() if v is not None)
+    return data
+
+
 def field(data: dict, name: str, kind, default=..., where: str = "", optional: bool = False,
           error: type[SidecarError] = SidecarError):
     """``data[name]`` checked to be of ``kind`` (a type; an int passes for a float, a bool not for an int);

@@ -87,14 +87,11 @@ class GraphEntry:
             raise SidecarError(f"graph {name!r}: {exc}") from None
 
     def to_json(self) -> dict:
-        data = {"file": self.file, "source": self.source, "dtype": self.dtype, "key": self.key,
-                "onnx_key": self.onnx_key, "inputs": [[n, list(s)] for n, s in self.inputs],
-                "outputs": list(self.outputs)}
-        if self.quantization is not None:
-            data["quantization"] = dataclasses.asdict(self.quantization)
-        if self.seconds is not None:
-            data["seconds"] = self.seconds
-        return data
+        q = self.quantization
+        return common.with_optional({
+            "file": self.file, "source": self.source, "dtype": self.dtype, "key": self.key, "onnx_key": self.onnx_key,
+            "inputs": [[n, list(s)] for n, s in self.inputs], "outputs": list(self.outputs)},
+            quantization=None if q is None else dataclasses.asdict(q), seconds=self.seconds)
 
 
 @dataclass(frozen=True)

@@ -60,12 +60,10 @@ class EngineEntry:
                    dla_fallback_layers=tuple(tuple(x) for x in fallback))
 
     def to_json(self) -> dict:
-        data = {"file": self.file, "onnx": self.onnx, "key": self.key, "kind": self.kind,
-                "profiles": list(self.profiles), "dla": self.dla, "bytes": self.bytes,
-                "dla_fallback_layers": [list(x) for x in self.dla_fallback_layers]}
-        if self.seconds is not None:
-            data["seconds"] = self.seconds
-        return data
+        return common.with_optional({
+            "file": self.file, "onnx": self.onnx, "key": self.key, "kind": self.kind, "profiles": list(self.profiles),
+            "dla": self.dla, "bytes": self.bytes, "dla_fallback_layers": [list(x) for x in self.dla_fallback_layers]},
+            seconds=self.seconds)
 
 
 @dataclass(frozen=True)
