@@ -89,6 +89,16 @@ class JointLimiter:
                              d / dt)
         return np.where(np.isinf(d), np.inf, speed)
 
+    def _limit_speeds(self, p: np.ndarray, measured: np.ndarray | None, lag=0.0):
+        """(b_lo, b_hi, r_lo, r_hi) from the command ``p``: the speeds towards the lower and upper position limit
+        from which the joint still stops at them, and the speed range that still stops within the relative
+        window around ``measured`` (None, None without one), braking at max_deceleration ``lag`` s late."""
+        b_lo, b_hi = self.brake_speed(p - self.lo, lag=lag), self.brake_speed(self.hi - p, lag=lag)
+        if measured is None or not np.isfinite(self.rel).any():
+            return b_lo, b_hi, None, None
+        return (b_lo, b_hi, -self.brake_speed(p - (measured - self.rel), lag=lag),
+                self.brake_speed(measured + self.rel - p, lag=lag))
+
     def _kinematic(self, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Speeds reachable from ``v`` in one tick: accelerating by max_acceleration, slowing by max_deceleration
         (through zero only as far as either allows), within max_velocity."""
@@ -113,8 +123,8 @@ class JointLimiter:
             return self.last.copy()
         p, v, dt = self.last, self.velocity, self.dt
         w_lo, w_hi = self._kinematic(v)
+        b_lo, b_hi, r_lo, r_hi = self._limit_speeds(p, measured)
         # 2. braking in time for the position limits (not further out where the joint is already outside)
-        b_hi, b_lo = self.brake_speed(self.hi - p), self.brake_speed(p - self.lo)
         lo2, hi2 = np.maximum(w_lo, -b_lo), np.minimum(w_hi, b_hi)
         unmet = lo2 > hi2
         if unmet.any():  # cannot brake in time within 1 (a joint started outside): 1 wins, braking its hardest
@@ -123,16 +133,13 @@ class JointLimiter:
             lo2, hi2 = np.where(unmet, hardest, lo2), np.where(unmet, hardest, hi2)
         # 3. the relative window around the measured position, braking in time for its edges as for position
         # limits (the arm may stop dead, held by an obstacle: the command must be able to stop inside the window)
-        if measured is not None and np.isfinite(self.rel).any():
-            r_lo = -self.brake_speed(p - (measured - self.rel))
-            r_hi = self.brake_speed(measured + self.rel - p)
+        if r_lo is not None:
             lo3, hi3 = np.maximum(lo2, r_lo), np.minimum(hi2, r_hi)
             apart = lo3 > hi3
             if apart.any():  # the arm is held or pushed away faster than 1 allows following: 1 and 2 win
                 nearest = np.clip(np.where(r_hi < lo2, r_hi, r_lo), lo2, hi2)
                 lo3, hi3 = np.where(apart, nearest, lo3), np.where(apart, nearest, hi3)
         else:
-            r_lo = r_hi = None
             lo3, hi3 = lo2, hi2
         # follow the target's own motion and close the gap to it braking in time, so that the command does not
         # pass a target that stops (no overshoot, no hunting around a still target)
@@ -174,12 +181,10 @@ class JointLimiter:
         acceleration to 0 on arrival (no overshoot, no oscillation of the speed)."""
         if not self.has_jerk:
             return want
-        p, lag = self.last, self._lag
-        hi = np.minimum(self.vmax, self.brake_speed(self.hi - p, lag=lag))
-        lo = np.maximum(-self.vmax, -self.brake_speed(p - self.lo, lag=lag))
-        if measured is not None and np.isfinite(self.rel).any():
-            hi = np.minimum(hi, self.brake_speed(measured + self.rel - p, lag=lag))
-            lo = np.maximum(lo, -self.brake_speed(p - (measured - self.rel), lag=lag))
+        b_lo, b_hi, r_lo, r_hi = self._limit_speeds(self.last, measured, self._lag)
+        hi, lo = np.minimum(self.vmax, b_hi), np.maximum(-self.vmax, -b_lo)
+        if r_lo is not None:
+            hi, lo = np.minimum(hi, r_hi), np.maximum(lo, r_lo)
         goal = np.where(lo <= hi, np.clip(want, lo, hi), want)
         gap = goal - self.velocity
         reach = self.brake_speed(np.abs(gap), self.jmax)  # the highest acceleration that settles at the goal
@@ -230,7 +235,8 @@ class JointLimiter:
         if not self.has_jerk:  # slowing down as hard as allowed is always within 2
             return self._advance(np.clip(0.0, w_lo, w_hi))
         p = self.last
-        lo, hi = np.maximum(w_lo, -self.brake_speed(p - self.lo)), np.minimum(w_hi, self.brake_speed(self.hi - p))
+        b_lo, b_hi, _, _ = self._limit_speeds(p, None)
+        lo, hi = np.maximum(w_lo, -b_lo), np.minimum(w_hi, b_hi)
         unmet = lo > hi  # a joint started outside: 1 alone
         lo, hi = self._jerk_band(np.where(unmet, w_lo, lo), np.where(unmet, w_hi, hi), Counter() if counts is None
                                  else counts)
