@@ -23,6 +23,7 @@ and returns a :class:`BoundGraph` whose ``run`` takes the host inputs alone, for
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import threading
 import time
@@ -54,6 +55,7 @@ class Executor(abc.ABC):
         self._group_locks: dict[str, threading.Lock] = {}
         self.stats: dict[str, GraphStats] = {n: GraphStats() for n in self.graphs}
         self._loaded = False
+        self.gate = contextlib.nullcontext()  # entered around each graph call (set_gate)
 
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod
@@ -198,11 +200,17 @@ class Executor(abc.ABC):
             raise GraphNotFoundError(f"no graph {graph!r} (have: {', '.join(sorted(self.graphs))})")
         return meta
 
+    def set_gate(self, gate) -> None:
+        """``gate``, a context manager, is entered before each graph call and left after it: a background
+        model's calls wait there while the accelerator arbiter gives the control model its turn
+        (:class:`~synflux_ros.core.sharing.Arbiter`); None removes it."""
+        self.gate = contextlib.nullcontext() if gate is None else gate
+
     def run(self, graph: str, feeds: dict) -> dict[str, np.ndarray]:
         """Run ``graph`` on ``feeds`` (numpy arrays or :class:`DeviceTensor`), return host outputs."""
         meta = self._meta(graph)
         self.check_feeds(meta, feeds)
-        with self._group_locks[meta.group]:
+        with self.gate, self._group_locks[meta.group]:
             device_inputs = {}
             for spec in meta.inputs:
                 value = feeds[spec.name]
@@ -321,7 +329,7 @@ class BoundGraph:
                                  f"got {type(value).__name__}")
             if value.shape != spec.shape or value.dtype != dtype:
                 _check_shape(meta, spec, value)
-        with self._lock:
+        with ex.gate, self._lock:
             for spec, _, buf in self._host:
                 ex._h2d(np.ascontiguousarray(feeds[spec.name]), buf)
             t0 = time.perf_counter()

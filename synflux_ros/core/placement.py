@@ -94,6 +94,10 @@ class PlacedExecutor:
     def read(self, tensor: DeviceTensor) -> np.ndarray:
         return self._kv.read(tensor)
 
+    def set_gate(self, gate) -> None:
+        for ex in self.members.values():
+            ex.set_gate(gate)
+
     def freeze(self) -> None:
         for ex in self.members.values():
             ex.freeze()
