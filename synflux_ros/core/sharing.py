@@ -60,9 +60,15 @@ def parse_scheduling(text: str) -> Scheduling:
     return Scheduling(policy, priority)
 
 
-def parse_cpus(text: str) -> frozenset[int]:
-    """``"2-5"``, ``"0,2,4-7"``; ``""`` is the empty set (every core the process may use). ValueError naming a
-    bad item or a core this machine does not have."""
+def parse_cpus(text) -> frozenset[int]:
+    """``"2-5"``, ``"0,2,4-7"`` (also a core number or a list of them, as a YAML file may give); ``""`` is the
+    empty set (every core the process may use). ValueError naming a bad item or a core this machine lacks."""
+    if isinstance(text, bool):
+        raise ValueError(f"{text!r} is not a core set")
+    if isinstance(text, int):
+        text = str(text)
+    elif isinstance(text, (list, tuple)):
+        text = ",".join(map(str, text))
     cpus: set[int] = set()
     for item in str(text).replace(" ", "").split(","):
         if not item:

@@ -261,11 +261,13 @@ class ControlLoop:
     ``clock`` gives the time the controller works in (the node's ROS clock); ``send`` gets each command that
     is not None; ``on_error`` any exception of a tick (the loop goes on)."""
 
-    def __init__(self, controller: Controller, clock, send, on_error=None):
+    def __init__(self, controller: Controller, clock, send, on_error=None, on_start=None, keep: int = 3000):
         self.controller, self.clock, self.send, self.on_error = controller, clock, send, on_error
+        self.on_start = on_start  # called first in the loop's thread (its scheduling and cores)
         self.period = controller.dt
         self.ticks = self.late_ticks = self.skipped_ticks = 0
         self.max_late_s = 0.0
+        self._lateness = np.zeros(keep)  # seconds each of the last ``keep`` ticks started after its time
         self.halted = False  # set (from a signal handler) to send nothing more, whatever the controller says
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -283,10 +285,17 @@ class ControlLoop:
             self._thread.join(timeout)
             self._thread = None
 
+    def lateness(self) -> np.ndarray:
+        """Seconds each of the last ticks (up to ``keep``) started after its scheduled time."""
+        return self._lateness[:min(self.ticks, self._lateness.size)].copy()
+
     def _run(self) -> None:
+        if self.on_start is not None:
+            self.on_start()
         next_at = time.monotonic()
         while not self._stop.is_set():
             late = time.monotonic() - next_at
+            self._lateness[self.ticks % self._lateness.size] = max(0.0, late)
             if late > 0.5 * self.period:
                 self.late_ticks += 1
                 self.max_late_s = max(self.max_late_s, late)

@@ -16,6 +16,7 @@ from ..core.config import ConfigError, ModelConfig
 from ..runtimes import open_runtime
 from .diagnostics import ERROR, diagnostic_array
 from .params import Param, ParameterError, declare, load_node_config, read
+from .sharing import MachineShare
 
 
 def destroy_entities(node, subscriptions: list, publishers: dict) -> None:
@@ -98,7 +99,9 @@ class SynfluxNode(ManagedNode):
     """
 
     MODE = ""
+    ROLE = "background"  # on the accelerator arbiter: "control" (the VLA) or "background" (the chat)
     PARAMS: list[Param] = []
+    share: MachineShare | None = None
 
     def __init__(self, node_name: str, **kwargs):
         super().__init__(node_name, **kwargs)
@@ -144,6 +147,8 @@ class SynfluxNode(ManagedNode):
             if p["diagnostics_period"] <= 0:
                 raise self.fail("diagnostics_period", f"must be > 0, got {p['diagnostics_period']!r}")
             cfg = load_node_config(self, self.MODE, p["config"], p["executor"], p["graph_dir"])
+            self.share = MachineShare(self, p, self.ROLE)  # before the model's threads exist: they inherit it
+            cfg = self.share.config(cfg)
             self.get_logger().info(f"loading {cfg.name!r} on {cfg.executor.backend!r}")
             summary = self.setup(p, cfg)
             self.cfg = cfg
@@ -177,6 +182,9 @@ class SynfluxNode(ManagedNode):
             else:
                 self.runtime.close()
             self.runtime = None
+        if self.share is not None:
+            self.share.close()
+            self.share = None
 
     def runtime_in_use(self) -> bool:
         """A thread is still inside the runtime (e.g. a device call that outlived a stop)."""

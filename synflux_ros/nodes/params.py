@@ -31,6 +31,7 @@ class Param:
     default: Any
     description: str
     choices: tuple = ()
+    any_type: bool = False  # a value of another type than the default's is taken (and checked when read)
 
 
 COMMON_PARAMS = [
@@ -45,7 +46,7 @@ COMMON_PARAMS = [
 def declare(node, params: list[Param]) -> None:
     for p in params:
         desc = p.description + (f" (choices: {', '.join(map(str, p.choices))})" if p.choices else "")
-        node.declare_parameter(p.name, p.default, ParameterDescriptor(description=desc))
+        node.declare_parameter(p.name, p.default, ParameterDescriptor(description=desc, dynamic_typing=p.any_type))
 
 
 def read(node, params: list[Param]) -> dict[str, Any]:

@@ -9,15 +9,24 @@ ROS-free ``execution`` room (docs/execution.md).
 """
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from std_msgs.msg import Float64MultiArray
 from std_srvs.srv import SetBool
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
+from ..core.sharing import parse_cpus, parse_scheduling
 from ..execution.controller import ControlLoop, Controller
 from ..execution.plan import CLOCK_SKEW_S, SIM_CLOCK_SKEW_S, ChunkRefused
 from ..runtimes.vla import Frame
+from .sharing import apply_to_current_thread, parse
 from .stamps import stamp_seconds, to_duration, to_stamp
+
+
+COMMAND_SWITCH_INTERVAL_S = 0.0005
+"""The interpreter's switch interval with a real-time command thread (docs/colocation.md)."""
 
 
 class ChunkCommands:
@@ -42,7 +51,16 @@ class ChunkCommands:
         # (image decoding, the pipeline's results) would delay and bunch them. The controller takes a lock.
         self._enable_srv = self.create_service(SetBool, "~/enable", self._on_enable,
                                                callback_group=MutuallyExclusiveCallbackGroup())
-        self._control_loop = ControlLoop(self.controller, self._now, self._send_command, self._on_tick_error)
+        sched = parse(self, p, "command_scheduling", parse_scheduling)
+        cpus = parse(self, p, "command_cpus", parse_cpus)
+        if sched.policy in ("idle", "batch"):
+            raise self.fail("command_scheduling", f"{sched}: the command thread needs normal or a real-time policy")
+        if sched.policy in ("fifo", "rr"):
+            # A real-time thread has its core at once but still waits for the interpreter lock, which a busy
+            # thread hands over only after the switch interval (5 ms by default): shortened, the wait is too.
+            sys.setswitchinterval(min(sys.getswitchinterval(), COMMAND_SWITCH_INTERVAL_S))
+        self._control_loop = ControlLoop(self.controller, self._now, self._send_command, self._on_tick_error,
+                                         on_start=lambda: apply_to_current_thread(self, self.share, sched, cpus))
 
     def _start_commands(self) -> None:
         """At activation: the control loop runs, and with ``execution.autoenable`` the commands are enabled."""
@@ -149,8 +167,11 @@ class ChunkCommands:
             values[key] = c.counts[key]
         loop = self._control_loop
         if loop is not None:
+            late = loop.lateness()
             values.update(control_ticks=loop.ticks, control_ticks_late=loop.late_ticks,
-                          control_ticks_skipped=loop.skipped_ticks, control_max_late_ms=loop.max_late_s * 1e3)
+                          control_ticks_skipped=loop.skipped_ticks, control_max_late_ms=loop.max_late_s * 1e3,
+                          control_late_p99_ms=float(np.percentile(late, 99)) * 1e3 if late.size else 0.0,
+                          control_recent_max_late_ms=float(late.max()) * 1e3 if late.size else 0.0)
         problems = []
         if status.state == "holding":
             problems.append(f"holding: {status.reason}")

@@ -27,6 +27,7 @@ from .diagnostics import median
 from .lifecycle import SynfluxNode, destroy_entities
 from .params import COMMON_PARAMS, Param
 from .ros_compat import fastdds_profile_variables, subscription_event_callbacks
+from .sharing import SHARING_PARAMS, VLA_SHARING_PARAMS
 from .stamps import stamp_seconds
 from .vla_commands import ChunkCommands
 from .process import run_lifecycle_node
@@ -45,6 +46,8 @@ PARAMS = [
                                  "it (0 = not stated: estimated from the stamps of the frames that arrive)"),
     Param("joint_names", [""], "commanded joints in action order, overriding the config's execution.joints; "
                                "their count must equal the action dimension"),
+    *SHARING_PARAMS,
+    *VLA_SHARING_PARAMS,
 ]
 
 # A transient-local subscription does not match volatile publishers (the `ros2 topic pub` default) and a
@@ -69,6 +72,7 @@ class VLANode(ChunkCommands, SynfluxNode):
     """Lifecycle node serving a VLA model: camera frames + instruction in, action chunks out."""
 
     MODE = "vla"
+    ROLE = "control"
     PARAMS = PARAMS
 
     def __init__(self, **kwargs):
@@ -114,7 +118,7 @@ class VLANode(ChunkCommands, SynfluxNode):
         self.cfg, self.joint_names = cfg, joints
         devices = self.runtime.stage_devices  # a remote runtime reports the server's stages too
         self._stage_devices = (devices["vision"], devices["backbone"], devices["head"])
-        self.pipeline = VLAPipeline(self.runtime, self._on_result, self._on_error)
+        self.pipeline = VLAPipeline(self.runtime, self._on_result, self._on_error, arbiter=self.share.arbiter)
         self._pubs["chunk"] = self.create_lifecycle_publisher(ActionChunk, "action_chunk", 10)
         if joints:
             self._setup_execution(p, cfg)
@@ -330,6 +334,7 @@ class VLANode(ChunkCommands, SynfluxNode):
             values.update(states_received=counts["states_received"], states_rejected=counts["states_rejected"],
                           state_age_ms=self._state_age_ms)
         values["device_memory_mib"] = self.runtime.executor.device_bytes / 2**20
+        values.update(self.share.values())
         values["last_error"] = self._last_input_error
         problems = self._execution_diagnostics(values, counts) if self.controller is not None else []
         silence = self.ledger.silence(time.monotonic())

@@ -23,10 +23,12 @@ from .diagnostics import OK, median, ros_text
 from .lifecycle import SynfluxNode
 from .params import COMMON_PARAMS, Param
 from .process import run_lifecycle_node
+from .sharing import SHARING_PARAMS
 
 PARAMS = [
     Param("config", "vlm_demo.yaml", "model YAML: a path, or a file name in the package's config directory"),
     *COMMON_PARAMS,
+    *SHARING_PARAMS,
 ]
 
 
@@ -58,7 +60,11 @@ class VLMNode(SynfluxNode):
         self._last_refusal = ""
 
     def setup(self, p: dict, cfg) -> str:
+        if self.share.arbiter is not None and cfg.executor.backend == "remote":
+            raise self.fail("accelerator_arbiter", "a remote model runs on the server's accelerator, not this one")
         self.runtime = self.load_runtime(cfg)
+        if self.share.arbiter is not None:  # the chat's graph calls wait while a VLA frame is in flight
+            self.runtime.executor.set_gate(self.share.arbiter.gate())
         # Created once and kept for the node's life: destroying a service at cleanup could drop the answer
         # of a turn that has just finished; while inactive the services refuse instead.
         if not self._chat_services:
@@ -157,6 +163,7 @@ class VLMNode(SynfluxNode):
                   "responses_resent": sum(r.resent for r in self._chat_services),
                   "responses_lost": sum(r.lost for r in self._chat_services),
                   "vision_device": devices["vision"], "llm_device": devices["llm"]}
+        values.update(self.share.values())
         if isinstance(rt, RemoteVLMRuntime):
             with self._lock:
                 values.update(turns_failed=rt.turns_failed, network_median_ms=median(self._network))

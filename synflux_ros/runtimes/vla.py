@@ -62,6 +62,7 @@ class Frame:
     state: np.ndarray | None = None  # robot state [action.state_dim] for the action expert (configs with one)
     rtc: Any = None  # flow matching: a RTCGuidance (model.heads.rtc), or a callable giving one, for the head
     raw_actions: np.ndarray | None = None  # the head's output before un-normalisation [horizon, action_dim]
+    holds_arbiter: bool = False  # entered the accelerator arbiter (VLAPipeline), left once it is done
     timings: dict = field(default_factory=dict)
 
 
@@ -282,15 +283,50 @@ class VLAPipeline:
     """The VLA runtime's stages in a threaded :class:`Pipeline`."""
 
     def __init__(self, runtime: VLARuntime, on_result: Callable[[Frame], None],
-                 on_error: Callable[[Frame, str, Exception], None] | None = None):
+                 on_error: Callable[[Frame, str, Exception], None] | None = None, arbiter=None):
+        """``arbiter``: a control-side :class:`~synflux_ros.core.sharing.Arbiter`, held from the moment a frame
+        enters its first stage until it is published, failed or dropped (the chat's calls wait meanwhile)."""
         self.runtime = runtime
+        stages = list(runtime.stages)
+
+        def leave(frame):
+            if frame.holds_arbiter:
+                frame.holds_arbiter = False
+                arbiter.leave()
 
         def _error(frame, stage, exc):
             runtime.release(frame)
+            if arbiter is not None:
+                leave(frame)
             if on_error is not None:
                 on_error(frame, stage, exc)
 
-        self.pipeline = Pipeline(runtime.stages, on_result, on_error=_error, on_discard=runtime.release,
+        def _discard(frame):
+            runtime.release(frame)
+            if arbiter is not None:
+                leave(frame)
+
+        if arbiter is not None:
+            name, first = stages[0]
+
+            def entered(frame):
+                t0 = time.perf_counter()
+                arbiter.enter()
+                frame.holds_arbiter = True
+                frame.timings["arbiter_ms"] = (time.perf_counter() - t0) * 1e3
+                return first(frame)
+
+            def published(frame):
+                try:
+                    on_result(frame)
+                finally:
+                    leave(frame)
+
+            stages[0] = (name, entered)
+            result = published
+        else:
+            result = on_result
+        self.pipeline = Pipeline(stages, result, on_error=_error, on_discard=_discard,
                                  queue_depth=runtime.cfg.pipeline.queue_depth)
 
     def start(self):

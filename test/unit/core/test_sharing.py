@@ -26,7 +26,7 @@ def test_scheduling_specs_parse_and_bad_ones_say_what_is_wrong():
 
 def test_core_sets_parse_and_cores_the_machine_lacks_are_refused():
     assert sharing.parse_cpus("") == frozenset()
-    assert sharing.parse_cpus("0") == {0}
+    assert sharing.parse_cpus("0") == sharing.parse_cpus(0) == sharing.parse_cpus([0]) == {0}
     n = os.cpu_count()
     assert sharing.parse_cpus(f"0-{n - 1}") == set(range(n))
     for bad, words in [("a", "not a core number"), ("3-1", "not a range"), (str(n), f"no core {n}"),
