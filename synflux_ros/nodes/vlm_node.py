@@ -5,7 +5,7 @@ Services ``chat`` and ``end_session``; publishes ``/diagnostics``. A refused req
 time; a cleanup waits for the turn in flight to be answered (docs/internals/nodes.md). With
 ``executor.backend: remote`` the turns run on a synflux-serve chat endpoint (:mod:`..runtimes.remote_chat`).
 With ``planner_period`` > 0 the node is also the VLA's planner: it subscribes ``goal`` and ``image`` and publishes
-the next subtask on ``instruction`` (:mod:`.vlm_planner`, docs/planner.md).
+the next subtask on ``instruction`` (:mod:`.vlm_planner`; docs/ros-interfaces.md, "Planner mode").
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ towards a goal, with the latest camera frame, and the answer is published as vla
 :meth:`_setup_planner` at configure, :meth:`_start_planner` at activation, :meth:`_destroy_planner` at cleanup
 and :meth:`_planner_diagnostics` with its ``/diagnostics``. Off (``planner_period: 0``, the default), the node
 has none of these topics. The text side (goal checks, the prompt, the subtask in a reply) is ROS-free, in
-:mod:`..runtimes.planner`; docs/planner.md describes the mode.
+:mod:`..runtimes.planner`; docs/ros-interfaces.md ("Planner mode") describes the mode.
 """
 from __future__ import annotations
 

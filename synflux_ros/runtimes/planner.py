@@ -1,10 +1,10 @@
 """The VLM as the VLA's planner, ROS-free: the question asked for a goal and the subtask taken from the answer.
 
-vlm_node's planner mode (docs/planner.md) asks its chat model, at a set period and with the latest camera
-frame, for the next subtask towards a goal, and publishes the answer as vla_node's instruction. This module
-holds the text side of that exchange: :func:`goal_text` checks a goal, :func:`planner_prompt` fills the
-prompt template, and :func:`subtask_from_reply` turns a reply into an instruction vla_node takes, or into
-nothing when the reply holds none.
+vlm_node's planner mode (docs/ros-interfaces.md, "Planner mode") asks its chat model, at a set period and
+with the latest camera frame, for the next subtask towards a goal, and publishes the answer as vla_node's
+instruction. This module holds the text side of that exchange: :func:`goal_text` checks a goal,
+:func:`planner_prompt` fills the prompt template, and :func:`subtask_from_reply` turns a reply into an
+instruction vla_node takes, or into nothing when the reply holds none.
 """
 from __future__ import annotations
 

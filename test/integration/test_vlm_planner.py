@@ -141,7 +141,8 @@ def test_a_bad_frame_is_refused_and_the_planner_goes_on(pair, client, bad, needl
     msg = rgb_image(224, 224, 1)
     for k, v in bad.items():
         setattr(msg, k, v)
-    d = watch.diag_where(lambda d: counts(d, "images_rejected")[0] >= 1, while_waiting=lambda: vla.image_pub.publish(msg))
+    d = watch.diag_where(lambda d: counts(d, "images_rejected")[0] >= 1,
+                         while_waiting=lambda: vla.image_pub.publish(msg))
     assert needle in d["planner_last_error"] and d["planner_last_error"].startswith("image: "), d
     before = counts(d, "requests")[0]
     watch.diag_where(lambda d: counts(d, "requests")[0] > before, while_waiting=frame)
