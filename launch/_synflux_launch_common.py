@@ -1,4 +1,5 @@
-"""Launch arguments and node actions shared by vla.launch.py, vlm.launch.py and synflux.launch.py.
+"""Launch arguments and node actions shared by vla.launch.py, vlm.launch.py, synflux.launch.py and
+planner.launch.py.
 
 Launch files are loaded by path, not as a package, so each of them loads this module from its own
 directory (it is installed next to them, in share/synflux_ros/launch). Only the functions that build
@@ -152,6 +153,25 @@ def _synflux_arguments():
 SYNFLUX_ARGUMENTS = _synflux_arguments()
 
 
+# planner.launch.py: synflux.launch.py's arguments, and the planner's. It starts the two nodes itself (the
+# planner's parameters are not arguments of vlm.launch.py) and gives vlm_node the VLA's topics.
+PLANNER_ARGUMENTS = SYNFLUX_ARGUMENTS + [
+    Argument('goal', 'Goal the planner works towards until one arrives on goal_topic (vlm_node\'s planner_goal). '
+             + _unset('none: nothing is asked before a goal arrives')),
+    Argument('goal_topic', 'Topic of the goal (std_msgs/String; volatile or transient-local publishers).',
+             default='goal'),
+    Argument('planner_period', "Seconds between the planner's questions (vlm_node's planner_period): with the "
+             'latest frame on image_topic, the next subtask towards the goal, published on instruction_topic. '
+             '0 = off.', default='2.0'),
+    Argument('planner_prompt', "The planner's question to the VLM, with {goal} where the goal goes. "
+             + _unset("vlm_node's default")),
+    Argument('planner_max_new_tokens', "Longest answer of the planner, in tokens (1 to 256). "
+             + _unset('32')),
+]
+PLANNER_VLM_PARAMETERS = {**VLM_PARAMETERS, 'planner_period': float, 'planner_goal': str, 'planner_prompt': str,
+                          'planner_max_new_tokens': int}
+
+
 def synflux_forwarding():
     """{included file: [(its argument, the synflux.launch.py argument handed to it)]}."""
     return {file: [(a.name, SYNFLUX_RENAMES[file].get(a.name, a.name)) for a in arguments]
@@ -175,6 +195,14 @@ def parse_float(name, text):
     if not math.isfinite(value):
         raise ValueError(f'{name}:={text!r}: expected a number')
     return value
+
+
+def parse_int(name, text):
+    """An integer, or a ValueError naming the argument."""
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f'{name}:={text!r}: expected an integer') from None
 
 
 def parse_joint_names(text):
@@ -201,6 +229,8 @@ def node_parameters(types, values):
             params[name] = parse_bool(name, text)
         elif kind is float:
             params[name] = parse_float(name, text)
+        elif kind is int:
+            params[name] = parse_int(name, text)
         elif kind is list:
             names = parse_joint_names(text)
             if names:
@@ -293,17 +323,20 @@ def _node(values, executable, types, remappings=()):
     )
 
 
-def vla_actions(context):
-    values = values_of(context, VLA_ARGUMENTS)
+def _vla_remappings(values):
     image = values['image_topic'].strip()
-    remappings = [
+    return [
         ('image', image),
         # Remapping rules match whole names, so the compressed topic needs its own rule.
         ('image/compressed', image and image.rstrip('/') + '/compressed'),
         ('instruction', values['instruction_topic'].strip()),
     ]
+
+
+def vla_actions(context):
+    values = values_of(context, VLA_ARGUMENTS)
     return _environment_actions(context, values['fastdds_profile']) + [
-        _node(values, 'vla_node', VLA_PARAMETERS, remappings)]
+        _node(values, 'vla_node', VLA_PARAMETERS, _vla_remappings(values))]
 
 
 def vlm_actions(context):
@@ -325,6 +358,20 @@ def synflux_actions(context, launch_dir):
             launch_arguments=[(child, LaunchConfiguration(parent)) for child, parent in forwarding],
         )])
         for file, forwarding in synflux_forwarding().items()
+    ]
+
+
+def planner_actions(context):
+    """The Fast DDS profile, then vla_node and vlm_node with its planner, which reads vla_node's camera topic
+    and publishes on its instruction topic."""
+    values = values_of(context, PLANNER_ARGUMENTS)
+    vla = dict(values, config=values['vla_config'], graph_dir=values['vla_graph_dir'])
+    vlm = dict(values, config=values['vlm_config'], graph_dir=values['vlm_graph_dir'], planner_goal=values['goal'])
+    planner_topics = [(name, target) for name, target in _vla_remappings(values) if name != 'image/compressed']
+    planner_topics.append(('goal', values['goal_topic'].strip()))
+    return _environment_actions(context, values['fastdds_profile']) + [
+        _node(vla, 'vla_node', VLA_PARAMETERS, _vla_remappings(values)),
+        _node(vlm, 'vlm_node', PLANNER_VLM_PARAMETERS, planner_topics),
     ]
 
 

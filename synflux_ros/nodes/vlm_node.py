@@ -4,6 +4,8 @@ Services ``chat`` and ``end_session``; publishes ``/diagnostics``. A refused req
 ``success: false`` with the reason in ``error`` and the node keeps serving. The model runs one turn at a
 time; a cleanup waits for the turn in flight to be answered (docs/internals/nodes.md). With
 ``executor.backend: remote`` the turns run on a synflux-serve chat endpoint (:mod:`..runtimes.remote_chat`).
+With ``planner_period`` > 0 the node is also the VLA's planner: it subscribes ``goal`` and ``image`` and publishes
+the next subtask on ``instruction`` (:mod:`.vlm_planner`; docs/ros-interfaces.md, "Planner mode").
 """
 from __future__ import annotations
 
@@ -24,11 +26,13 @@ from .lifecycle import SynfluxNode
 from .params import COMMON_PARAMS, Param
 from .process import run_lifecycle_node
 from .sharing import SHARING_PARAMS
+from .vlm_planner import PLANNER_PARAMS, PLANNER_SESSION, PlannerMode
 
 PARAMS = [
     Param("config", "vlm_demo.yaml", "model YAML: a path, or a file name in the package's config directory"),
     *COMMON_PARAMS,
     *SHARING_PARAMS,
+    *PLANNER_PARAMS,
 ]
 
 
@@ -45,8 +49,9 @@ def chat_request(request, images) -> ChatRequest:
         top_p=None if top_p <= 0 else top_p)
 
 
-class VLMNode(SynfluxNode):
-    """Lifecycle node serving a VLM as the ``chat`` and ``end_session`` services."""
+class VLMNode(PlannerMode, SynfluxNode):
+    """Lifecycle node serving a VLM as the ``chat`` and ``end_session`` services (and, optionally, the VLA's
+    planner)."""
 
     MODE = "vlm"
     PARAMS = PARAMS
@@ -58,6 +63,7 @@ class VLMNode(SynfluxNode):
         self._serving = threading.Lock()  # held while a service uses the runtime
         self._ttft, self._tok_per_s, self._network = [], [], []
         self._last_refusal = ""
+        self._init_planner()
 
     def setup(self, p: dict, cfg) -> str:
         if self.share.arbiter is not None and cfg.executor.backend == "remote":
@@ -73,15 +79,21 @@ class VLMNode(SynfluxNode):
                 ResponseSender(self, self.create_service(Chat, "chat", self._on_chat, callback_group=group)),
                 ResponseSender(self, self.create_service(EndSession, "end_session", self._on_end,
                                                          callback_group=group))]
+        planner = self._setup_planner(p, cfg)
         s = cfg.session
         where = f" at {cfg.remote.url}" if cfg.executor.backend == "remote" else ""
         return (f"{cfg.name!r} on {cfg.executor.backend!r}{where}: {s.max_sessions} sessions of "
-                f"{cfg.llm.max_seq_len} tokens (eviction {s.eviction})")
+                f"{cfg.llm.max_seq_len} tokens (eviction {s.eviction}){planner}")
+
+    def activate(self) -> None:
+        self._start_planner()
 
     def teardown(self) -> None:
-        # _active is already False: once a turn in flight has finished, no request reaches the runtime.
+        # _active is already False: once a turn in flight has finished (a chat turn or a planner question), no
+        # request reaches the runtime.
         with self._serving:
             pass
+        self._destroy_planner()
 
     # ---------------------------------------------------------------- services
     def _refuse(self, response, why: str):
@@ -99,6 +111,7 @@ class VLMNode(SynfluxNode):
 
     def _serve_chat(self, request, response):
         try:
+            self._check_not_planner(request.session_id)
             # The checks that cost nothing come before any image is decoded.
             self.runtime.check_limits(request.session_id, request.prompt, len(request.images),
                                       request.system_prompt or None)
@@ -138,11 +151,17 @@ class VLMNode(SynfluxNode):
             del self._ttft[:-100], self._tok_per_s[:-100], self._network[:-100]
         return response
 
+    def _check_not_planner(self, session_id: str) -> None:
+        if self.planner_on and session_id == PLANNER_SESSION:
+            raise RequestError(f"session_id {PLANNER_SESSION!r} is the planner's while the planner is on "
+                               f"(planner_period > 0): use another")
+
     def _on_end(self, request, response):
         with self._serving:
             if not self._active:
                 return self._refuse(response, "node is not active")
             try:
+                self._check_not_planner(request.session_id)
                 self.runtime.end_session(request.session_id)
             except RequestError as exc:
                 return self._refuse(response, str(exc))
@@ -167,6 +186,8 @@ class VLMNode(SynfluxNode):
         if isinstance(rt, RemoteVLMRuntime):
             with self._lock:
                 values.update(turns_failed=rt.turns_failed, network_median_ms=median(self._network))
+        if self.planner_on:
+            values.update(self._planner_diagnostics())
         return OK, f"{len(rt.sessions)}/{rt.max_sessions} sessions", values
 
 

@@ -350,7 +350,7 @@ def test_launch_sources_compile(path, tmp_path):
 
 def test_the_launch_files_are_there():
     assert {p.name for p in LAUNCH_FILES} == {"vla.launch.py", "vlm.launch.py", "synflux.launch.py",
-                                              "sim.launch.py"}
+                                              "sim.launch.py", "planner.launch.py"}
 
 
 @pytest.mark.parametrize("path", PYTHON_LAUNCH_SOURCES, ids=lambda p: p.name)
@@ -506,6 +506,74 @@ def test_synflux_shows_only_its_own_arguments(stand_in_launch):
     assert not {"config", "graph_dir"} & set(declared(description))
 
 
+# ----------------------------------------------------------------------------- planner.launch.py
+PLANNER_ONLY = {"goal", "goal_topic", "planner_period", "planner_prompt", "planner_max_new_tokens"}
+
+
+def test_planner_takes_synflux_s_arguments_and_the_planner_s(stand_in_launch):
+    own = declared(load_launch_file(LAUNCH_DIR / "planner.launch.py").generate_launch_description())
+    synflux = declared(load_launch_file(LAUNCH_DIR / "synflux.launch.py").generate_launch_description())
+    assert set(own) == set(synflux) | PLANNER_ONLY
+    for name in PLANNER_ONLY:
+        assert own[name].description and len(own[name].description) > 20, f"{name} is not described"
+
+
+def test_planner_starts_both_nodes_with_the_planner_on_by_default(stand_in_launch):
+    found = nodes(run(LAUNCH_DIR / "planner.launch.py", environment={}))
+    assert set(found) == {"vla_node", "vlm_node"}
+    assert parameters_of(found["vla_node"]) == ([], {})
+    assert parameters_of(found["vlm_node"]) == ([], {"planner_period": 2.0})
+    assert dict(resolve(found["vlm_node"].remappings, None)) == {
+        "image": "image", "instruction": "instruction", "goal": "goal"}
+    assert dict(resolve(found["vla_node"].remappings, None)) == {
+        "image": "image", "image/compressed": "image/compressed", "instruction": "instruction"}
+
+
+def test_planner_hands_its_arguments_to_the_node_they_belong_to(stand_in_launch, params_file):
+    actions = run(LAUNCH_DIR / "planner.launch.py", {
+        "vla_config": "vla_pi0.yaml", "vlm_config": "vlm_qwen3.yaml", "executor": "onnxruntime",
+        "vla_graph_dir": "/graphs/pi0", "vlm_graph_dir": "/graphs/qwen3", "params_file": params_file,
+        "namespace": "robot1", "log_level": "debug", "image_topic": "/cam/image_raw", "instruction_topic": "/task",
+        "goal": "true", "goal_topic": "/mission", "planner_period": "5", "planner_prompt": "Next step to {goal}?",
+        "planner_max_new_tokens": "16", "default_instruction": "wait",
+    }, environment={})
+    found = nodes(actions)
+    vla_files, vla = parameters_of(found["vla_node"])
+    vlm_files, vlm = parameters_of(found["vlm_node"])
+    assert vla_files == vlm_files == [params_file]
+    assert vla == {"config": "vla_pi0.yaml", "executor": "onnxruntime", "graph_dir": "/graphs/pi0",
+                   "default_instruction": "wait"}
+    assert vlm == {"config": "vlm_qwen3.yaml", "executor": "onnxruntime", "graph_dir": "/graphs/qwen3",
+                   "planner_period": 5.0, "planner_goal": "true", "planner_prompt": "Next step to {goal}?",
+                   "planner_max_new_tokens": 16}
+    assert type(vlm["planner_period"]) is float and type(vlm["planner_max_new_tokens"]) is int
+    assert isinstance(vlm["planner_goal"], str)
+    for node in found.values():
+        assert resolve(node.namespace, None) == "robot1"
+        assert resolve(node.ros_arguments, None) == ["--log-level", "debug"]
+    # the planner reads the VLA's camera and writes the VLA's instruction topic
+    assert dict(resolve(found["vlm_node"].remappings, None)) == {
+        "image": "/cam/image_raw", "instruction": "/task", "goal": "/mission"}
+    remaps = dict(resolve(found["vla_node"].remappings, None))
+    assert remaps["image"] == "/cam/image_raw" and remaps["instruction"] == "/task"
+
+
+@pytest.mark.parametrize("argument,text,needle", [
+    ("planner_period", "soon", "expected a number"),
+    ("planner_period", "nan", "expected a number"),
+    ("planner_max_new_tokens", "many", "expected an integer"),
+    ("planner_max_new_tokens", "1.5", "expected an integer"),
+])
+def test_planner_numbers_are_checked_at_launch(stand_in_launch, argument, text, needle):
+    with pytest.raises(ValueError, match=rf"{argument}:=.*{needle}"):
+        run(LAUNCH_DIR / "planner.launch.py", {argument: text}, environment={})
+
+
+def test_planner_off_starts_the_pair_without_it(stand_in_launch):
+    found = nodes(run_command("ros2 launch synflux_ros planner.launch.py planner_period:=0", environment={}))
+    assert parameters_of(found["vlm_node"])[1] == {"planner_period": 0.0}
+
+
 # ----------------------------------------------------------------------------- node actions
 def test_vla_defaults_set_no_parameters(stand_in_launch):
     actions = run(LAUNCH_DIR / "vla.launch.py")
@@ -614,7 +682,7 @@ def test_an_empty_profile_cannot_be_typed():
     ("fastdds_profile:=\\'\\'", "''"),
     ("fastdds_profile:=''", ""),  # the shell makes this fastdds_profile:=, which ros2 launch refuses
 ])
-@pytest.mark.parametrize("file", ["vla.launch.py", "vlm.launch.py", "synflux.launch.py"])
+@pytest.mark.parametrize("file", ["vla.launch.py", "vlm.launch.py", "synflux.launch.py", "planner.launch.py"])
 def test_typed_none_leaves_the_environment(stand_in_launch, file, typed, delivered):
     command = f"ros2 launch synflux_ros {file} {typed}"
     if delivered == "":
@@ -626,7 +694,8 @@ def test_typed_none_leaves_the_environment(stand_in_launch, file, typed, deliver
     actions = run_command(command, environment=user)
     assert _environment_sets(actions) == [] and _profile_log_lines(actions) == []
     found = nodes(actions)
-    assert set(found) == ({"vla_node", "vlm_node"} if file == "synflux.launch.py" else {file.split(".")[0] + "_node"})
+    both = file in ("synflux.launch.py", "planner.launch.py")
+    assert set(found) == ({"vla_node", "vlm_node"} if both else {file.split(".")[0] + "_node"})
     assert all(n.launch_environment == user for n in found.values())
 
 
@@ -767,6 +836,7 @@ def test_with_the_real_launch_api():
     expected = {"vla.launch.py": [a.name for a in common.VLA_ARGUMENTS],
                 "vlm.launch.py": [a.name for a in common.VLM_ARGUMENTS],
                 "synflux.launch.py": [a.name for a in common.SYNFLUX_ARGUMENTS],
+                "planner.launch.py": [a.name for a in common.PLANNER_ARGUMENTS],
                 "sim.launch.py": [a.name for a in load_launch_file(LAUNCH_DIR / "sim.launch.py").SIM_ARGUMENTS]}
     for path in LAUNCH_FILES:
         description = load_launch_file(path).generate_launch_description()
@@ -781,7 +851,7 @@ def test_with_the_real_launch_api():
                 produced += entity.execute(context) or []
         if path.name == "synflux.launch.py":
             assert len(produced) == 2
-        elif path.name == "sim.launch.py":
+        elif path.name in ("sim.launch.py", "planner.launch.py"):
             assert sum(isinstance(a, RealNode) for a in produced) == 2, path.name
         else:
             assert sum(isinstance(a, RealNode) for a in produced) == 1, path.name
