@@ -261,7 +261,7 @@ class ControlLoop:
     ``clock`` gives the time the controller works in (the node's ROS clock); ``send`` gets each command that
     is not None; ``on_error`` any exception of a tick (the loop goes on)."""
 
-    def __init__(self, controller: Controller, clock, send, on_error=None, on_start=None, keep: int = 3000):
+    def __init__(self, controller: Controller, clock, send, on_error=None, on_start=None, keep: int = 6000):
         self.controller, self.clock, self.send, self.on_error = controller, clock, send, on_error
         self.on_start = on_start  # called first in the loop's thread (its scheduling and cores)
         self.period = controller.dt

@@ -6,6 +6,8 @@ cleanup and shutdown. A failed configure is reported and leaves the node ready f
 """
 from __future__ import annotations
 
+import gc
+
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.clock import Clock, ClockType
@@ -161,6 +163,10 @@ class SynfluxNode(ManagedNode):
                                    f"{self.runtime.executor.device_bytes / 2**20:.1f} MiB device memory")
         if not self.try_configure(configure):  # a failed configure does not poison the next attempt
             return TransitionCallbackReturn.FAILURE
+        # What start-up made (modules, the model, the ROS entities: some 40,000 objects) is kept out of the cyclic
+        # collector's full passes, which otherwise scan it all (7-10 ms) holding the interpreter lock that the
+        # command thread and the pipeline wait for. Given back at cleanup.
+        gc.freeze()
         return TransitionCallbackReturn.SUCCESS
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
@@ -173,6 +179,7 @@ class SynfluxNode(ManagedNode):
 
     def release_resources(self) -> None:
         self._active = False
+        gc.unfreeze()  # what configure froze is collectable again once freed
         self.teardown()
         self.destroy_diagnostics()
         if self.runtime is not None:
