@@ -11,7 +11,7 @@ idle), the chat alone (no frames: the VLA's command loop holds), both. Figures p
   the ticks it skipped;
 * the chat's tokens per second of its turns' own time (turns answered in the phase).
 
-Goals (issue: co-location), as ratios of "both" to "alone" in one run: VLA p50 <= 1.10x, p99 <= 1.15x, chat
+Goals (docs/colocation.md), as ratios of "both" to "alone" in one run: VLA p50 <= 1.10x, p99 <= 1.15x, chat
 >= 0.85x; command stream with the chat beside it: no skipped tick, p99 lateness <= 2 ms, worst <= 5 ms.
 Settings (``SETTINGS``) are the parameters each node gets; ``default`` gives none.
 """
@@ -154,7 +154,8 @@ def main(argv=None) -> int:
             os.sched_setaffinity(0, parse_cpus(vlm_params["cpus"]))
         try:
             rows = run_setting(vla_params, vlm_params, vla_cfg, joints, state_joints, side, args.vlm_config,
-                               args.seconds, args.warmup, planner_cfg)
+                               args.seconds, args.warmup, planner_cfg,
+                               {"base/image": "image"} if args.vla == "pi0" else None)  # its camera is "base"
         finally:
             os.sched_setaffinity(0, everywhere)
         missing = [row["phase"] for row in rows if "chat" not in row["phase"] and not row["chunks"]]

@@ -125,10 +125,12 @@ PLANNER_GOAL = "put the red block in the bowl"
 
 
 def run_setting(vla_params: dict, vlm_params: dict, vla_cfg: str, joints: list[str], state_joints: list[str],
-                side: int, vlm_cfg: str, seconds: float, warmup: float, planner_cfg: str | None = None) -> list[dict]:
+                side: int, vlm_cfg: str, seconds: float, warmup: float, planner_cfg: str | None = None,
+                vla_remaps: dict | None = None) -> list[dict]:
     """Both nodes started with their parameters; the figures of the phases VLA alone, chat alone, both, and
     with ``planner_cfg`` (a VLM with vision) both with a second vlm_node planning for the VLA once a second
-    (started with the others, given its goal when its phase starts; the chat's settings)."""
+    (started with the others, given its goal when its phase starts; the chat's settings). ``vla_remaps``: the
+    VLA's topic remaps (a model with named cameras subscribes ``<camera>/image``)."""
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
     from std_msgs.msg import String
@@ -137,7 +139,7 @@ def run_setting(vla_params: dict, vlm_params: dict, vla_cfg: str, joints: list[s
     from .harness import NodeProcess, client_node, ros_env, wait_configured
     env = ros_env()
     vla = NodeProcess("vla_node", {"config": vla_cfg, "joint_names": joints, "diagnostics_period": 0.5,
-                                   **vla_params}, env=env, remaps={"__ns": "/coloc"})
+                                   **vla_params}, env=env, remaps={"__ns": "/coloc", **(vla_remaps or {})})
     vlm = NodeProcess("vlm_node", {"config": vlm_cfg, "diagnostics_period": 0.5, **vlm_params}, env=env,
                       remaps={"__ns": "/coloc"})
     procs = [vla, vlm]

@@ -5,7 +5,6 @@ graph calls (a frame waits for at most the chat's running call; chat calls wait 
 from __future__ import annotations
 
 import os
-import sys
 import textwrap
 import time
 
@@ -131,11 +130,13 @@ def test_bad_sharing_parameters_are_refused_naming_them(start_node, node, param,
     params = {"executor": "mock", param: value}
     if node == "vla_node":
         params["joint_names"] = JOINTS
-    p = start_node(node, params)
-    assert p.wait_output(f"parameter '{param}'", 60), p.output()[-3000:]
-    line = next(x for x in p.output().splitlines() if f"parameter '{param}'" in x)
-    assert words in line and value in line, line
-    assert p.alive(), "a refused parameter leaves the node up, unconfigured"
+    p = start_node(node, params, namespace="/bad")
+    deadline = time.monotonic() + 60
+    while p.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not p.alive() and p.proc.returncode == 1, "started with a bad parameter"
+    lines = [x for x in p.output().splitlines() if f"parameter '{param}'" in x]
+    assert len(lines) == 1 and words in lines[0] and value in lines[0] and node in lines[0], p.output()[-3000:]
 
 
 def test_the_arbiter_orders_frames_before_chat_calls(start_node, client, make_config, tmp_path):
