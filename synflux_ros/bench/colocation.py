@@ -53,20 +53,27 @@ SETTINGS = {
 GOALS = {"vla_p50": 1.10, "vla_p99": 1.15, "chat": 0.85, "late_p99_ms": 2.0, "late_max_ms": 5.0}
 
 
-def demo_vla(work: str, root: str) -> tuple[str, list[str], list[str], int]:
-    """(node config, commanded joints, state joints, image side) of the demo VLA on onnxruntime (built once)."""
-    graphs = os.path.join(work, "vla_demo_orin-graphs")
+def onnxruntime_set(work: str, config: str, name: str) -> str:
+    """A node config running the shipped ``config`` (random weights) on onnxruntime, its graph set built once in
+    ``work``; ``name`` names the files."""
+    graphs = os.path.join(work, f"{name}-graphs")
     if not os.path.isfile(os.path.join(graphs, "manifest.json")):
         from ..buildtool.export import main as build
         from ..tools.harness import config_path
-        if build(["--config", config_path("vla_demo_orin.yaml"), "--out", graphs]):
+        if build(["--config", config_path(config), "--out", graphs]):
             raise RuntimeError("synflux-build failed")
     with open(os.path.join(graphs, "config.yaml"), encoding="utf-8") as fh:
         raw = yaml.safe_load(fh)
     raw["executor"] = {"backend": "onnxruntime", "graph_dir": os.path.abspath(graphs)}
-    path = os.path.join(work, "vla_demo_orin-colocation.yaml")
+    path = os.path.join(work, f"{name}-colocation.yaml")
     with open(path, "w", encoding="utf-8") as fh:
         yaml.safe_dump(raw, fh)
+    return path
+
+
+def demo_vla(work: str, root: str) -> tuple[str, list[str], list[str], int]:
+    """(node config, commanded joints, state joints, image side) of the demo VLA on onnxruntime."""
+    path = onnxruntime_set(work, "vla_demo_orin.yaml", "vla_demo_orin")
     joints = [f"joint_{i}" for i in range(7)]
     return path, joints, joints, 448
 
@@ -101,20 +108,8 @@ def judge(alone: dict, chat: dict, both: dict) -> dict:
 
 
 def demo_planner(work: str) -> str:
-    """The demo VLM (random weights, with vision) on onnxruntime: the planner's model (built once)."""
-    from ..tools.harness import config_path
-    graphs = os.path.join(work, "vlm_demo-graphs")
-    if not os.path.isfile(os.path.join(graphs, "manifest.json")):
-        from ..buildtool.export import main as build
-        if build(["--config", config_path("vlm_demo.yaml"), "--out", graphs]):
-            raise RuntimeError("synflux-build failed")
-    with open(os.path.join(graphs, "config.yaml"), encoding="utf-8") as fh:
-        raw = yaml.safe_load(fh)
-    raw["executor"] = {"backend": "onnxruntime", "graph_dir": os.path.abspath(graphs)}
-    path = os.path.join(work, "vlm_demo-planner.yaml")
-    with open(path, "w", encoding="utf-8") as fh:
-        yaml.safe_dump(raw, fh)
-    return path
+    """The demo VLM (random weights, with vision) on onnxruntime: the planner's model."""
+    return onnxruntime_set(work, "vlm_demo.yaml", "vlm_demo")
 
 
 def main(argv=None) -> int:

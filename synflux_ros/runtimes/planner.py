@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import unicodedata
 
-from .vla import MAX_INSTRUCTION_CHARS
+from .vla import MAX_INSTRUCTION_CHARS, bounded_text
 
 GOAL_FIELD = "{goal}"
 """Where the goal goes in the prompt template."""
@@ -23,14 +23,7 @@ DEFAULT_PROMPT = ("You direct a robot arm towards this goal: {goal}\n"
 
 def goal_text(text) -> str:
     """A goal stripped; ValueError when it is not text, is empty or is longer than MAX_GOAL_CHARS."""
-    if not isinstance(text, str):
-        raise ValueError(f"goal must be text, got {type(text).__name__}")
-    text = text.strip()
-    if not text:
-        raise ValueError("goal is empty")
-    if len(text) > MAX_GOAL_CHARS:
-        raise ValueError(f"goal has {len(text)} characters (limit {MAX_GOAL_CHARS})")
-    return text
+    return bounded_text(text, "goal", MAX_GOAL_CHARS)
 
 
 def check_prompt_template(template) -> str:

@@ -34,14 +34,21 @@ from .base import ModelRuntime
 MAX_INSTRUCTION_CHARS = 2000
 
 
-def instruction_text(text: str) -> str:
-    """An instruction stripped; ValueError when it is empty or longer than MAX_INSTRUCTION_CHARS."""
+def bounded_text(text, what: str, limit: int) -> str:
+    """``text`` stripped; ValueError naming ``what`` when it is not text, is empty or is longer than ``limit``."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be text, got {type(text).__name__}")
     text = text.strip()
     if not text:
-        raise ValueError("instruction is empty")
-    if len(text) > MAX_INSTRUCTION_CHARS:
-        raise ValueError(f"instruction has {len(text)} characters (limit {MAX_INSTRUCTION_CHARS})")
+        raise ValueError(f"{what} is empty")
+    if len(text) > limit:
+        raise ValueError(f"{what} has {len(text)} characters (limit {limit})")
     return text
+
+
+def instruction_text(text: str) -> str:
+    """An instruction stripped; ValueError when it is empty or longer than MAX_INSTRUCTION_CHARS."""
+    return bounded_text(text, "instruction", MAX_INSTRUCTION_CHARS)
 
 
 @dataclass
