@@ -188,8 +188,7 @@ class Arbiter:
         self.path, self.role, self.exclusive = path, role, exclusive
         self._turn = os.open(path + ".turn", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         self._run = os.open(path + ".run", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition()  # the depth of frames in flight and who is taking the locks
         self._depth = 0
         self._acquiring = False
         self._calls = threading.Lock()

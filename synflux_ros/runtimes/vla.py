@@ -296,31 +296,27 @@ class VLAPipeline:
         self.runtime = runtime
         stages = list(runtime.stages)
 
-        def leave(frame):
+        def leave(frame):  # only a frame that entered holds it (so never without an arbiter)
             if frame.holds_arbiter:
                 frame.holds_arbiter = False
                 arbiter.leave()
 
         def _error(frame, stage, exc):
             runtime.release(frame)
-            if arbiter is not None:
-                leave(frame)
+            leave(frame)
             if on_error is not None:
                 on_error(frame, stage, exc)
 
         def _discard(frame):
             runtime.release(frame)
-            if arbiter is not None:
-                leave(frame)
+            leave(frame)
 
         if arbiter is not None:
             name, first = stages[0]
 
             def entered(frame):
-                t0 = time.perf_counter()
-                arbiter.enter()
+                arbiter.enter()  # the arbiter counts its own waits (diagnostics)
                 frame.holds_arbiter = True
-                frame.timings["arbiter_ms"] = (time.perf_counter() - t0) * 1e3
                 return first(frame)
 
             def published(frame):
