@@ -114,12 +114,12 @@ def start_node(ros_env, request):
         procs.append(p)
         return p
     yield _start
-    unclean = []
-    for p in procs:  # every process is stopped before any is judged, so one failure leaves none running
-        running = p.alive()
-        code = p.stop()
-        if running and code != 0:  # a node stopped with SIGINT must exit cleanly
-            unclean.append(f"{p.name} exited with {code} on SIGINT:\n{p.output()[-3000:]}")
+    running = [p.alive() for p in procs]
+    # every process is stopped (together) before any is judged, so one failure leaves none running
+    codes = testing.stop_all(procs)
+    unclean = [f"{p.name} exited with {code} on SIGINT:\n{p.output()[-3000:]}"
+               for p, was_running, code in zip(procs, running, codes)
+               if was_running and code != 0]  # a node stopped with SIGINT must exit cleanly
     assert not unclean, "\n\n".join(unclean)
 
 

@@ -120,6 +120,7 @@ class NodeProcess:
         self.env = env or ros_env()
         self._log = tempfile.NamedTemporaryFile(prefix=f"{name}_", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        self._interrupted = False
 
     def output(self) -> str:
         with open(self._log.name, encoding="utf-8", errors="replace") as fh:
@@ -138,10 +139,16 @@ class NodeProcess:
             time.sleep(0.05)
         return False
 
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGINT, as Ctrl-C or `ros2 launch` would send; returns the exit code."""
-        if self.alive():
+    def interrupt(self) -> None:
+        """SIGINT, as Ctrl-C or `ros2 launch` would send, once, without waiting for the exit."""
+        if self.alive() and not self._interrupted:
+            self._interrupted = True
             self.proc.send_signal(signal.SIGINT)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGINT (:meth:`interrupt`), then wait; returns the exit code."""
+        if self.alive():
+            self.interrupt()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -155,6 +162,14 @@ class NodeProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def stop_all(procs, timeout: float = 10.0) -> list[int]:
+    """Stop several node processes at once: every one gets SIGINT before any is waited for, so their shutdowns
+    (drain, response linger, release) overlap. Returns each process's exit code, by position."""
+    for p in procs:
+        p.interrupt()
+    return [p.stop(timeout) for p in procs]
 
 
 def rgb_image(height: int, width: int, seq: int = 0, stamp_ns: int | None = None, frame_id: str = "camera",
@@ -410,6 +425,6 @@ def run_with_nodes(client_name: str, procs, timeout: float, body) -> int:
     finally:
         node.destroy_node()
         rclpy.try_shutdown()
-        codes = {p.name: p.stop() for p in procs}
+        codes = dict(zip((p.name for p in procs), stop_all(procs)))
         print(f"nodes stopped, exit codes {codes}")
     return 0 if ok and all(c == 0 for c in codes.values()) else 1
