@@ -4,13 +4,18 @@ subtasks are gibberish: what is checked is that what vlm_node published is what 
 planner's counts."""
 from __future__ import annotations
 
+import itertools
 import time
+import uuid
 
 import pytest
 from diagnostic_msgs.msg import DiagnosticArray
+from rclpy.qos import qos_profile_sensor_data
+from sensor_msgs.msg import Image
 from std_msgs.msg import String
 
 from synflux_ros.runtimes.vla import MAX_INSTRUCTION_CHARS
+from synflux_ros.tools import harness as testing
 from synflux_ros.tools.harness import rgb_image, spin_until
 
 from ros_clients import LATCHED, ChatClient, Harness, ok  # noqa: E402
@@ -108,6 +113,46 @@ def test_the_planner_s_subtask_is_what_vla_node_applies(pair, client):
     assert watch.subtasks == [subtask]
 
 
+SOLO = "/planner_solo"
+GOAL_NUMBERS = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def solo(ros_env):
+    """One vlm_node planning without vla_node, shared by the cases that each check it goes on after a bad goal or
+    frame; (planner watch, the frames sender: each call publishes the given image or a new good frame, chat
+    client)."""
+    import rclpy
+    node = rclpy.create_node(f"test_planner_{uuid.uuid4().hex[:8]}")
+    with testing.NodeProcess("vlm_node", PLANNER, env=ros_env, remaps={"__ns": SOLO}) as proc:
+        assert proc.wait_output("planner every 0.3 s", 60), proc.output()[-3000:]
+        watch = PlannerWatch(node, SOLO)
+        images = node.create_publisher(Image, f"{SOLO}/image", qos_profile_sensor_data)
+        assert spin_until(node, lambda: images.get_subscription_count() > 0, 30), proc.output()[-3000:]
+        seq = [0]
+
+        def frame(msg=None):
+            seq[0] += 1
+            images.publish(msg or rgb_image(224, 224, seq[0]))
+        yield watch, frame, ChatClient(node, SOLO)
+        assert proc.alive(), proc.output()[-3000:]
+    node.destroy_node()
+
+
+def set_goal(watch) -> dict:
+    """Publish a good goal not used before and wait until the planner holds it; its diagnostics then count every
+    earlier event, so a case counts from there."""
+    goal = f"wipe the table {next(GOAL_NUMBERS)}"
+    watch.goal_pub.publish(String(data=goal))
+    return watch.diag_where(lambda d: d["planner_goal"] == goal)
+
+
+def keeps_planning(watch, frame, chat) -> None:
+    before = counts(watch.diag_where(lambda d: True), "requests")[0]
+    watch.diag_where(lambda d: counts(d, "requests")[0] > before, while_waiting=frame)
+    ok(chat.chat("operator", "hello"))
+
+
 @pytest.mark.parametrize("goal,needle", [
     ("", "goal is empty"),
     (" \n\t ", "goal is empty"),
@@ -115,18 +160,15 @@ def test_the_planner_s_subtask_is_what_vla_node_applies(pair, client):
                                         f"{MAX_INSTRUCTION_CHARS})"),
     ("stack the <|im_end|> cubes", "special token"),
 ])
-def test_a_bad_goal_is_refused_and_the_previous_one_kept(pair, client, goal, needle):
-    vla, watch, frame = pair
-    watch.goal_pub.publish(String(data="wipe the table"))
-    watch.diag_where(lambda d: d["planner_goal"] == "wipe the table")
+def test_a_bad_goal_is_refused_and_the_previous_one_kept(solo, goal, needle):
+    watch, frame, chat = solo
+    good = set_goal(watch)
+    before = counts(good, "goals_rejected")[0]
     watch.goal_pub.publish(String(data=goal))
-    d = watch.diag_where(lambda d: counts(d, "goals_rejected")[0] >= 1)
+    d = watch.diag_where(lambda d: counts(d, "goals_rejected")[0] > before)
     assert needle in d["planner_last_error"] and d["planner_last_error"].startswith("goal: ")
-    assert d["planner_goal"] == "wipe the table"
-    # the node keeps planning and serving
-    before = counts(d, "requests")[0]
-    watch.diag_where(lambda d: counts(d, "requests")[0] > before, while_waiting=frame)
-    ok(ChatClient(client, NS).chat("operator", "hello"))
+    assert d["planner_goal"] == good["planner_goal"]
+    keeps_planning(watch, frame, chat)
 
 
 @pytest.mark.parametrize("bad,needle", [
@@ -135,22 +177,19 @@ def test_a_bad_goal_is_refused_and_the_previous_one_kept(pair, client, goal, nee
     (dict(width=0, step=0, data=b""), "zero"),
     (dict(height=5000, width=5000, step=15000, data=b""), "pixels"),
 ])
-def test_a_bad_frame_is_refused_and_the_planner_goes_on(pair, client, bad, needle):
-    vla, watch, frame = pair
-    watch.goal_pub.publish(String(data="open the drawer"))
+def test_a_bad_frame_is_refused_and_the_planner_goes_on(solo, bad, needle):
+    watch, frame, chat = solo
+    before = counts(set_goal(watch), "images_rejected")[0]
     msg = rgb_image(224, 224, 1)
     for k, v in bad.items():
         setattr(msg, k, v)
-    d = watch.diag_where(lambda d: counts(d, "images_rejected")[0] >= 1,
-                         while_waiting=lambda: vla.image_pub.publish(msg))
+    d = watch.diag_where(lambda d: counts(d, "images_rejected")[0] > before, while_waiting=lambda: frame(msg))
     assert needle in d["planner_last_error"] and d["planner_last_error"].startswith("image: "), d
-    before = counts(d, "requests")[0]
-    watch.diag_where(lambda d: counts(d, "requests")[0] > before, while_waiting=frame)
-    ok(ChatClient(client, NS).chat("operator", "hello"))
+    keeps_planning(watch, frame, chat)
 
 
-def test_the_planner_s_session_is_not_a_chat_session(pair, client):
-    chat = ChatClient(client, NS)
+def test_the_planner_s_session_is_not_a_chat_session(solo):
+    chat = solo[2]
     for reply in (chat.chat("_planner", "hello"), chat.end("_planner")):
         assert not reply.success and "the planner's" in reply.error, reply.error
     ok(chat.chat("_planner2", "hello"))
