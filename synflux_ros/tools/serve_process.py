@@ -14,6 +14,9 @@ from pathlib import Path
 from ..runtimes import wire
 
 
+PORT_ATTEMPTS = 3
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -27,22 +30,36 @@ class ServeProcess:
                  ca_file: str = "", env: dict | None = None):
         """``ca_file``: the certificate to trust when the server runs TLS (``--tls-cert``); ``env``: the
         environment of the process (default this one's)."""
-        self.port, self.log, self.key, self.config = free_port(), log, key, config
+        self.log, self.key, self.config = log, key, config
         self.ssl = None
         if ca_file:
             import ssl
             self.ssl = ssl.create_default_context(cafile=ca_file)
-        cmd = [sys.executable, "-m", "synflux_ros.serve.cli", "--config", config, "--port", str(self.port), *args]
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        # The free port is released before Ray's proxy binds it, seconds later; meanwhile the kernel can give it
+        # to an outgoing connection (Ray's own make many) and the proxy fails to bind: then start on another.
+        for attempt in range(PORT_ATTEMPTS):
+            self.port = free_port()
+            cmd = [sys.executable, "-m", "synflux_ros.serve.cli", "--config", config, "--port", str(self.port), *args]
+            with open(log, "w") as out:
+                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                             env=env)
+            if self._wait_healthy(timeout, last=attempt == PORT_ATTEMPTS - 1):
+                return
+
+    def _wait_healthy(self, timeout: float, last: bool) -> bool:
+        """True once healthy; False when the process exited because its port was taken (and another try is
+        left); RuntimeError otherwise."""
         deadline = time.monotonic() + timeout
         while not self.healthy():
             if self.proc.poll() is not None:
+                if not last and f"Failed to bind to address '127.0.0.1:{self.port}'" in self.output():
+                    return False
                 raise RuntimeError(f"synflux-serve exited with {self.proc.returncode}:\n{self.output()}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"synflux-serve not healthy after {timeout:.0f} s:\n{self.output()}")
             time.sleep(0.5)
+        return True
 
     def url(self, path: str = "", scheme: str = "http") -> str:
         return f"{scheme}{'s' if self.ssl else ''}://127.0.0.1:{self.port}{path}"
