@@ -140,8 +140,8 @@ class ThreadTimes:
     (kernels with CONFIG_SCHED_INFO); threads that ended keep what they had counted."""
 
     def __init__(self):
-        self._done = [0.0, 0.0]
-        self._last: dict[int, tuple[float, float]] = {}
+        self._done = [0, 0]  # nanoseconds, as the kernel counts: sums of integers never go back
+        self._last: dict[int, tuple[int, int]] = {}
         self.available = os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
 
     def sample(self, tids: list[int] | None = None) -> tuple[float, float]:
@@ -153,13 +153,14 @@ class ThreadTimes:
                     run_ns, wait_ns, _ = fh.read().split()
             except (OSError, ValueError):
                 continue
-            seen[tid] = (int(run_ns) * 1e-9, int(wait_ns) * 1e-9)
+            seen[tid] = (int(run_ns), int(wait_ns))
         for tid, (run, wait) in self._last.items():
             if tid not in seen:
                 self._done[0] += run
                 self._done[1] += wait
         self._last = seen
-        return (self._done[0] + sum(r for r, _ in seen.values()), self._done[1] + sum(w for _, w in seen.values()))
+        return ((self._done[0] + sum(r for r, _ in seen.values())) * 1e-9,
+                (self._done[1] + sum(w for _, w in seen.values())) * 1e-9)
 
 
 ROLES = ("control", "background")
