@@ -92,10 +92,11 @@ $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
 # The tests import the installed package (with its generated messages), not the source tree.
 # The RKNN venv is a prerequisite so that the rknn backend tests run (they skip without it); the pi0 reference
 # venv so that the LeRobot parity tests run (they skip without it).
-# make test runs every test of the package's own code in two processes side by side, each on a DDS domain of
-# its own: the node, launch and fault tests (integration/), and, at a lower CPU priority (nice 5: its cases
-# only need throughput, while the others start nodes and wait for DDS discovery and replies under timeouts),
-# the unit tests followed by the serving tests (marker `serve`: a local Ray cluster each module).
+# make test runs every test of the package's own code in three processes side by side, each on a DDS domain of
+# its own: the node, launch, fault and serving tests (integration/; marker `serve`: a local Ray cluster each
+# module) in two halves, and, at a lower CPU priority (nice 5: its cases only need throughput, while the others
+# start nodes and wait for DDS discovery and replies under timeouts), the unit tests. The node and serving
+# tests mostly wait (about 40 % of a core each), so two halves finish in little more than half the time.
 # make test-reference runs the comparisons with reference implementations (marker `reference`: LeRobot,
 # transformers) beside the vendor NPU simulators (marker `simulator`: QNN's and RKNN's, minutes of
 # single-instruction emulation): what make test does not, and CI runs both (.ci/run).
@@ -106,7 +107,7 @@ TEST_DIRS := unit integration parity simulators gpu launch
 TEST_DISK_GIB := 4
 # The slowest cases of each process, listed after its report (where the 10-minute goal of make test goes).
 DURATIONS := --durations=25 --durations-min=5
-PYTEST := $(PY) -m pytest -q -rs -p no:cacheprovider $(DURATIONS)
+PYTEST := $(PY) -m pytest -q -rs -p no:cacheprovider $(DURATIONS) $(PYTEST_ARGS)
 # Its prerequisites (the venvs, the package, the docs) are made by a parallel make: on a fresh clone they
 # are mostly downloads and unpacking, independent but for the package venv they share.
 TEST_PREREQUISITES := install rknn-venv pi0ref-venv docs sim-venv serve-venv openpi-venv
@@ -127,15 +128,28 @@ define side_by_side
 	  echo "== make $@: $$(( $$(date +%s) - start )) s of tests =="; \
 	  [ $$rc -eq 0 ] && [ $$second_rc -eq 0 ]
 endef
+# make test's three processes, each in a DDS domain of its own: the unit tests (mostly CPU) at nice 5 into
+# build/test-unit.log, and the node and serving tests (mostly waiting for processes, DDS and Ray) in two halves
+# parted by their recorded times (test/durations.json), the second into build/test-nodes-2.log. The logs are
+# printed after the first half's report; fails when any process does.
+NODE_TESTS := -m "not simulator and not reference" $(filter-out unit,$(TEST_DIRS))
 test:
 	$(MAKE) -j4 --no-print-directory $(TEST_PREREQUISITES)
 	$(check_disk)
-	$(call side_by_side,unit-and-serve,\
-	  $(PYTEST) --basetemp=$(abspath $(BUILD))/pytest-unit -m "not simulator and not reference" unit && \
-	  $(PYTEST) --basetemp=$(abspath $(BUILD))/pytest-serve -m "serve and not simulator and not reference" \
-	    integration,node tests,\
-	  $(PYTEST) --basetemp=$(abspath $(BUILD))/pytest-main -m "not simulator and not reference and not serve" \
-	    $(filter-out unit,$(TEST_DIRS)))
+	cd test && base=$${ROS_DOMAIN_ID:-$$(( RANDOM % 100 + 1 ))}; start=$$(date +%s); log=$(abspath $(BUILD))/test; \
+	  ( ROS_DOMAIN_ID=$$(( base % 101 + 1 )) nice -n 5 \
+	    $(PYTEST) --basetemp=$(abspath $(BUILD))/pytest-unit -m "not simulator and not reference" unit ) \
+	    > $$log-unit.log 2>&1 & unit=$$!; \
+	  ( ROS_DOMAIN_ID=$$(( (base + 1) % 101 + 1 )) \
+	    $(PYTEST) --basetemp=$(abspath $(BUILD))/pytest-nodes-2 --shard 2/2 $(NODE_TESTS) ) \
+	    > $$log-nodes-2.log 2>&1 & nodes2=$$!; \
+	  trap "kill $$unit $$nodes2 2>/dev/null" INT TERM; \
+	  ROS_DOMAIN_ID=$$base $(PYTEST) --basetemp=$(abspath $(BUILD))/pytest-nodes-1 --shard 1/2 $(NODE_TESTS); rc=$$?; \
+	  wait $$nodes2; nodes2_rc=$$?; wait $$unit; unit_rc=$$?; \
+	  echo "== node and serving tests, second half (run beside the first) =="; cat $$log-nodes-2.log; \
+	  echo "== unit tests (run beside the node and serving tests, at nice 5) =="; cat $$log-unit.log; \
+	  echo "== make $@: $$(( $$(date +%s) - start )) s of tests =="; \
+	  [ $$rc -eq 0 ] && [ $$nodes2_rc -eq 0 ] && [ $$unit_rc -eq 0 ]
 
 .PHONY: test-reference
 test-reference:

@@ -2,13 +2,19 @@
 
 Markers (the Makefile selects by them): ``simulator`` (a vendor NPU simulator: QNN's, RKNN's) and ``reference``
 (compared with a reference implementation: transformers, LeRobot in .venv-pi0ref) run in ``make
-test-reference``, the others in ``make test``; ``serve`` (a local Ray) beside the unit tests; ``gpu`` (needs a
+test-reference``, the others in ``make test``; ``serve`` (a local Ray) with the node tests; ``gpu`` (needs a
 CUDA device; skipped elsewhere with the reason).
 
 The fixtures that start nodes use the DDS domain ``ROS_DOMAIN_ID`` when the environment sets it (``colcon
 test`` runs the tests through ament_cmake_ros's isolation runner, which sets a free one), else a domain picked
 for this test session.
+
+``--shard K/N`` runs the K-th of N parts of the selected test files, parted by their recorded times
+(``durations.json``), so that `make test` runs the node and serving tests in two processes that end together;
+``--record-durations`` writes the times of the files a run ran into that record (``make test
+PYTEST_ARGS=--record-durations`` after adding or changing a slow test file).
 """
+import json
 import os
 import shutil
 import tempfile
@@ -23,10 +29,73 @@ def pytest_configure(config):
                                        "test-reference")
     config.addinivalue_line("markers", "reference: compared with a reference implementation (transformers, "
                                        "LeRobot); in make test-reference")
-    config.addinivalue_line("markers", "serve: starts synflux-serve (a local Ray); make test runs these after the "
-                                       "unit tests, beside the node tests")
+    config.addinivalue_line("markers", "serve: starts synflux-serve (a local Ray); make test runs these with the "
+                                       "node tests")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (and, for engines, TensorRT); skipped elsewhere "
                                        "with the reason")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default="", metavar="K/N",
+                     help="run the K-th of N parts of the selected test files, parted by durations.json")
+    parser.addoption("--record-durations", action="store_true",
+                     help="write each file's time in this run (setup, call and teardown) into durations.json")
+
+
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+
+
+def shards(files: list[str], times: dict[str, float], n: int) -> list[list[str]]:
+    """Files parted into ``n`` lists of near-equal total time: the longest first, each to the least loaded
+    list (a file without a recorded time counts as the median of those with one)."""
+    known = sorted(times[f] for f in files if f in times) or [1.0]
+    default = known[len(known) // 2]
+    parts, loads = [[] for _ in range(n)], [0.0] * n
+    for f in sorted(files, key=lambda f: (-times.get(f, default), f)):
+        i = loads.index(min(loads))
+        parts[i].append(f)
+        loads[i] += times.get(f, default)
+    return parts
+
+
+@pytest.hookimpl(trylast=True)  # after the markers have deselected theirs: every shard parts the same files
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if not spec:
+        return
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+        assert 1 <= k <= n
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"--shard {spec!r}: expected K/N with 1 <= K <= N") from None
+    with open(DURATIONS, encoding="utf-8") as fh:
+        times = json.load(fh)
+    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
+    mine = set(shards(files, times, n)[k - 1])
+    keep = [item for item in items if item.nodeid.split("::")[0] in mine]
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid.split("::")[0] not in mine])
+    items[:] = keep
+
+
+_file_times: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _file_times[path] = _file_times.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if not session.config.getoption("--record-durations") or not _file_times:
+        return
+    import fcntl
+    with open(DURATIONS, "r+", encoding="utf-8") as fh:  # make test's halves write it at about the same time
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        times = json.load(fh)
+        times.update({f: round(t, 1) for f, t in _file_times.items() if t >= 0.05})
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps(times, indent=1, sort_keys=True) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)

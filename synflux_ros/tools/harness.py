@@ -164,12 +164,12 @@ class NodeProcess:
         self.stop()
 
 
-def stop_all(procs, timeout: float = 10.0) -> list[int]:
+def stop_all(procs) -> list[int]:
     """Stop several node processes at once: every one gets SIGINT before any is waited for, so their shutdowns
     (drain, response linger, release) overlap. Returns each process's exit code, by position."""
     for p in procs:
         p.interrupt()
-    return [p.stop(timeout) for p in procs]
+    return [p.stop() for p in procs]
 
 
 def rgb_image(height: int, width: int, seq: int = 0, stamp_ns: int | None = None, frame_id: str = "camera",
