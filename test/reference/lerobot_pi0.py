@@ -490,9 +490,19 @@ def install_transformers_shim(mode: str = "auto") -> str:
     return "shim"
 
 
+def lerobot_06() -> bool:
+    """Whether the installed LeRobot is 0.5 or later (0.6.1 in ``.venv-lerobot06``): its π0 family runs on stock
+    transformers 5 through its own ``pi_gemma`` module, so nothing is patched."""
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in version("lerobot").split(".")[:2]) >= (0, 5)
+
+
 def prepare_lerobot(shim_mode: str) -> str:
     """Everything needed before LeRobot's π0/π0.5 modules are imported; returns the semantics in force."""
     install_torchvision_placeholder()
+    if lerobot_06():
+        return "stock"
     return install_transformers_shim(shim_mode)
 
 
@@ -553,7 +563,10 @@ def patch_model_dims(modeling, dims: dict, set_image_size: bool = False) -> None
             raise ValueError(f"{DIMS_FILE} has no sizes for variant {variant!r}")
         return gemma[variant]
 
-    paligemma_cls = getattr(modeling, "_stock_paligemma_cls", modeling.PaliGemmaForConditionalGeneration)
+    # LeRobot 0.4 builds PaliGemmaForConditionalGeneration, 0.5+ its PaliGemmaForConditionalGenerationWithPiGemma
+    attribute = next(a for a in ("PaliGemmaForConditionalGenerationWithPiGemma", "PaliGemmaForConditionalGeneration")
+                     if getattr(modeling, a, None) is not None)
+    paligemma_cls = getattr(modeling, "_stock_paligemma_cls", getattr(modeling, attribute))
     modeling._stock_paligemma_cls = paligemma_cls
     vision = dims["vision"]
 
@@ -572,7 +585,7 @@ def patch_model_dims(modeling, dims: dict, set_image_size: bool = False) -> None
         return paligemma_cls(config=config)
 
     modeling.get_gemma_config = get_gemma_config
-    modeling.PaliGemmaForConditionalGeneration = build_paligemma
+    setattr(modeling, attribute, build_paligemma)
 
 
 def read_dims(checkpoint: Path) -> dict | None:
@@ -1021,9 +1034,9 @@ def verify_weights(policy, saved: dict) -> None:
     """Fail unless every saved tensor is in the policy unchanged.
 
     PI0Policy.from_pretrained (and PI05Policy's) loads with strict=True and only prints a warning when that raises,
-    which it does for LeRobot's own checkpoints: save_model drops embed_tokens, the tied twin of lm_head. The
+    which it does for LeRobot 0.4's own checkpoints: save_model drops embed_tokens, the tied twin of lm_head. The
     tensors are still copied, but a silent partial load must not pass for a reference, so the result is checked
-    here.
+    here. (LeRobot 0.6's PaliGemma does not tie them: both are saved, each loads as itself.)
     """
     import torch
 
@@ -1032,8 +1045,11 @@ def verify_weights(policy, saved: dict) -> None:
     if wrong:
         raise RuntimeError(f"{len(wrong)} saved tensors did not load, e.g. {wrong[:3]}")
     pali = policy.model.paligemma_with_expert.paligemma
-    if pali.lm_head.weight.data_ptr() != pali.model.language_model.embed_tokens.weight.data_ptr():
-        raise RuntimeError("lm_head and embed_tokens are no longer tied")
+    embed = pali.model.language_model.embed_tokens.weight
+    if not any(k.endswith("embed_tokens.weight") and "paligemma." in k for k in saved) and not (
+            pali.lm_head.weight.data_ptr() == embed.data_ptr() or torch.equal(pali.lm_head.weight, embed)):
+        # LeRobot 0.4 ties the two; 0.5+ copies a lone lm_head into embed_tokens on load
+        raise RuntimeError("the saved lm_head did not become the embedding table")
 
 
 def read_inputs(path: Path, config, rtc_cases: list | None = None) -> dict:

@@ -274,7 +274,10 @@ def build_text_tokenizer(directory: Path) -> dict:
 def load_text_tokenizer(directory: Path, **kwargs):
     """The stand-in as transformers' GemmaTokenizerFast (what AutoTokenizer makes of PaliGemma's tokenizer), with
     LeRobot's keyword arguments (add_bos_token / add_eos_token rebuild its post-processor)."""
-    from transformers.models.gemma.tokenization_gemma_fast import GemmaTokenizerFast
+    try:
+        from transformers.models.gemma.tokenization_gemma_fast import GemmaTokenizerFast
+    except ImportError:  # transformers 5 (LeRobot 0.6): GemmaTokenizer is the tokenizers-backed one
+        from transformers.models.gemma.tokenization_gemma import GemmaTokenizer as GemmaTokenizerFast
 
     kwargs.pop("trust_remote_code", None)
     return GemmaTokenizerFast.from_pretrained(str(directory), local_files_only=True, **kwargs)
@@ -396,8 +399,9 @@ def hub_stand_ins(checkpoint: Path, config):
     """While LeRobot builds or loads the policy and its processors, answer its AutoTokenizer and AutoProcessor
     calls for the config's two tokenizer names with the stand-ins in ``checkpoint``, and refuse any other name.
 
-    PI0FastPolicy imports both from ``transformers`` when it is constructed, the processor steps use the names
-    lerobot.processor.tokenizer_processor imported, so both places are patched, and restored afterwards.
+    PI0FastPolicy imports both from ``transformers`` when it is constructed (LeRobot 0.6: when its module is
+    imported), the processor steps use the names lerobot.processor.tokenizer_processor imported, so every place
+    is patched, and restored afterwards.
     """
     import transformers
     from lerobot.processor import tokenizer_processor
@@ -419,8 +423,11 @@ def hub_stand_ins(checkpoint: Path, config):
         "AutoTokenizer": SimpleNamespace(from_pretrained=tokenizer_from_pretrained),
         "AutoProcessor": SimpleNamespace(from_pretrained=processor_from_pretrained),
     }
-    saved = [(module, name, getattr(module, name)) for module in (transformers, tokenizer_processor)
-             for name in stand_ins]
+    from lerobot.policies.pi0_fast import modeling_pi0_fast
+
+    # LeRobot 0.6's modeling module holds its own references to both (0.4's imports them from transformers)
+    saved = [(module, name, getattr(module, name)) for module in (transformers, tokenizer_processor, modeling_pi0_fast)
+             for name in stand_ins if getattr(module, name, None) is not None]
     for module, name, _ in saved:
         setattr(module, name, stand_ins[name])
     try:
