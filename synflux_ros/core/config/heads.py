@@ -97,6 +97,10 @@ class ActionConfig:
             "(pi0.5): it is cut into 256 bins over [-1, 1] and written into the prompt, tokenizer.prompt_template's "
             "{state}; prefix (SmolVLA): the prefill graphs project it (state_proj) into the prefix's last row, "
             "which sees the whole prefix and which no other prefix row sees")
+    prompt_state: str = setting(
+        "padded", choices=("padded", "joints"), graph=False,
+        doc="state_input prompt: which values the prompt writes: padded, all state_dim of the zero-padded vector "
+            "(openpi, LeRobot 0.4); joints, the state_joints values alone (LeRobot 0.5 and later)")
     expert_attention: str = setting(
         "joint", choices=("joint", "cross_attn"),
         doc="flow matching: joint (pi0): every expert layer attends to its backbone layer's prefix keys/values and "
@@ -134,6 +138,8 @@ class ActionConfig:
                               "token) are not supported")
         if self.state_input == "prompt" and not self.state_dim:
             raise ConfigError("action.state_input: prompt writes the robot state into the prompt; set state_dim")
+        if self.prompt_state != "padded" and self.state_input != "prompt":
+            raise ConfigError("action.prompt_state: for a state written into the prompt (state_input: prompt) only")
         if self.state_dim:
             if self.head_type != "flow_matching" and not fast:
                 raise ConfigError("action.state_dim: a robot-state input is supported for flow_matching heads and the "
