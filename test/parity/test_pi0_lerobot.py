@@ -126,3 +126,26 @@ def test_actions_equal_lerobot(served, case):
     # the comparison has teeth: another state gives other actions in both
     other = lerobot_actions(s, images, state + 0.5, noise, f"case{case}_other")
     assert np.abs(other - want).max() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("policy", ["pi0", "pi05"])
+@pytest.mark.parametrize("lerobot", [p for p in lerobot_params() if p.values[0] == "lerobot061"])
+def test_relative_actions_are_refused_naming_the_field(lerobot, policy, tmp_path, capsys):
+    """A checkpoint LeRobot 0.6.1 trained on actions relative to the state (``use_relative_actions``: its
+    postprocessor adds the state back) is refused at build with the fields that say so: the runtime publishes the
+    model's actions as they are. The same checkpoint without the flag builds."""
+    for relative in ("true", "false"):
+        ckpt = tmp_path / f"checkpoint-{relative}"
+        reference("make-checkpoint", "--policy", policy, "--out", str(ckpt), "--seed", "3", "--relative-actions",
+                  relative, lerobot=lerobot)
+        write_tokenizer(str(ckpt), first_specials=("<pad>", "<eos>", "<bos>"))
+        rc = build_tool.main(["--config", base_config(tmp_path / "base.yaml"), "--out", str(tmp_path / relative),
+                              "--from-hf", str(ckpt), "--backend", "onnxruntime"])
+        err = capsys.readouterr().err
+        if relative == "false":
+            assert rc == 0, err
+            continue
+        assert rc == 2 and "use_relative_actions" in err, err
+        for where in ("config.json use_relative_actions: True", "relative_actions_processor enabled",
+                      "absolute_actions_processor enabled"):
+            assert where in err, err

@@ -631,6 +631,7 @@ CHECKPOINT_DEFAULTS = {
     "state_norm": None,  # None: the policy's default (POLICY_NORMS)
     "action_norm": None,
     "dtype": "float32",
+    "relative_actions": False,  # LeRobot 0.5+: use_relative_actions (the chunk relative to the state)
 }
 NORM_MODES = ("MEAN_STD", "MIN_MAX", "QUANTILES", "QUANTILE10", "IDENTITY")
 # The state and action normalisation each policy gets unless told: MEAN_STD for π0 (as this script always made it),
@@ -748,6 +749,8 @@ def validate_options(o: dict) -> None:
         problems.append(f"image_size must be a multiple of {PATCH_SIZE}")
     if o["dtype"] not in ("float32", "bfloat16"):
         problems.append("dtype must be float32 or bfloat16")
+    if o["relative_actions"] and not lerobot_06():
+        problems.append("relative_actions needs LeRobot 0.5 or later")
     if problems:
         raise SystemExit("; ".join(problems))
 
@@ -907,6 +910,8 @@ def make_checkpoint(args) -> dict:
     extra = {}
     if opts["tokenizer_max_length"] is not None:
         extra["tokenizer_max_length"] = opts["tokenizer_max_length"]
+    if opts["relative_actions"]:
+        extra["use_relative_actions"] = True
     config = config_cls(
         paligemma_variant=dims["vlm"]["variant"],
         action_expert_variant=dims["expert"]["variant"],
@@ -1345,7 +1350,7 @@ def main(argv=None) -> None:
         "vision_heads": int, "vision_mlp_dim": int, "image_size": int, "cameras": str, "state_dim": int,
         "action_dim": int, "max_state_dim": int, "max_action_dim": int, "chunk_size": int, "n_action_steps": int,
         "num_inference_steps": int, "tokenizer_max_length": int, "state_norm": str, "action_norm": str,
-        "dtype": str,
+        "dtype": str, "relative_actions": flag,
     }
     policy_norms = ", ".join(f"{p} {mode}" for p, mode in POLICY_NORMS.items())
     notes = {
@@ -1356,6 +1361,7 @@ def main(argv=None) -> None:
         "state_norm": f"one of {', '.join(NORM_MODES)}; default {policy_norms}",
         "action_norm": f"one of {', '.join(NORM_MODES)}; default {policy_norms}",
         "dtype": "float32 or bfloat16",
+        "relative_actions": "true: use_relative_actions (LeRobot 0.5+)",
     }
     add_option_flags(mk, CHECKPOINT_DEFAULTS, flags, notes)
 
@@ -1369,6 +1375,13 @@ def main(argv=None) -> None:
 
     args = parser.parse_args(argv)
     print_result({"check": check, "make-checkpoint": make_checkpoint, "run": run}[args.command], args)
+
+
+def flag(text: str) -> bool:
+    """A true/false option value."""
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1")
 
 
 def add_option_flags(parser, defaults: dict, flags: dict, notes: dict) -> None:
