@@ -192,6 +192,23 @@ def test_pi05_writes_each_frames_state_into_its_prompt():
         rt.close()
 
 
+def test_a_lerobot_05_prompt_writes_the_joints_alone():
+    """action.prompt_state joints (checkpoints of LeRobot 0.5+): the state_joints values, not the padded vector."""
+    from synflux_ros.runtimes.vla import VLARuntime
+    cfg = pi05(action={"prompt_state": "joints"})
+    rt = VLARuntime(cfg)
+    try:
+        joints = len(cfg.action.state_joints)
+        assert 0 < joints < cfg.action.state_dim
+        state = np.r_[np.full(joints, 2.0, np.float32), np.zeros(cfg.action.state_dim - joints, np.float32)]
+        text = rt.tokenizer.decode(rt.prompt_ids("go", rt.maps.state_in(state))[len(rt.bos):])
+        assert text == f"Task: go, State: {' '.join(['255'] * joints)};\nAction: "
+    finally:
+        rt.close()
+    with pytest.raises(ConfigError, match="action.prompt_state: for a state written into the prompt"):
+        demo(action={"prompt_state": "joints"})
+
+
 def test_pi05_config_rules():
     assert pi05().action.state_token_dim == 0 and demo().action.state_token_dim == 8
     from synflux_ros.core.contract import graph_set
