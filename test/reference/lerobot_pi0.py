@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""LeRobot 0.4.4's π0 (``lerobot.policies.pi0``) and π0.5 (``lerobot.policies.pi05``) as the references the
-project's π0 and π0.5 are compared with.
+"""LeRobot's π0 (``lerobot.policies.pi0``) and π0.5 (``lerobot.policies.pi05``) as the references the project's
+π0 and π0.5 are compared with, in release 0.4.4 or 0.6.1: whichever the interpreter has.
 
 Run it with the interpreter of ``.venv-pi0ref`` (``make pi0ref-venv``): torch 2.13 CPU, stock transformers
-4.53.2 and lerobot 0.4.4 installed without its dependencies (see requirements-pi0ref.txt).
+4.53.2 and lerobot 0.4.4 installed without its dependencies (see requirements-pi0ref.txt); or of
+``.venv-lerobot06`` (``make lerobot06-venv``): lerobot 0.6.1 on Python 3.12, torch 2.11 and transformers 5.5.4,
+whose π0 family runs on stock transformers (LeRobot's own ``pi_gemma``), so the compatibility layer below is not
+installed there (see requirements-lerobot06.txt). Each release saves checkpoints in its own layout.
 
 Subcommands
     check            import LeRobot's π0 and π0.5 here and run a minute model of each once (the venv's smoke test)
-    make-checkpoint  build a small π0 (or, with --policy pi05, π0.5) with random weights and save it as a LeRobot
-                     0.4.4 checkpoint directory
+    make-checkpoint  build a small π0 (or, with --policy pi05, π0.5) with random weights and save it as a checkpoint
+                     directory of the installed LeRobot (0.6.1: --relative-actions true saves use_relative_actions)
     run              load such a checkpoint with LeRobot and compute one action chunk from an .npz of inputs
                      (with --rtc, also the chunks LeRobot's Real-Time Chunking guides towards given leftovers);
                      the policy is the one config.json names ("type": "pi0" or "pi05")

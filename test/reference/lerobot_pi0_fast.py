@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""LeRobot 0.4.4's π0-FAST (``lerobot.policies.pi0_fast``) as the reference the project's π0-FAST is compared with.
+"""LeRobot's π0-FAST (``lerobot.policies.pi0_fast``) as the reference the project's π0-FAST is compared with, in
+release 0.4.4 or 0.6.1: whichever the interpreter has.
 
 Run it with the interpreter of ``.venv-pi0ref`` (``make pi0ref-venv``): torch 2.13 CPU, stock transformers 4.53.2,
-scipy and lerobot 0.4.4 installed without its dependencies. π0-FAST is PaliGemma alone (no action expert) and
+scipy and lerobot 0.4.4 installed without its dependencies; or of ``.venv-lerobot06`` (``make lerobot06-venv``,
+LeRobot 0.6.1 on stock transformers 5.5.4: no shim). π0-FAST is PaliGemma alone (no action expert) and
 relies on the same fix/lerobot_openpi transformers branch as π0, so lerobot_pi0.py's shim is installed first; the
 helpers shared with π0 (shim, torchvision placeholder, dataset statistics, weight randomisation, sizes, processor
 loading) are imported from there.
@@ -10,8 +12,8 @@ loading) are imported from there.
 Subcommands
     check            make a minute π0-FAST here, generate its tokens once with and once without LeRobot's KV cache,
                      and decode an encoded chunk back (the venv's smoke test)
-    make-checkpoint  build a small π0-FAST with random weights and save it as a LeRobot 0.4.4 checkpoint directory,
-                     with stand-ins for the two tokenizers LeRobot fetches from the Hub
+    make-checkpoint  build a small π0-FAST with random weights and save it as a checkpoint directory of the
+                     installed LeRobot, with stand-ins for the two tokenizers LeRobot fetches from the Hub
     run              load such a checkpoint with LeRobot and generate one chunk from an .npz of inputs: LeRobot's
                      preprocessor (normaliser, state written into the prompt, tokenizer step), then
                      ``predict_action_chunk`` (greedy autoregressive FAST tokens, detokenised to actions)
