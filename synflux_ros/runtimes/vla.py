@@ -250,7 +250,7 @@ class VLARuntime(StagedVLA, ModelRuntime):
             self.release(frame)
         frame.raw_actions = actions
         if self.maps is not None:
-            actions = self.maps.actions_out(actions)
+            actions = self.maps.actions_out(actions, frame.state)
         frame.actions = unnormalize(actions, self.cfg.action)  # norm_q01/q99 (OpenVLA style), when given
         frame.logits = None
         frame.timings["head_ms"] = (time.perf_counter() - t0) * 1e3

@@ -5,7 +5,8 @@ A small π0 with random weights is built and saved by LeRobot itself (``test/ref
 make-checkpoint``, in the reference venv ``.venv-pi0ref`` made by ``make pi0ref-venv``, or ``.venv-lerobot06`` made
 by ``make lerobot06-venv``): LeRobot's config.json, model.safetensors and processor files with normalisation
 statistics (0.6.1 saves its normaliser as another step, after a disabled relative-actions step, and the embedding
-table beside the head). ``synflux-build --from-hf`` imports it;
+table beside the head). A π0 and a π0.5 LeRobot 0.6.1 trained on actions relative to the state are compared too,
+in this process. ``synflux-build --from-hf`` imports it;
 vla_node serves it over DDS with one or two cameras and a joint state per frame. For each published chunk the
 reference computes ``PI0Policy.predict_action_chunk`` on the same images (uint8 -> [0, 1], as LeRobot takes
 them), the same instruction tokens, the same raw state, normalised and un-normalised by LeRobot's own processor
@@ -128,24 +129,63 @@ def test_actions_equal_lerobot(served, case):
     assert np.abs(other - want).max() > 100 * TOLERANCE
 
 
+ACTION_NAMES = ["shoulder", "upper_arm", "elbow", "forearm", "wrist", "Gripper"]
+"""The relative checkpoints' action_feature_names: LeRobot's default relative_exclude_joints ("gripper") keeps the
+last action absolute."""
+
+
 @pytest.mark.parametrize("policy", ["pi0", "pi05"])
 @pytest.mark.parametrize("lerobot", [p for p in lerobot_params() if p.values[0] == "lerobot061"])
-def test_relative_actions_are_refused_naming_the_field(lerobot, policy, tmp_path, capsys):
+def test_relative_actions_equal_lerobots(lerobot, policy, tmp_path, capsys):
     """A checkpoint LeRobot 0.6.1 trained on actions relative to the state (``use_relative_actions``: its
-    postprocessor adds the state back) is refused at build with the fields that say so: the runtime publishes the
-    model's actions as they are. The same checkpoint without the flag builds."""
-    for relative in ("true", "false"):
-        ckpt = tmp_path / f"checkpoint-{relative}"
-        reference("make-checkpoint", "--policy", policy, "--out", str(ckpt), "--seed", "3", "--relative-actions",
-                  relative, lerobot=lerobot)
-        write_tokenizer(str(ckpt), first_specials=("<pad>", "<eos>", "<bos>"))
-        rc = build_tool.main(["--config", base_config(tmp_path / "base.yaml"), "--out", str(tmp_path / relative),
-                              "--from-hf", str(ckpt), "--backend", "onnxruntime"])
-        err = capsys.readouterr().err
-        if relative == "false":
-            assert rc == 0, err
-            continue
-        assert rc == 2 and "use_relative_actions" in err, err
-        for where in ("config.json use_relative_actions: True", "relative_actions_processor enabled",
-                      "absolute_actions_processor enabled"):
-            assert where in err, err
+    postprocessor adds the raw state to the un-normalised actions but where ``relative_exclude_joints`` matches an
+    action name) imports with ``action.relative_mask`` and equals LeRobot's ``predict_action_chunk`` and
+    postprocessor to 1e-4, in this process; exactly the state is added where the mask says. RTC, which steers
+    towards the last chunk in model space, is refused for it at build and left out by ``execution.mode: auto``."""
+    from synflux_ros.runtimes.vla import VLARuntime
+    ckpt = tmp_path / "checkpoint"
+    reference("make-checkpoint", "--policy", policy, "--out", str(ckpt), "--seed", "3", "--relative-actions", "true",
+              "--action-names", ",".join(ACTION_NAMES), "--state-norm", "MEAN_STD", "--action-norm", "MEAN_STD",
+              lerobot=lerobot)
+    write_tokenizer(str(ckpt), first_specials=("<pad>", "<eos>", "<bos>"))
+    out = tmp_path / "graphs"
+    assert build_tool.main(["--config", base_config(tmp_path / "base.yaml"), "--out", str(out), "--from-hf", str(ckpt),
+                            "--backend", "onnxruntime"]) == 0
+    cfg = load_config(str(out / "config.yaml"))
+    assert cfg.action.relative_mask == (True,) * 5 + (False,) and cfg.resolved_execution.mode == "replace"
+    rc = build_tool.main(["--config", base_config(tmp_path / "base-rtc.yaml", {"mode": "rtc"}), "--out",
+                          str(tmp_path / "rtc"), "--from-hf", str(ckpt), "--backend", "onnxruntime"])
+    assert rc == 2 and "action.relative_mask" in capsys.readouterr().err
+
+    rng = np.random.default_rng(41)
+    image = rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
+    state = rng.uniform(-1.5, 1.5, len(JOINTS)).astype(np.float32)
+    padded = np.r_[state, np.zeros(cfg.action.state_dim - len(state), np.float32)]
+    tok = load_tokenizer(cfg, shipped=str(out / "tokenizer.json"))
+    absolute = cfg.with_overrides(action={"relative_mask": []})
+    got = {}
+    for name, c in (("relative", cfg), ("absolute", absolute)):
+        rt = VLARuntime(c)
+        try:
+            rt.set_instruction(INSTRUCTION)
+            got[name] = rt.infer(image, seq=3, state=padded).actions
+            ids = rt.prompt_ids(INSTRUCTION, rt.maps.state_in(padded))  # π0.5: the state's bins in the prompt
+        finally:
+            rt.close()
+    mask = np.array(cfg.action.relative_mask, np.float32)
+    np.testing.assert_allclose(got["relative"] - got["absolute"], np.broadcast_to(state[:6] * mask, (10, 6)),
+                               rtol=0, atol=1e-5)
+    noise = np.random.default_rng(cfg.action.seed + 3).standard_normal(
+        (cfg.action.action_horizon, cfg.action.action_dim)).astype(np.float32)
+    if policy == "pi0":
+        assert ids == [tok.special("<bos>")] + tok.encode(INSTRUCTION + "\n")
+    inputs, result = tmp_path / "inputs.npz", tmp_path / "lerobot.npz"
+    np.savez(inputs, lang_tokens=np.array(ids, np.int64), state=state, noise=noise, **{"observation.images.base": image})
+    ran = reference("run", "--checkpoint", str(ckpt), "--inputs", str(inputs), "--out", str(result), "--task",
+                    INSTRUCTION, lerobot=lerobot)
+    if policy == "pi05":
+        assert tok.encode(ran["prompt"]) == ids[1:]  # LeRobot's prompt, with the state's bins, is the one given
+    want = np.load(result)["actions"]
+    err, scale = float(np.abs(got["relative"] - want).max()), float(np.abs(want).max())
+    print(f"{policy} with relative actions: max |synflux - LeRobot| = {err:.2e} (actions up to {scale:.2f})")
+    assert err <= TOLERANCE * max(1.0, scale), f"max difference {err} (actions up to {scale})"

@@ -635,6 +635,7 @@ CHECKPOINT_DEFAULTS = {
     "action_norm": None,
     "dtype": "float32",
     "relative_actions": False,  # LeRobot 0.5+: use_relative_actions (the chunk relative to the state)
+    "action_names": None,  # LeRobot 0.5+: action_feature_names, which relative_exclude_joints (gripper) match
 }
 NORM_MODES = ("MEAN_STD", "MIN_MAX", "QUANTILES", "QUANTILE10", "IDENTITY")
 # The state and action normalisation each policy gets unless told: MEAN_STD for π0 (as this script always made it),
@@ -656,8 +657,9 @@ def gather_options(args, defaults: dict) -> dict:
         value = getattr(args, key, None)
         if value is not None:
             opts[key] = value
-    if isinstance(opts.get("cameras"), str):
-        opts["cameras"] = [c for c in opts["cameras"].split(",") if c]
+    for key in ("cameras", "action_names"):
+        if isinstance(opts.get(key), str):
+            opts[key] = [c for c in opts[key].split(",") if c]
     return opts
 
 
@@ -752,8 +754,10 @@ def validate_options(o: dict) -> None:
         problems.append(f"image_size must be a multiple of {PATCH_SIZE}")
     if o["dtype"] not in ("float32", "bfloat16"):
         problems.append("dtype must be float32 or bfloat16")
-    if o["relative_actions"] and not lerobot_06():
-        problems.append("relative_actions needs LeRobot 0.5 or later")
+    if (o["relative_actions"] or o["action_names"]) and not lerobot_06():
+        problems.append("relative_actions and action_names need LeRobot 0.5 or later")
+    if o["action_names"] is not None and len(o["action_names"]) != o["action_dim"]:
+        problems.append("action_names must name action_dim actions")
     if problems:
         raise SystemExit("; ".join(problems))
 
@@ -915,6 +919,8 @@ def make_checkpoint(args) -> dict:
         extra["tokenizer_max_length"] = opts["tokenizer_max_length"]
     if opts["relative_actions"]:
         extra["use_relative_actions"] = True
+    if opts["action_names"]:
+        extra["action_feature_names"] = list(opts["action_names"])
     config = config_cls(
         paligemma_variant=dims["vlm"]["variant"],
         action_expert_variant=dims["expert"]["variant"],
@@ -1035,6 +1041,12 @@ def load_processors(checkpoint: Path, tokenizer):
         to_transition=policy_action_to_transition,
         to_output=transition_to_policy_action,
     )
+    # LeRobot 0.5+: the absolute-actions step reads the state the relative-actions step cached, a link that
+    # loading does not restore (LeRobot's own loader makes it again, as here)
+    relative = [s for s in preprocessor.steps if type(s).__name__ == "RelativeActionsProcessorStep"]
+    for step in postprocessor.steps:
+        if type(step).__name__ == "AbsoluteActionsProcessorStep" and relative:
+            step.relative_step = relative[0]
     return preprocessor, postprocessor
 
 
@@ -1353,7 +1365,7 @@ def main(argv=None) -> None:
         "vision_heads": int, "vision_mlp_dim": int, "image_size": int, "cameras": str, "state_dim": int,
         "action_dim": int, "max_state_dim": int, "max_action_dim": int, "chunk_size": int, "n_action_steps": int,
         "num_inference_steps": int, "tokenizer_max_length": int, "state_norm": str, "action_norm": str,
-        "dtype": str, "relative_actions": flag,
+        "dtype": str, "relative_actions": flag, "action_names": str,
     }
     policy_norms = ", ".join(f"{p} {mode}" for p, mode in POLICY_NORMS.items())
     notes = {
@@ -1365,6 +1377,7 @@ def main(argv=None) -> None:
         "action_norm": f"one of {', '.join(NORM_MODES)}; default {policy_norms}",
         "dtype": "float32 or bfloat16",
         "relative_actions": "true: use_relative_actions (LeRobot 0.5+)",
+        "action_names": "comma-separated: action_feature_names (LeRobot 0.5+)",
     }
     add_option_flags(mk, CHECKPOINT_DEFAULTS, flags, notes)
 

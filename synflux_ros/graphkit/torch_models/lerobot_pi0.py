@@ -85,17 +85,33 @@ def saved_by_lerobot_05(hf_dir: str, top: dict) -> bool:
                for p in ("policy_preprocessor", "policy_postprocessor") for s in _processor_steps(hf_dir, p))
 
 
-def refuse_relative_actions(hf_dir: str, path: str, top: dict) -> None:
-    """ConfigError for a checkpoint trained on actions relative to the state (LeRobot's ``use_relative_actions``):
-    its chunks are offsets from the state at the frame, which the runtime does not add back."""
-    enabled = [f"config.json use_relative_actions: {top['use_relative_actions']}"] if top.get("use_relative_actions") \
-        else []
-    enabled += [f"{p}.json {s['registry_name']} enabled" for p in ("policy_preprocessor", "policy_postprocessor")
-                for s in _processor_steps(hf_dir, p)
-                if s.get("registry_name") in RELATIVE_STEPS and (s.get("config") or {}).get("enabled")]
-    if enabled:
-        raise ConfigError(f"{path}: use_relative_actions (actions relative to the robot state, {'; '.join(enabled)}) "
-                          f"is not supported: train with use_relative_actions false")
+def relative_mask(hf_dir: str, path: str, top: dict, action_dim: int, state_dim: int) -> list[bool]:
+    """``action.relative_mask`` of a checkpoint trained on actions relative to the state (LeRobot's
+    ``use_relative_actions``), [] for absolute actions. As LeRobot runs it: the postprocessor's enabled
+    ``absolute_actions_processor`` adds the raw state to the un-normalised actions where the preprocessor's
+    ``relative_actions_processor`` masks them in: every dimension, but those whose ``action_names`` entry contains
+    an ``exclude_joints`` token (case-insensitive)."""
+    steps = {s.get("registry_name"): s.get("config") or {}
+             for p in ("policy_preprocessor", "policy_postprocessor") for s in _processor_steps(hf_dir, p)}
+    absolute = bool(steps.get("absolute_actions_processor", {}).get("enabled"))
+    if bool(top.get("use_relative_actions")) != absolute:
+        raise ConfigError(f"{path}: use_relative_actions is {bool(top.get('use_relative_actions'))}, but the saved "
+                          f"postprocessor's absolute_actions_processor is {'en' if absolute else 'dis'}abled")
+    if not absolute:
+        return []
+    relative = steps.get("relative_actions_processor")
+    if relative is None:
+        raise ConfigError(f"{path}: use_relative_actions: the saved preprocessor has no relative_actions_processor, "
+                          f"whose mask says which actions are relative")
+    if state_dim < action_dim:
+        raise ConfigError(f"{path}: use_relative_actions adds state value i to action i, but the state has "
+                          f"{state_dim} values for {action_dim} actions")
+    tokens = [str(t).lower() for t in relative.get("exclude_joints") or [] if t]
+    names = relative.get("action_names")
+    if not tokens or names is None:
+        return [True] * action_dim
+    mask = [not any(t in str(n).lower() for t in tokens) for n in list(names)[:action_dim]]
+    return mask + [True] * (action_dim - len(mask))
 
 
 def _key(name: str) -> str:
@@ -188,7 +204,6 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
     if top.get("type") not in POLICY_TYPES:
         raise ConfigError(f"{path}: not a LeRobot pi0, pi0.5 or pi0-FAST config (type {top.get('type')!r})")
     pi05, fast = top["type"] == "pi05", top["type"] == "pi0_fast"
-    refuse_relative_actions(hf_dir, path, top)
     files, shapes = _shapes(hf_dir)
     emb = _need(shapes, LM_HEAD, hf_dir) if LM_HEAD in shapes else _need(shapes, VLM + "embed_tokens.weight", hf_dir)
     vocab, width = emb
@@ -241,7 +256,8 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
     norms = {"state_norm": _norm("STATE", "observation.state", hf_dir, "policy_preprocessor", "normalizer_processor",
                                  state_true),
              "action_norm": _norm("ACTION", "action", hf_dir, "policy_postprocessor", "unnormalizer_processor",
-                                  action_true)}
+                                  action_true),
+             "relative_mask": relative_mask(hf_dir, path, top, action_true, state_true)}
     # LeRobot 0.5+ writes the true state into pi0.5's and pi0-FAST's prompts; 0.4 the zero-padded one
     prompt_state = "joints" if (pi05 or fast) and saved_by_lerobot_05(hf_dir, top) else "padded"
     if fast:

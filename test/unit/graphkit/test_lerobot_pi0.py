@@ -193,7 +193,7 @@ def test_a_pi0_fast_checkpoint_imports_as_the_fast_codec(tmp_path):
             config_from_hf(str(tmp_path), base())
 
 
-def as_lerobot_06(d: Path, relative: bool = False, **fields) -> None:
+def as_lerobot_06(d: Path, relative: bool = False, names=None, **fields) -> None:
     """Make the checkpoint in ``d`` look as LeRobot 0.6 saves it: its new config.json fields, and the relative-actions
     steps before the normaliser (which moves the normaliser's state file to another step) and after the
     unnormaliser."""
@@ -206,6 +206,8 @@ def as_lerobot_06(d: Path, relative: bool = False, **fields) -> None:
         pipeline = json.loads((d / f"{name}.json").read_text())
         steps = pipeline["steps"]
         step = {"registry_name": relative_step, "config": {"enabled": relative}}
+        if relative_step == "relative_actions_processor":
+            step["config"].update(exclude_joints=["gripper"], action_names=names)
         at = len(steps) - 1 if name == "policy_preprocessor" else 1
         steps.insert(at, step)
         for i, s in enumerate(steps):
@@ -219,13 +221,14 @@ def as_lerobot_06(d: Path, relative: bool = False, **fields) -> None:
 def test_a_lerobot_06_checkpoint_imports_as_its_release_runs_it(tmp_path):
     """LeRobot 0.6's checkpoints: the normaliser's state file at another step, the true state in pi0.5's and
     pi0-FAST's prompts, PaliGemma's head saved apart from the embedding table (each loads as itself where logits
-    are read); actions relative to the state are refused, naming the field."""
+    are read), actions relative to the state where the relative-actions step's mask says."""
     write_checkpoint(tmp_path)
     as_lerobot_06(tmp_path)
     assert json.loads((tmp_path / "policy_preprocessor.json").read_text())["steps"][6]["state_file"].endswith(
         "step_6_normalizer_processor.safetensors")
     act = config_from_hf(str(tmp_path), base()).action
     assert act.state_norm.mean == (0.0, 1.0, 2.0, 3.0, 4.0) and act.prompt_state == "padded"  # pi0: a state token
+    assert act.relative_mask == ()
 
     fast = tmp_path / "fast06"
     fast.mkdir()
@@ -252,11 +255,27 @@ def test_a_lerobot_06_checkpoint_imports_as_its_release_runs_it(tmp_path):
         "model.paligemma_with_expert.paligemma.lm_head.weight"].clone()}, str(fast / "model.safetensors"))
     assert config_from_hf(str(fast), base()).llm.tie_word_embeddings
 
-    relative = tmp_path / "relative"
-    relative.mkdir()
-    write_checkpoint(relative)
-    as_lerobot_06(relative, relative=True)
-    with pytest.raises(ConfigError, match="use_relative_actions .*config.json use_relative_actions: True; "
-                                          "policy_preprocessor.json relative_actions_processor enabled; "
-                                          "policy_postprocessor.json absolute_actions_processor enabled"):
-        config_from_hf(str(relative), base())
+    # actions relative to the state: LeRobot's mask (exclude_joints tokens found in the action names); the state
+    # needs a value for every action, the flag and the steps must agree
+    state6 = base(state_joints=[f"j{i}" for i in range(6)])
+    for names, want in ((None, (True,) * 6), (["a", "b", "c", "d", "e", "Left_Gripper"], (True,) * 5 + (False,)),
+                        (["gripper_a", "b"], (False,) + (True,) * 5)):
+        relative = tmp_path / f"relative-{len(names or [])}"
+        relative.mkdir()
+        write_checkpoint(relative, state_mode="IDENTITY")  # (the statistics are of 5 state values)
+        top = json.loads((relative / "config.json").read_text())
+        top["input_features"]["observation.state"]["shape"] = [6]
+        (relative / "config.json").write_text(json.dumps(top))
+        as_lerobot_06(relative, relative=True, names=names)
+        assert config_from_hf(str(relative), state6).action.relative_mask == want
+    small = tmp_path / "relative-small"
+    small.mkdir()
+    write_checkpoint(small)
+    as_lerobot_06(small, relative=True)
+    with pytest.raises(ConfigError, match="adds state value i to action i, but the state has 5 values for 6"):
+        config_from_hf(str(small), base())
+    top = json.loads((relative / "config.json").read_text())
+    (relative / "config.json").write_text(json.dumps({**top, "use_relative_actions": False}))
+    with pytest.raises(ConfigError, match="use_relative_actions is False, but the saved postprocessor's "
+                                          "absolute_actions_processor is enabled"):
+        config_from_hf(str(relative), state6)
