@@ -807,7 +807,7 @@ def pi0_weight_value(module, module_name: str, param_name: str, param, noise):
     from torch import nn
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
-    if isinstance(module, GemmaRMSNorm):
+    if isinstance(module, GemmaRMSNorm) or type(module).__name__ == "PiGemmaRMSNorm":  # LeRobot 0.6: its own class
         return 0.3 * noise
     if isinstance(module, nn.LayerNorm):
         return 1.0 + 0.3 * noise if param_name == "weight" else 0.1 * noise
