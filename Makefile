@@ -89,6 +89,29 @@ $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
 	$(PI0REF_PY) test/reference/lerobot_pi0_fast.py check 2>> $(PI0REF_VENV)/check.log || { cat $(PI0REF_VENV)/check.log; exit 1; }
 	touch $@
 
+# The reference for checkpoints saved by LeRobot 0.5 and later: LeRobot 0.6.1's π0, π0.5, π0-FAST and SmolVLA on
+# CPU in a venv of its own on Python 3.12 (LeRobot 0.5+ needs it), torch 2.11 and transformers 5.5 within what
+# LeRobot 0.6.1 declares. As for .venv-pi0ref, the lerobot line of requirements-lerobot06.txt is installed with
+# --no-deps and every other line with the whole file as constraints; the same reference scripts run in both
+# venvs (test/reference/lerobot_pi0.py tells the versions apart).
+LEROBOT06_VENV := .venv-lerobot06
+LEROBOT06_PY := $(abspath $(LEROBOT06_VENV))/bin/python
+.PHONY: lerobot06-venv
+lerobot06-venv: $(LEROBOT06_VENV)/.stamp-lerobot06
+
+$(LEROBOT06_VENV)/.stamp-lerobot06: requirements-lerobot06.txt
+	@[ -n "$(PYTHON)" ] || { echo "make: Python 3.12 not found (LeRobot 0.6 needs it): pyenv install 3.12, \
+	or make PYTHON=/path/to/python3.12"; exit 1; }
+	$(PYTHON) -m venv $(LEROBOT06_VENV)
+	$(LEROBOT06_PY) -m pip install --quiet --upgrade "pip>=23"
+	grep -v -E '^[[:space:]]*(#|$$|lerobot)' requirements-lerobot06.txt > $(LEROBOT06_VENV)/deps.txt
+	$(LEROBOT06_PY) -m pip install --quiet -c $(LEROBOT06_VENV)/deps.txt -r $(LEROBOT06_VENV)/deps.txt
+	$(LEROBOT06_PY) -m pip install --quiet --no-deps $$(grep -E '^lerobot' requirements-lerobot06.txt)
+	$(LEROBOT06_PY) test/reference/lerobot_pi0.py check 2> $(LEROBOT06_VENV)/check.log || { cat $(LEROBOT06_VENV)/check.log; exit 1; }
+	$(LEROBOT06_PY) test/reference/lerobot_smolvla.py check 2>> $(LEROBOT06_VENV)/check.log || { cat $(LEROBOT06_VENV)/check.log; exit 1; }
+	$(LEROBOT06_PY) test/reference/lerobot_pi0_fast.py check 2>> $(LEROBOT06_VENV)/check.log || { cat $(LEROBOT06_VENV)/check.log; exit 1; }
+	touch $@
+
 # The tests import the installed package (with its generated messages), not the source tree.
 # The RKNN venv is a prerequisite so that the rknn backend tests run (they skip without it); the pi0 reference
 # venv so that the LeRobot parity tests run (they skip without it).
@@ -153,7 +176,7 @@ test:
 
 .PHONY: test-reference
 test-reference:
-	$(MAKE) -j4 --no-print-directory $(TEST_PREREQUISITES)
+	$(MAKE) -j4 --no-print-directory $(TEST_PREREQUISITES) lerobot06-venv
 	$(check_disk)
 	$(call side_by_side,simulators,\
 	  $(PYTEST) --basetemp=$(abspath $(BUILD))/pytest-simulators -m simulator $(TEST_DIRS),reference tests,\

@@ -1,5 +1,6 @@
-"""The small π0 the LeRobot parity tests share: the reference runner (LeRobot 0.4.4 in .venv-pi0ref) and the
-config the ``--from-hf`` import starts from."""
+"""The small π0 the LeRobot parity tests share: the reference runners (LeRobot 0.4.4 in .venv-pi0ref, LeRobot 0.6.1
+in .venv-lerobot06: each saves its own checkpoints and is the reference for them) and the config the ``--from-hf``
+import starts from."""
 from __future__ import annotations
 
 import json
@@ -10,17 +11,36 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-REF_PY = ROOT / ".venv-pi0ref" / "bin" / "python"
+LEROBOT_VENVS = {"lerobot044": (ROOT / ".venv-pi0ref" / "bin" / "python", "make pi0ref-venv"),
+                 "lerobot061": (ROOT / ".venv-lerobot06" / "bin" / "python", "make lerobot06-venv")}
+"""The LeRobot releases the parity tests save checkpoints with and compare against: the interpreter of each one's
+venv and the target that makes it."""
+REF_PY = LEROBOT_VENVS["lerobot044"][0]
 REF_SCRIPT = ROOT / "test" / "reference" / "lerobot_pi0.py"
 JOINTS = [f"joint_{i}" for i in range(8)]
 SIDE = 56  # the checkpoint's image_resolution: 4x4 patches of 14 per camera
 
 
-def reference(*args: str, timeout: float = 600) -> dict:
-    """Run the reference script in its venv; its last stdout line is a JSON result."""
-    proc = subprocess.run([str(REF_PY), str(REF_SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert proc.returncode == 0, f"reference {args[0]} failed:\n{proc.stderr[-4000:]}"
+def lerobot_params(*also) -> list:
+    """pytest params, one per LeRobot release of :data:`LEROBOT_VENVS` (each combined with every value of
+    ``also`` when given), skipped where that release's venv is missing."""
+    import pytest
+
+    params = []
+    for release, (python, target) in LEROBOT_VENVS.items():
+        mark = pytest.mark.skipif(not python.exists(), reason=f"the {release} reference venv is missing ({target})")
+        for value in also or [None]:
+            values = release if value is None else (release, value)
+            params.append(pytest.param(values, marks=mark, id=release if value is None else f"{release}-{value}"))
+    return params
+
+
+def reference(*args: str, lerobot: str = "lerobot044", script: Path = REF_SCRIPT, timeout: float = 600) -> dict:
+    """Run a reference script (``script``) in the venv of the LeRobot release ``lerobot``; its last stdout line is
+    a JSON result."""
+    proc = subprocess.run([str(LEROBOT_VENVS[lerobot][0]), str(script), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, f"reference {args[0]} ({lerobot}) failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -77,6 +77,7 @@ class StateActionMaps:
         self.state = Normalizer(act.state_norm) if act.state_norm is not None else None
         self.actions = Normalizer(act.action_norm) if act.action_norm is not None else None
         self.out_dim = act.published_dim
+        self.relative = np.asarray(act.relative_mask, np.float32) if any(act.relative_mask) else None
 
     def state_in(self, state: np.ndarray) -> np.ndarray:
         """Robot-unit state [state_dim] (joints first, zeros after) -> the model's state vector."""
@@ -87,7 +88,14 @@ class StateActionMaps:
         out[:self.joints] = self.state.forward(state[:self.joints])
         return out
 
-    def actions_out(self, actions: np.ndarray) -> np.ndarray:
-        """Model actions [horizon, action_dim] -> published actions [horizon, output_dim] in robot units."""
+    def actions_out(self, actions: np.ndarray, state: np.ndarray | None = None) -> np.ndarray:
+        """Model actions [horizon, action_dim] -> published actions [horizon, output_dim] in robot units; with
+        ``action.relative_mask``, plus the frame's robot-unit ``state`` where the mask says (LeRobot's
+        absolute-actions step)."""
         actions = np.asarray(actions, np.float32)[:, :self.out_dim]
-        return actions if self.actions is None else self.actions.inverse(actions)
+        actions = actions if self.actions is None else self.actions.inverse(actions)
+        if self.relative is None:
+            return actions
+        if state is None:
+            raise ValueError("relative actions (action.relative_mask) add the frame's robot state; none was given")
+        return actions + np.asarray(state, np.float32).reshape(-1)[:self.out_dim] * self.relative

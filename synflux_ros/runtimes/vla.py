@@ -145,7 +145,10 @@ class VLARuntime(StagedVLA, ModelRuntime):
         fields = {"instruction": text}
         if self.state_in_prompt:
             fields["instruction"] = text.replace("_", " ").replace("\n", " ")
-            fields["state"] = state_prompt_text(state_vector(state, self.cfg.action.state_dim))
+            state = state_vector(state, self.cfg.action.state_dim)
+            if self.cfg.action.prompt_state == "joints":  # LeRobot 0.5+: the true state, not the padded one
+                state = state[:len(self.cfg.action.state_joints)]
+            fields["state"] = state_prompt_text(state)
         encode = self.tokenizer.encode_prompt if self.cfg.tokenizer.prompt_special_tokens else self.tokenizer.encode
         ids = self.bos + encode(self.cfg.tokenizer.prompt_template.format(**fields))
         if self.max_instruction_tokens:  # cut as LeRobot's tokenizer step does (truncation to its max length)
@@ -247,7 +250,7 @@ class VLARuntime(StagedVLA, ModelRuntime):
             self.release(frame)
         frame.raw_actions = actions
         if self.maps is not None:
-            actions = self.maps.actions_out(actions)
+            actions = self.maps.actions_out(actions, frame.state)
         frame.actions = unnormalize(actions, self.cfg.action)  # norm_q01/q99 (OpenVLA style), when given
         frame.logits = None
         frame.timings["head_ms"] = (time.perf_counter() - t0) * 1e3

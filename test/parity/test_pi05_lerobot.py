@@ -1,9 +1,12 @@
-"""π0.5 through synflux-build -> vla_node (onnxruntime, fp32) equals LeRobot 0.4.4's π0.5 on the same checkpoint.
+"""π0.5 through synflux-build -> vla_node (onnxruntime, fp32) equals LeRobot's π0.5 on the same checkpoint, for the
+checkpoints of LeRobot 0.4.4 and of LeRobot 0.6.1, each against the release that saved it.
 
 A small π0.5 with random weights (its adaptive-RMSNorm expert included) is built and saved by LeRobot itself
-(``test/reference/lerobot_pi0.py make-checkpoint --policy pi05``, in ``.venv-pi0ref``), with QUANTILES
+(``test/reference/lerobot_pi0.py make-checkpoint --policy pi05``, in ``.venv-pi0ref`` or ``.venv-lerobot06``), with
+QUANTILES
 normalisation of state and actions as π0.5 trains by default. ``synflux-build --from-hf`` imports it; vla_node
-serves it over DDS with a joint state per frame, which π0.5 writes into its prompt as 256-bin indices. For each
+serves it over DDS with a joint state per frame, which π0.5 writes into its prompt as 256-bin indices (LeRobot 0.4
+the state zero-padded to 32 values, 0.6 the 8 joints alone: the import tells the checkpoints apart). For each
 published chunk the reference computes ``PI05Policy.predict_action_chunk`` on the same image, the same prompt
 tokens and the same noise (vla_node's: ``default_rng(action.seed + frame_seq)``); the actions must agree to
 1e-4. The prompt text itself is compared with the one LeRobot's own processor steps (normalizer, then
@@ -35,23 +38,22 @@ from synflux_ros.tools.harness import chunk_for_frame, spin_until  # noqa: E402
 
 from checkpoints import write_tokenizer  # noqa: E402
 from pi0_reference import (  # noqa: E402
-    JOINTS, REF_PY, SIDE, base_config, check_rtc_against_lerobot, random_frame, reference)
+    JOINTS, SIDE, base_config, check_rtc_against_lerobot, lerobot_params, random_frame, reference)
 
 INSTRUCTION = "pick up the red block"
 TOLERANCE = 1e-4
 
-pytestmark = [pytest.mark.reference,
-              pytest.mark.skipif(not REF_PY.exists(), reason="the LeRobot reference venv is missing "
-                                                             "(make pi0ref-venv)")]
+pytestmark = pytest.mark.reference
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    """The LeRobot-saved π0.5 and its graph set."""
-    tmp = tmp_path_factory.mktemp("pi05")
+@pytest.fixture(scope="module", params=lerobot_params())
+def imported(request, tmp_path_factory):
+    """The π0.5 saved by one LeRobot release and its graph set."""
+    lerobot = request.param
+    tmp = tmp_path_factory.mktemp(f"pi05_{lerobot}")
     ckpt = tmp / "checkpoint"
     assert reference("make-checkpoint", "--policy", "pi05", "--out", str(ckpt), "--cameras", "base", "--seed", "5",
-                     "--state-norm", "QUANTILES", "--action-norm", "QUANTILES")
+                     "--state-norm", "QUANTILES", "--action-norm", "QUANTILES", lerobot=lerobot)
     write_tokenizer(str(ckpt), first_specials=("<pad>", "<eos>", "<bos>"))  # ids 0, 1, 2 as in Gemma's
     out = tmp / "graphs"
     assert build_tool.main(["--config", base_config(tmp / "base.yaml"), "--out", str(out), "--from-hf", str(ckpt),
@@ -59,15 +61,19 @@ def imported(tmp_path_factory):
     cfg = load_config(str(out / "config.yaml"))
     assert (cfg.action.time_conditioning, cfg.action.state_input, cfg.action.state_token_dim) == ("adarms", "prompt", 0)
     assert cfg.action.state_norm.mode == "bounds" and cfg.action.output_dim == 6
-    return dict(tmp=tmp, ckpt=ckpt, out=out, cfg=cfg, tok=load_tokenizer(cfg, shipped=str(out / "tokenizer.json")))
+    assert cfg.action.prompt_state == ("joints" if lerobot == "lerobot061" else "padded")
+    return dict(tmp=tmp, ckpt=ckpt, out=out, cfg=cfg, tok=load_tokenizer(cfg, shipped=str(out / "tokenizer.json")),
+                lerobot=lerobot)
 
 
 def prompt(s: dict, state: np.ndarray) -> tuple[str, list[int]]:
     """The prompt text and ids vla_node builds for a raw joint state (the runtime's rules, spelled out)."""
     cfg = s["cfg"]
     padded = np.r_[state, np.zeros(cfg.action.state_dim - len(state), np.float32)]
-    text = cfg.tokenizer.prompt_template.format(instruction=INSTRUCTION,
-                                                state=state_prompt_text(StateActionMaps(cfg.action).state_in(padded)))
+    written = StateActionMaps(cfg.action).state_in(padded)
+    if cfg.action.prompt_state == "joints":
+        written = written[:len(state)]
+    text = cfg.tokenizer.prompt_template.format(instruction=INSTRUCTION, state=state_prompt_text(written))
     return text, [s["tok"].special("<bos>")] + s["tok"].encode(text)
 
 
@@ -83,7 +89,7 @@ def lerobot(s: dict, name: str, image, state, ids, noise, rtc: list | None = Non
         cases = s["tmp"] / f"{name}_rtc.json"
         cases.write_text(json.dumps(rtc))
         args += ["--rtc", str(cases)]
-    return reference(*args), np.load(out)
+    return reference(*args, lerobot=s["lerobot"]), np.load(out)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +137,8 @@ def test_actions_and_prompt_equal_lerobot(served, case):
     assert result["prompt"] == text  # the state's bins, as LeRobot's processor writes them
     assert want["actions"].shape == got.shape == (cfg.action.action_horizon, 6)
     err, scale = float(np.abs(got - want["actions"]).max()), float(np.abs(want["actions"]).max())
-    print(f"case {case}: max |synflux - LeRobot| = {err:.2e} (actions up to {scale:.2f}); {len(ids)} prompt tokens")
+    print(f"{s['lerobot']}, case {case}: max |synflux - LeRobot| = {err:.2e} (actions up to {scale:.2f}); "
+          f"{len(ids)} prompt tokens")
     assert err <= TOLERANCE * max(1.0, scale), f"max difference {err} (actions up to {scale})"
     # the comparison has teeth: another state writes another prompt, which gives other actions
     _, other_ids = prompt(s, state + 0.5)

@@ -1,9 +1,12 @@
-"""π0-FAST through synflux-build -> the runtime (onnxruntime, fp32) equals LeRobot 0.4.4's π0-FAST on the same
-checkpoint: the prompt, the greedy tokens, and the actions the tokens decode to.
+"""π0-FAST through synflux-build -> the runtime (onnxruntime, fp32) equals LeRobot's π0-FAST on the same
+checkpoint: the prompt, the greedy tokens, and the actions the tokens decode to; for the checkpoints of LeRobot
+0.4.4 and of LeRobot 0.6.1, each against the release that saved it.
 
 A small π0-FAST with random weights is built and saved by LeRobot itself (``test/reference/lerobot_pi0_fast.py
-make-checkpoint``, in ``.venv-pi0ref``), with stand-ins for the hub's PaliGemma tokenizer (257152 ids) and FAST
-tokenizer (a byte-level BPE of vocabulary 2048) written beside it. ``synflux-build --from-hf`` imports it.
+make-checkpoint``, in ``.venv-pi0ref`` or ``.venv-lerobot06``), with stand-ins for the hub's PaliGemma tokenizer
+(257152 ids) and FAST tokenizer (a byte-level BPE of vocabulary 2048) written beside it. ``synflux-build --from-hf``
+imports it. LeRobot 0.6.1 writes the true state into the prompt (0.4.4 the state padded to 32 values) and saves
+PaliGemma's output head apart from its embedding table (0.4.4 ties them): the logits come from the head.
 
 * Tokens: for the same image, state and task, the tokens the runtime generates after its prefill (greedy, through
   the decode graphs) equal those of LeRobot's ``predict_action_chunk`` (its KV-cache path), as far as LeRobot's two
@@ -32,16 +35,14 @@ from synflux_ros.core.config import load_config  # noqa: E402
 from synflux_ros.model.normalization import StateActionMaps  # noqa: E402
 from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
 
-from pi0_fast_reference import REF_PY, reference  # noqa: E402
+from pi0_fast_reference import lerobot_params, reference  # noqa: E402
 
 TASK = "pick up the red block"
 JOINTS = [f"joint_{i}" for i in range(6)]
 SIDE = 56
 NEAR_TIE = 1e-4  # LeRobot's top-2 logit gap below which float32 differences may pick the other token
 
-pytestmark = [pytest.mark.reference,
-              pytest.mark.skipif(not REF_PY.exists(), reason="the LeRobot reference venv is missing "
-                                                             "(make pi0ref-venv)")]
+pytestmark = pytest.mark.reference
 
 
 def base_config(path) -> str:
@@ -60,12 +61,14 @@ def base_config(path) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pi0fast")
+@pytest.fixture(scope="module", params=lerobot_params())
+def imported(request, tmp_path_factory):
+    lerobot = request.param
+    tmp = tmp_path_factory.mktemp(f"pi0fast_{lerobot}")
     ckpt = tmp / "checkpoint"
     reference("make-checkpoint", "--out", str(ckpt), "--seed", "3", "--state-dim", str(len(JOINTS)),
-              "--action-dim", "5", "--chunk-size", "10", "--max-decoding-steps", "48", "--tokenizer-max-length", "160")
+              "--action-dim", "5", "--chunk-size", "10", "--max-decoding-steps", "48", "--tokenizer-max-length", "160",
+              lerobot=lerobot)
     out = tmp / "graphs"
     assert build_tool.main(["--config", base_config(tmp / "base.yaml"), "--out", str(out), "--from-hf", str(ckpt),
                             "--backend", "onnxruntime"]) == 0
@@ -76,7 +79,9 @@ def imported(tmp_path_factory):
     assert (act.fast_scale, act.fast_min_token, act.fast_skip_tokens, act.max_decoding_steps) == (10.0, -354, 128, 48)
     assert act.fast_tokenizer == "fast_tokenizer.json" and (out / "fast_tokenizer.json").is_file()
     assert cfg.tokenizer.prompt_end_token == "<bos>" and cfg.tokenizer.max_instruction_tokens == 160
-    return dict(tmp=tmp, ckpt=ckpt, out=out, cfg=cfg)
+    new = lerobot == "lerobot061"
+    assert (act.prompt_state, cfg.llm.tie_word_embeddings) == (("joints", False) if new else ("padded", True))
+    return dict(tmp=tmp, ckpt=ckpt, out=out, cfg=cfg, lerobot=lerobot)
 
 
 def lerobot_run(s: dict, name: str, image, state) -> tuple[dict, dict]:
@@ -84,7 +89,7 @@ def lerobot_run(s: dict, name: str, image, state) -> tuple[dict, dict]:
     np.savez(inputs, state=np.asarray(state, np.float32), **{"observation.images.base": image})
     out = s["tmp"] / f"{name}_out.npz"
     result = reference("run", "--checkpoint", str(s["ckpt"]), "--inputs", str(inputs), "--out", str(out),
-                       "--task", TASK)
+                       "--task", TASK, lerobot=s["lerobot"])
     return result, dict(np.load(out))
 
 
@@ -113,7 +118,7 @@ def test_prompt_and_greedy_tokens_equal_lerobots(imported, seed):
     assert len(tokens) == cfg.action.max_decoding_steps == len(ref)  # no end token: every step generated
     ties = [i for i, g in enumerate(gaps) if g < NEAR_TIE]
     upto = ties[0] + 1 if ties else len(ref)
-    print(f"seed {seed}: {len(ids)} prompt ids, tokens equal over {upto} of {len(ref)} steps; "
+    print(f"{s['lerobot']}, seed {seed}: {len(ids)} prompt ids, tokens equal over {upto} of {len(ref)} steps; "
           f"smallest top-2 gap {min(gaps):.2e}")
     assert tokens[:upto] == ref[:upto]
     assert upto >= 8
@@ -131,11 +136,11 @@ def test_realistic_sequences_decode_to_lerobots_actions(imported):
         np.save(s["tmp"] / f"chunk{i}.npy", chunk)
         out = s["tmp"] / f"ids{i}.npy"
         reference("encode", "--checkpoint", str(s["ckpt"]), "--actions", str(s["tmp"] / f"chunk{i}.npy"),
-                  "--out", str(out))
+                  "--out", str(out), lerobot=s["lerobot"])
         sequences.append([int(t) for t in np.load(out)])
     (s["tmp"] / "ids.json").write_text(json.dumps(sequences))
     reference("decode", "--checkpoint", str(s["ckpt"]), "--tokens", str(s["tmp"] / "ids.json"),
-              "--out", str(s["tmp"] / "decoded.npz"))
+              "--out", str(s["tmp"] / "decoded.npz"), lerobot=s["lerobot"])
     want = np.load(s["tmp"] / "decoded.npz")
     rt = VLARuntime(cfg)
     try:

@@ -1,4 +1,5 @@
-"""Real-Time Chunking on π0 (onnxruntime, fp32) equals LeRobot 0.4.4's RTC on the same checkpoint.
+"""Real-Time Chunking on π0 (onnxruntime, fp32) equals LeRobot's RTC on the same checkpoint, for the checkpoints of
+LeRobot 0.4.4 and of LeRobot 0.6.1, each against the release that saved it.
 
 The small random π0 of test_pi0_lerobot.py is saved by LeRobot and imported by ``synflux-build --from-hf``; the
 runtime runs in this process. A previous chunk is computed for an earlier frame, and the part of it not executed
@@ -30,15 +31,13 @@ from synflux_ros.model.tokenizer import load_tokenizer  # noqa: E402
 from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
 
 from checkpoints import write_tokenizer  # noqa: E402
-from pi0_reference import REF_PY, base_config, random_frame, reference  # noqa: E402
+from pi0_reference import base_config, lerobot_params, random_frame, reference  # noqa: E402
 
 INSTRUCTION = "pick up the red block"
 TOLERANCE = 1e-4
 PREV_SEQ, SEQ = 4, 5  # frame numbers (they seed the noise) of the previous chunk and of the guided one
 
-pytestmark = [pytest.mark.reference,
-              pytest.mark.skipif(not REF_PY.exists(), reason="the LeRobot reference venv is missing "
-                                                             "(make pi0ref-venv)")]
+pytestmark = pytest.mark.reference
 
 # (schedule, inference delay, execution horizon, max guidance weight, leftover)
 CASES = [(schedule, delay, 6, 10.0, "robot_dims") for schedule in ("zeros", "ones", "linear", "exp")
@@ -51,20 +50,21 @@ LEFTOVERS = {"robot_dims": 3, "model_dims": 2}  # steps of the previous chunk ex
 
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """The small random π0, saved by LeRobot, with a tokenizer beside it."""
-    tmp = tmp_path_factory.mktemp("pi0_rtc")
+@pytest.fixture(scope="module", params=lerobot_params())
+def checkpoint(request, tmp_path_factory):
+    """The small random π0, saved by one LeRobot release, with a tokenizer beside it: (release, directory)."""
+    tmp = tmp_path_factory.mktemp(f"pi0_rtc_{request.param}")
     ckpt = tmp / "checkpoint"
     assert reference("make-checkpoint", "--out", str(ckpt), "--cameras", "base", "--seed", "3",
-                     "--state-norm", "MEAN_STD", "--action-norm", "MEAN_STD")
+                     "--state-norm", "MEAN_STD", "--action-norm", "MEAN_STD", lerobot=request.param)
     write_tokenizer(str(ckpt), first_specials=("<pad>", "<eos>", "<bos>"))
-    return ckpt
+    return request.param, ckpt
 
 
-def compare(ckpt: Path, tmp: Path, cases: list, guidance: str) -> dict:
+def compare(checkpoint: tuple[str, Path], tmp: Path, cases: list, guidance: str) -> dict:
     """Our chunks (plain and guided, with ``guidance``) and LeRobot's for the same inputs, from one reference
     run; the vjp graph set also gives the lerobot flavour's chunks (``ours_lerobot``)."""
+    lerobot, ckpt = checkpoint
     out = tmp / "graphs"
     execution = {"mode": "rtc", "rtc": {"guidance": "vjp"}} if guidance == "vjp" else None
     assert build_tool.main(["--config", base_config(tmp / "base.yaml", execution), "--out", str(out),
@@ -105,7 +105,7 @@ def compare(ckpt: Path, tmp: Path, cases: list, guidance: str) -> dict:
         for schedule, delay, horizon, weight, left in cases]))
     result = tmp / "lerobot.npz"
     reference("run", "--checkpoint", str(ckpt), "--inputs", str(inputs), "--rtc", str(case_file), "--out",
-              str(result))
+              str(result), lerobot=lerobot)
     want = np.load(result)
     weights = json.loads((out / "manifest.json").read_text())["weights"]["bytes"]
     return dict(weights_bytes=weights, plain=(plain.actions, plain.raw_actions[:, :dims]), ours=ours[guidance], ours_lerobot=ours["lerobot"],

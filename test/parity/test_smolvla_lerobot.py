@@ -1,8 +1,9 @@
-"""SmolVLA through synflux-build -> vla_node (onnxruntime, fp32) equals LeRobot 0.4.4's SmolVLA on the same
-checkpoint.
+"""SmolVLA through synflux-build -> vla_node (onnxruntime, fp32) equals LeRobot's SmolVLA on the same checkpoint,
+for the checkpoints of LeRobot 0.4.4 and of LeRobot 0.6.1, each against the release that saved it.
 
 A small SmolVLA with random weights (every norm and bias too) is built and saved by LeRobot itself
-(``test/reference/lerobot_smolvla.py make-checkpoint``, in ``.venv-pi0ref``): two cameras, a SmolVLM vision tower
+(``test/reference/lerobot_smolvla.py make-checkpoint``, in ``.venv-pi0ref`` or ``.venv-lerobot06``): two cameras, a
+SmolVLM vision tower
 whose patches are pixel-shuffled, a truncated Llama, an action expert whose odd layers cross-attend to the
 prefix, MEAN_STD normalisation of state and actions. ``synflux-build --from-hf`` imports it; vla_node serves it
 over DDS with both cameras and a joint state per frame. For each published chunk the reference computes
@@ -39,7 +40,7 @@ from synflux_ros.tools.harness import chunk_for_frame, spin_until  # noqa: E402
 
 from checkpoints import write_tokenizer  # noqa: E402
 from pi0_reference import check_rtc_against_lerobot  # noqa: E402
-from smolvla_reference import REF_PY, reference  # noqa: E402
+from smolvla_reference import lerobot_params, reference  # noqa: E402
 
 INSTRUCTION = "pick up the red block"
 TOLERANCE = 1e-4
@@ -47,9 +48,7 @@ CAMERAS = ("top", "wrist")
 JOINTS = [f"joint_{i}" for i in range(7)]
 SIDE = 48  # the checkpoint's image size: 6x6 patches of 8, shuffled by 2 into 3x3 tokens per camera
 
-pytestmark = [pytest.mark.reference,
-              pytest.mark.skipif(not REF_PY.exists(), reason="the LeRobot reference venv is missing "
-                                                             "(make pi0ref-venv)")]
+pytestmark = pytest.mark.reference
 
 
 def base_config(path, execution: dict | None = None) -> str:
@@ -72,13 +71,14 @@ def base_config(path, execution: dict | None = None) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    """The LeRobot-saved SmolVLA and its graph set."""
-    tmp = tmp_path_factory.mktemp("smolvla")
+@pytest.fixture(scope="module", params=lerobot_params())
+def imported(request, tmp_path_factory):
+    """The SmolVLA saved by one LeRobot release and its graph set."""
+    lerobot = request.param
+    tmp = tmp_path_factory.mktemp(f"smolvla_{lerobot}")
     ckpt = tmp / "checkpoint"
     made = reference("make-checkpoint", "--out", str(ckpt), "--cameras", ",".join(CAMERAS), "--seed", "5",
-                     "--state-dim", str(len(JOINTS)), "--action-dim", "6", "--image-size", str(SIDE))
+                     "--state-dim", str(len(JOINTS)), "--action-dim", "6", "--image-size", str(SIDE), lerobot=lerobot)
     assert made["image_tokens"] == 9
     write_bos_tokenizer(ckpt)
     out = tmp / "graphs"
@@ -91,7 +91,8 @@ def imported(tmp_path_factory):
     assert act.state_norm.mode == "mean_std" and act.output_dim == 6 and act.expert_hidden_dim == 36
     # prompts of up to 32 tokens take a smaller prefill bucket: 2 x 9 image tokens, the prompt, the state row
     assert cfg.llm.prefill_buckets == (51, 67) and cfg.llm.max_seq_len == 72
-    return dict(tmp=tmp, ckpt=ckpt, out=out, cfg=cfg, tok=load_tokenizer(cfg, shipped=str(out / "tokenizer.json")))
+    return dict(tmp=tmp, ckpt=ckpt, out=out, cfg=cfg, tok=load_tokenizer(cfg, shipped=str(out / "tokenizer.json")),
+                lerobot=lerobot)
 
 
 def write_bos_tokenizer(ckpt) -> None:
@@ -127,14 +128,14 @@ def lerobot(s: dict, name: str, images, state, ids, noise, rtc: list | None = No
         cases = s["tmp"] / f"{name}_rtc.json"
         cases.write_text(json.dumps(rtc))
         args += ["--rtc", str(cases)]
-    return reference(*args), np.load(out)
+    return reference(*args, lerobot=s["lerobot"]), np.load(out)
 
 
 def test_the_prompt_is_lerobots(imported):
     """The ids vla_node embeds are those LeRobot's own preprocessor (newline step, tokenizer step) writes."""
     s = imported
     got = reference("tokens", "--checkpoint", str(s["ckpt"]), "--tokenizer", str(s["out"] / "tokenizer.json"),
-                    "--task", INSTRUCTION)
+                    "--task", INSTRUCTION, lerobot=s["lerobot"])
     assert got["ids"] == prompt_ids(s) and got["prompt"] == INSTRUCTION + "\n"
     # LeRobot pads SmolVLA's prompt to the longest in the batch (none here); the node prefills its 27 rows in the
     # bucket of 51, where the largest holds 67: the actions below are computed at the smaller size
@@ -192,7 +193,8 @@ def test_actions_equal_lerobot(served, case):
     _, want = lerobot(s, f"case{case}", images, state, ids, noise)
     assert want["actions"].shape == got.shape == (cfg.action.action_horizon, 6)
     err, scale = float(np.abs(got - want["actions"]).max()), float(np.abs(want["actions"]).max())
-    print(f"case {case}: max |synflux - LeRobot| = {err:.2e} (actions up to {scale:.2f}); {len(ids)} prompt tokens")
+    print(f"{s['lerobot']}, case {case}: max |synflux - LeRobot| = {err:.2e} (actions up to {scale:.2f}); "
+          f"{len(ids)} prompt tokens")
     assert err <= TOLERANCE * max(1.0, scale), f"max difference {err} (actions up to {scale})"
     # the comparison has teeth: another state, another wrist image each give other actions
     _, other = lerobot(s, f"case{case}_state", images, state + 0.5, ids, noise)
@@ -222,7 +224,7 @@ def test_self_attn_mode_equals_lerobot(imported):
     ckpt = tmp / "checkpoint"
     reference("make-checkpoint", "--out", str(ckpt), "--cameras", ",".join(CAMERAS), "--seed", "6",
               "--state-dim", str(len(JOINTS)), "--action-dim", "6", "--image-size", str(SIDE),
-              "--attention-mode", "self_attn")
+              "--attention-mode", "self_attn", lerobot=imported["lerobot"])
     write_bos_tokenizer(ckpt)
     out = tmp / "graphs"
     assert build_tool.main(["--config", base_config(imported["tmp"] / "base-sa.yaml"), "--out", str(out),

@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""LeRobot 0.4.4's π0 (``lerobot.policies.pi0``) and π0.5 (``lerobot.policies.pi05``) as the references the
-project's π0 and π0.5 are compared with.
+"""LeRobot's π0 (``lerobot.policies.pi0``) and π0.5 (``lerobot.policies.pi05``) as the references the project's
+π0 and π0.5 are compared with, in release 0.4.4 or 0.6.1: whichever the interpreter has.
 
 Run it with the interpreter of ``.venv-pi0ref`` (``make pi0ref-venv``): torch 2.13 CPU, stock transformers
-4.53.2 and lerobot 0.4.4 installed without its dependencies (see requirements-pi0ref.txt).
+4.53.2 and lerobot 0.4.4 installed without its dependencies (see requirements-pi0ref.txt); or of
+``.venv-lerobot06`` (``make lerobot06-venv``): lerobot 0.6.1 on Python 3.12, torch 2.11 and transformers 5.5.4,
+whose π0 family runs on stock transformers (LeRobot's own ``pi_gemma``), so the compatibility layer below is not
+installed there (see requirements-lerobot06.txt). Each release saves checkpoints in its own layout.
 
 Subcommands
     check            import LeRobot's π0 and π0.5 here and run a minute model of each once (the venv's smoke test)
-    make-checkpoint  build a small π0 (or, with --policy pi05, π0.5) with random weights and save it as a LeRobot
-                     0.4.4 checkpoint directory
+    make-checkpoint  build a small π0 (or, with --policy pi05, π0.5) with random weights and save it as a checkpoint
+                     directory of the installed LeRobot (0.6.1: --relative-actions true saves use_relative_actions)
     run              load such a checkpoint with LeRobot and compute one action chunk from an .npz of inputs
                      (with --rtc, also the chunks LeRobot's Real-Time Chunking guides towards given leftovers);
                      the policy is the one config.json names ("type": "pi0" or "pi05")
@@ -490,9 +493,19 @@ def install_transformers_shim(mode: str = "auto") -> str:
     return "shim"
 
 
+def lerobot_06() -> bool:
+    """Whether the installed LeRobot is 0.5 or later (0.6.1 in ``.venv-lerobot06``): its π0 family runs on stock
+    transformers 5 through its own ``pi_gemma`` module, so nothing is patched."""
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in version("lerobot").split(".")[:2]) >= (0, 5)
+
+
 def prepare_lerobot(shim_mode: str) -> str:
     """Everything needed before LeRobot's π0/π0.5 modules are imported; returns the semantics in force."""
     install_torchvision_placeholder()
+    if lerobot_06():
+        return "stock"
     return install_transformers_shim(shim_mode)
 
 
@@ -553,7 +566,10 @@ def patch_model_dims(modeling, dims: dict, set_image_size: bool = False) -> None
             raise ValueError(f"{DIMS_FILE} has no sizes for variant {variant!r}")
         return gemma[variant]
 
-    paligemma_cls = getattr(modeling, "_stock_paligemma_cls", modeling.PaliGemmaForConditionalGeneration)
+    # LeRobot 0.4 builds PaliGemmaForConditionalGeneration, 0.5+ its PaliGemmaForConditionalGenerationWithPiGemma
+    attribute = next(a for a in ("PaliGemmaForConditionalGenerationWithPiGemma", "PaliGemmaForConditionalGeneration")
+                     if getattr(modeling, a, None) is not None)
+    paligemma_cls = getattr(modeling, "_stock_paligemma_cls", getattr(modeling, attribute))
     modeling._stock_paligemma_cls = paligemma_cls
     vision = dims["vision"]
 
@@ -572,7 +588,7 @@ def patch_model_dims(modeling, dims: dict, set_image_size: bool = False) -> None
         return paligemma_cls(config=config)
 
     modeling.get_gemma_config = get_gemma_config
-    modeling.PaliGemmaForConditionalGeneration = build_paligemma
+    setattr(modeling, attribute, build_paligemma)
 
 
 def read_dims(checkpoint: Path) -> dict | None:
@@ -618,6 +634,8 @@ CHECKPOINT_DEFAULTS = {
     "state_norm": None,  # None: the policy's default (POLICY_NORMS)
     "action_norm": None,
     "dtype": "float32",
+    "relative_actions": False,  # LeRobot 0.5+: use_relative_actions (the chunk relative to the state)
+    "action_names": None,  # LeRobot 0.5+: action_feature_names, which relative_exclude_joints (gripper) match
 }
 NORM_MODES = ("MEAN_STD", "MIN_MAX", "QUANTILES", "QUANTILE10", "IDENTITY")
 # The state and action normalisation each policy gets unless told: MEAN_STD for π0 (as this script always made it),
@@ -639,8 +657,9 @@ def gather_options(args, defaults: dict) -> dict:
         value = getattr(args, key, None)
         if value is not None:
             opts[key] = value
-    if isinstance(opts.get("cameras"), str):
-        opts["cameras"] = [c for c in opts["cameras"].split(",") if c]
+    for key in ("cameras", "action_names"):
+        if isinstance(opts.get(key), str):
+            opts[key] = [c for c in opts[key].split(",") if c]
     return opts
 
 
@@ -735,6 +754,10 @@ def validate_options(o: dict) -> None:
         problems.append(f"image_size must be a multiple of {PATCH_SIZE}")
     if o["dtype"] not in ("float32", "bfloat16"):
         problems.append("dtype must be float32 or bfloat16")
+    if (o["relative_actions"] or o["action_names"]) and not lerobot_06():
+        problems.append("relative_actions and action_names need LeRobot 0.5 or later")
+    if o["action_names"] is not None and len(o["action_names"]) != o["action_dim"]:
+        problems.append("action_names must name action_dim actions")
     if problems:
         raise SystemExit("; ".join(problems))
 
@@ -784,7 +807,7 @@ def pi0_weight_value(module, module_name: str, param_name: str, param, noise):
     from torch import nn
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
-    if isinstance(module, GemmaRMSNorm):
+    if isinstance(module, GemmaRMSNorm) or type(module).__name__ == "PiGemmaRMSNorm":  # LeRobot 0.6: its own class
         return 0.3 * noise
     if isinstance(module, nn.LayerNorm):
         return 1.0 + 0.3 * noise if param_name == "weight" else 0.1 * noise
@@ -894,6 +917,10 @@ def make_checkpoint(args) -> dict:
     extra = {}
     if opts["tokenizer_max_length"] is not None:
         extra["tokenizer_max_length"] = opts["tokenizer_max_length"]
+    if opts["relative_actions"]:
+        extra["use_relative_actions"] = True
+    if opts["action_names"]:
+        extra["action_feature_names"] = list(opts["action_names"])
     config = config_cls(
         paligemma_variant=dims["vlm"]["variant"],
         action_expert_variant=dims["expert"]["variant"],
@@ -1014,6 +1041,12 @@ def load_processors(checkpoint: Path, tokenizer):
         to_transition=policy_action_to_transition,
         to_output=transition_to_policy_action,
     )
+    # LeRobot 0.5+: the absolute-actions step reads the state the relative-actions step cached, a link that
+    # loading does not restore (LeRobot's own loader makes it again, as here)
+    relative = [s for s in preprocessor.steps if type(s).__name__ == "RelativeActionsProcessorStep"]
+    for step in postprocessor.steps:
+        if type(step).__name__ == "AbsoluteActionsProcessorStep" and relative:
+            step.relative_step = relative[0]
     return preprocessor, postprocessor
 
 
@@ -1021,9 +1054,9 @@ def verify_weights(policy, saved: dict) -> None:
     """Fail unless every saved tensor is in the policy unchanged.
 
     PI0Policy.from_pretrained (and PI05Policy's) loads with strict=True and only prints a warning when that raises,
-    which it does for LeRobot's own checkpoints: save_model drops embed_tokens, the tied twin of lm_head. The
+    which it does for LeRobot 0.4's own checkpoints: save_model drops embed_tokens, the tied twin of lm_head. The
     tensors are still copied, but a silent partial load must not pass for a reference, so the result is checked
-    here.
+    here. (LeRobot 0.6's PaliGemma does not tie them: both are saved, each loads as itself.)
     """
     import torch
 
@@ -1032,8 +1065,11 @@ def verify_weights(policy, saved: dict) -> None:
     if wrong:
         raise RuntimeError(f"{len(wrong)} saved tensors did not load, e.g. {wrong[:3]}")
     pali = policy.model.paligemma_with_expert.paligemma
-    if pali.lm_head.weight.data_ptr() != pali.model.language_model.embed_tokens.weight.data_ptr():
-        raise RuntimeError("lm_head and embed_tokens are no longer tied")
+    embed = pali.model.language_model.embed_tokens.weight
+    if not any(k.endswith("embed_tokens.weight") and "paligemma." in k for k in saved) and not (
+            pali.lm_head.weight.data_ptr() == embed.data_ptr() or torch.equal(pali.lm_head.weight, embed)):
+        # LeRobot 0.4 ties the two; 0.5+ copies a lone lm_head into embed_tokens on load
+        raise RuntimeError("the saved lm_head did not become the embedding table")
 
 
 def read_inputs(path: Path, config, rtc_cases: list | None = None) -> dict:
@@ -1329,7 +1365,7 @@ def main(argv=None) -> None:
         "vision_heads": int, "vision_mlp_dim": int, "image_size": int, "cameras": str, "state_dim": int,
         "action_dim": int, "max_state_dim": int, "max_action_dim": int, "chunk_size": int, "n_action_steps": int,
         "num_inference_steps": int, "tokenizer_max_length": int, "state_norm": str, "action_norm": str,
-        "dtype": str,
+        "dtype": str, "relative_actions": flag, "action_names": str,
     }
     policy_norms = ", ".join(f"{p} {mode}" for p, mode in POLICY_NORMS.items())
     notes = {
@@ -1340,6 +1376,8 @@ def main(argv=None) -> None:
         "state_norm": f"one of {', '.join(NORM_MODES)}; default {policy_norms}",
         "action_norm": f"one of {', '.join(NORM_MODES)}; default {policy_norms}",
         "dtype": "float32 or bfloat16",
+        "relative_actions": "true: use_relative_actions (LeRobot 0.5+)",
+        "action_names": "comma-separated: action_feature_names (LeRobot 0.5+)",
     }
     add_option_flags(mk, CHECKPOINT_DEFAULTS, flags, notes)
 
@@ -1353,6 +1391,13 @@ def main(argv=None) -> None:
 
     args = parser.parse_args(argv)
     print_result({"check": check, "make-checkpoint": make_checkpoint, "run": run}[args.command], args)
+
+
+def flag(text: str) -> bool:
+    """A true/false option value."""
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1")
 
 
 def add_option_flags(parser, defaults: dict, flags: dict, notes: dict) -> None:

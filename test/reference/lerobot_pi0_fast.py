@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""LeRobot 0.4.4's π0-FAST (``lerobot.policies.pi0_fast``) as the reference the project's π0-FAST is compared with.
+"""LeRobot's π0-FAST (``lerobot.policies.pi0_fast``) as the reference the project's π0-FAST is compared with, in
+release 0.4.4 or 0.6.1: whichever the interpreter has.
 
 Run it with the interpreter of ``.venv-pi0ref`` (``make pi0ref-venv``): torch 2.13 CPU, stock transformers 4.53.2,
-scipy and lerobot 0.4.4 installed without its dependencies. π0-FAST is PaliGemma alone (no action expert) and
+scipy and lerobot 0.4.4 installed without its dependencies; or of ``.venv-lerobot06`` (``make lerobot06-venv``,
+LeRobot 0.6.1 on stock transformers 5.5.4: no shim). π0-FAST is PaliGemma alone (no action expert) and
 relies on the same fix/lerobot_openpi transformers branch as π0, so lerobot_pi0.py's shim is installed first; the
 helpers shared with π0 (shim, torchvision placeholder, dataset statistics, weight randomisation, sizes, processor
 loading) are imported from there.
@@ -10,8 +12,8 @@ loading) are imported from there.
 Subcommands
     check            make a minute π0-FAST here, generate its tokens once with and once without LeRobot's KV cache,
                      and decode an encoded chunk back (the venv's smoke test)
-    make-checkpoint  build a small π0-FAST with random weights and save it as a LeRobot 0.4.4 checkpoint directory,
-                     with stand-ins for the two tokenizers LeRobot fetches from the Hub
+    make-checkpoint  build a small π0-FAST with random weights and save it as a checkpoint directory of the
+                     installed LeRobot, with stand-ins for the two tokenizers LeRobot fetches from the Hub
     run              load such a checkpoint with LeRobot and generate one chunk from an .npz of inputs: LeRobot's
                      preprocessor (normaliser, state written into the prompt, tokenizer step), then
                      ``predict_action_chunk`` (greedy autoregressive FAST tokens, detokenised to actions)
@@ -274,7 +276,10 @@ def build_text_tokenizer(directory: Path) -> dict:
 def load_text_tokenizer(directory: Path, **kwargs):
     """The stand-in as transformers' GemmaTokenizerFast (what AutoTokenizer makes of PaliGemma's tokenizer), with
     LeRobot's keyword arguments (add_bos_token / add_eos_token rebuild its post-processor)."""
-    from transformers.models.gemma.tokenization_gemma_fast import GemmaTokenizerFast
+    try:
+        from transformers.models.gemma.tokenization_gemma_fast import GemmaTokenizerFast
+    except ImportError:  # transformers 5 (LeRobot 0.6): GemmaTokenizer is the tokenizers-backed one
+        from transformers.models.gemma.tokenization_gemma import GemmaTokenizer as GemmaTokenizerFast
 
     kwargs.pop("trust_remote_code", None)
     return GemmaTokenizerFast.from_pretrained(str(directory), local_files_only=True, **kwargs)
@@ -396,8 +401,9 @@ def hub_stand_ins(checkpoint: Path, config):
     """While LeRobot builds or loads the policy and its processors, answer its AutoTokenizer and AutoProcessor
     calls for the config's two tokenizer names with the stand-ins in ``checkpoint``, and refuse any other name.
 
-    PI0FastPolicy imports both from ``transformers`` when it is constructed, the processor steps use the names
-    lerobot.processor.tokenizer_processor imported, so both places are patched, and restored afterwards.
+    PI0FastPolicy imports both from ``transformers`` when it is constructed (LeRobot 0.6: when its module is
+    imported), the processor steps use the names lerobot.processor.tokenizer_processor imported, so every place
+    is patched, and restored afterwards.
     """
     import transformers
     from lerobot.processor import tokenizer_processor
@@ -419,8 +425,11 @@ def hub_stand_ins(checkpoint: Path, config):
         "AutoTokenizer": SimpleNamespace(from_pretrained=tokenizer_from_pretrained),
         "AutoProcessor": SimpleNamespace(from_pretrained=processor_from_pretrained),
     }
-    saved = [(module, name, getattr(module, name)) for module in (transformers, tokenizer_processor)
-             for name in stand_ins]
+    from lerobot.policies.pi0_fast import modeling_pi0_fast
+
+    # LeRobot 0.6's modeling module holds its own references to both (0.4's imports them from transformers)
+    saved = [(module, name, getattr(module, name)) for module in (transformers, tokenizer_processor, modeling_pi0_fast)
+             for name in stand_ins if getattr(module, name, None) is not None]
     for module, name, _ in saved:
         setattr(module, name, stand_ins[name])
     try:

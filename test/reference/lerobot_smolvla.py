@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
-"""LeRobot 0.4.4's SmolVLA (``lerobot.policies.smolvla``) as the reference the project's SmolVLA is compared with.
+"""LeRobot's SmolVLA (``lerobot.policies.smolvla``) as the reference the project's SmolVLA is compared with, in
+release 0.4.4 or 0.6.1: whichever the interpreter has.
 
 Run it with the interpreter of ``.venv-pi0ref`` (``make pi0ref-venv``): torch 2.13 CPU, stock transformers
-4.53.2 and lerobot 0.4.4 installed without its dependencies. SmolVLA runs on stock transformers, so unlike
+4.53.2 and lerobot 0.4.4 installed without its dependencies; or of ``.venv-lerobot06`` (``make lerobot06-venv``:
+LeRobot 0.6.1, transformers 5.5.4). SmolVLA runs on stock transformers, so unlike
 lerobot_pi0.py nothing in transformers is patched; the helpers shared with π0 (torchvision placeholder, dataset
 statistics, weight randomisation, processor loading, inputs, Real-Time Chunking) are imported from lerobot_pi0.py.
 
 Subcommands
     check            import LeRobot's SmolVLA here and run a minute model with two cameras once, and its
                      tokenizer step once (the venv's smoke test)
-    make-checkpoint  build a small SmolVLA with random weights and save it as a LeRobot 0.4.4 checkpoint directory
+    make-checkpoint  build a small SmolVLA with random weights and save it as a checkpoint directory of the
+                     installed LeRobot
     run              load such a checkpoint with LeRobot and compute one action chunk from an .npz of inputs
                      (with --rtc, also the chunks LeRobot's Real-Time Chunking guides towards given leftovers)
     tokens           the language tokens LeRobot's SmolVLA preprocessor (the checkpoint's policy_preprocessor.json)

@@ -97,6 +97,15 @@ class ActionConfig:
             "(pi0.5): it is cut into 256 bins over [-1, 1] and written into the prompt, tokenizer.prompt_template's "
             "{state}; prefix (SmolVLA): the prefill graphs project it (state_proj) into the prefix's last row, "
             "which sees the whole prefix and which no other prefix row sees")
+    relative_mask: tuple[bool, ...] = setting(
+        default_factory=tuple, graph=False,
+        doc="actions relative to the robot state (LeRobot's use_relative_actions): one value per published "
+            "dimension; where true, the un-normalised action adds the frame's state_joints value of the same index "
+            "(empty: absolute actions)")
+    prompt_state: str = setting(
+        "padded", choices=("padded", "joints"), graph=False,
+        doc="state_input prompt: which values the prompt writes: padded, all state_dim of the zero-padded vector "
+            "(openpi, LeRobot 0.4); joints, the state_joints values alone (LeRobot 0.5 and later)")
     expert_attention: str = setting(
         "joint", choices=("joint", "cross_attn"),
         doc="flow matching: joint (pi0): every expert layer attends to its backbone layer's prefix keys/values and "
@@ -134,6 +143,15 @@ class ActionConfig:
                               "token) are not supported")
         if self.state_input == "prompt" and not self.state_dim:
             raise ConfigError("action.state_input: prompt writes the robot state into the prompt; set state_dim")
+        if self.relative_mask:
+            if len(self.relative_mask) != self.published_dim:
+                raise ConfigError(f"action.relative_mask: {len(self.relative_mask)} values for {self.published_dim} "
+                                  f"published action values (output_dim, else action_dim)")
+            if len(self.state_joints) < self.published_dim:
+                raise ConfigError(f"action.relative_mask: each relative action adds the state value of its index; "
+                                  f"the state has {len(self.state_joints)} joints for {self.published_dim} actions")
+        if self.prompt_state != "padded" and self.state_input != "prompt":
+            raise ConfigError("action.prompt_state: for a state written into the prompt (state_input: prompt) only")
         if self.state_dim:
             if self.head_type != "flow_matching" and not fast:
                 raise ConfigError("action.state_dim: a robot-state input is supported for flow_matching heads and the "

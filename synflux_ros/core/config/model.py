@@ -113,6 +113,10 @@ class ModelConfig:
         if self.execution.guides_inference and (self.action is None or self.action.head_type != "flow_matching"):
             raise ConfigError("execution.mode: rtc guides a flow-matching head; this model's head is "
                               f"{self.action.head_type if self.action else 'none'}")
+        if self.execution.guides_inference and any(self.action.relative_mask):
+            raise ConfigError("execution.mode: rtc steers the new chunk towards the last one in the model's action "
+                              "space, which actions relative to each frame's state (action.relative_mask) do not "
+                              "share between frames")
         if self.llm.prefill_attention == "bidirectional":
             if self.mode != "vla":
                 raise ConfigError("llm.prefill_attention: bidirectional prefixes are for vla configs (chat prefill "
@@ -129,7 +133,7 @@ class ModelConfig:
         if self.execution.mode != "auto":
             return self.execution
         flow = self.action is not None and self.action.head_type == "flow_matching"
-        rtc = flow and not any(self.execution.delta_mask)
+        rtc = flow and not any(self.execution.delta_mask) and not any(self.action.relative_mask)
         return dataclasses.replace(self.execution, mode="rtc" if rtc else "replace")
 
     @property

@@ -62,6 +62,58 @@ def is_lerobot_pi0(hf_dir: str) -> bool:
     return lerobot_policy_type(hf_dir) in POLICY_TYPES
 
 
+RELATIVE_STEPS = ("relative_actions_processor", "absolute_actions_processor")
+"""LeRobot 0.5+'s steps that make actions relative to the state (before the normaliser) and absolute again (after
+the unnormaliser); saved, disabled, by every pi0 / pi0.5 / pi0-FAST checkpoint of those versions."""
+
+
+def _processor_steps(hf_dir: str, pipeline: str) -> list[dict]:
+    """The steps of a saved processor pipeline (``policy_preprocessor`` / ``policy_postprocessor``), [] without it."""
+    path = os.path.join(hf_dir, f"{pipeline}.json")
+    if not os.path.isfile(path):
+        return []
+    return [s for s in read_json(path).get("steps", []) if isinstance(s, dict)]
+
+
+def saved_by_lerobot_05(hf_dir: str, top: dict) -> bool:
+    """Whether LeRobot 0.5 or later saved the checkpoint: no file names a version, but those releases write
+    ``pretrained_revision`` (every policy) and ``use_relative_actions`` (the pi family) into config.json and the
+    relative-actions steps into the processor files, which LeRobot 0.4's loader refuses."""
+    if "pretrained_revision" in top or "use_relative_actions" in top:
+        return True
+    return any(s.get("registry_name") in RELATIVE_STEPS
+               for p in ("policy_preprocessor", "policy_postprocessor") for s in _processor_steps(hf_dir, p))
+
+
+def relative_mask(hf_dir: str, path: str, top: dict, action_dim: int, state_dim: int) -> list[bool]:
+    """``action.relative_mask`` of a checkpoint trained on actions relative to the state (LeRobot's
+    ``use_relative_actions``), [] for absolute actions. As LeRobot runs it: the postprocessor's enabled
+    ``absolute_actions_processor`` adds the raw state to the un-normalised actions where the preprocessor's
+    ``relative_actions_processor`` masks them in: every dimension, but those whose ``action_names`` entry contains
+    an ``exclude_joints`` token (case-insensitive)."""
+    steps = {s.get("registry_name"): s.get("config") or {}
+             for p in ("policy_preprocessor", "policy_postprocessor") for s in _processor_steps(hf_dir, p)}
+    absolute = bool(steps.get("absolute_actions_processor", {}).get("enabled"))
+    if bool(top.get("use_relative_actions")) != absolute:
+        raise ConfigError(f"{path}: use_relative_actions is {bool(top.get('use_relative_actions'))}, but the saved "
+                          f"postprocessor's absolute_actions_processor is {'en' if absolute else 'dis'}abled")
+    if not absolute:
+        return []
+    relative = steps.get("relative_actions_processor")
+    if relative is None:
+        raise ConfigError(f"{path}: use_relative_actions: the saved preprocessor has no relative_actions_processor, "
+                          f"whose mask says which actions are relative")
+    if state_dim < action_dim:
+        raise ConfigError(f"{path}: use_relative_actions adds state value i to action i, but the state has "
+                          f"{state_dim} values for {action_dim} actions")
+    tokens = [str(t).lower() for t in relative.get("exclude_joints") or [] if t]
+    names = relative.get("action_names")
+    if not tokens or names is None:
+        return [True] * action_dim
+    mask = [not any(t in str(n).lower() for t in tokens) for n in list(names)[:action_dim]]
+    return mask + [True] * (action_dim - len(mask))
+
+
 def _key(name: str) -> str:
     """A state-dict name without LeRobot's ``model.`` prefix (checkpoints are saved with it; LeRobot's
     loader adds it where it is missing, so both forms load)."""
@@ -152,7 +204,7 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
     if top.get("type") not in POLICY_TYPES:
         raise ConfigError(f"{path}: not a LeRobot pi0, pi0.5 or pi0-FAST config (type {top.get('type')!r})")
     pi05, fast = top["type"] == "pi05", top["type"] == "pi0_fast"
-    _, shapes = _shapes(hf_dir)
+    files, shapes = _shapes(hf_dir)
     emb = _need(shapes, LM_HEAD, hf_dir) if LM_HEAD in shapes else _need(shapes, VLM + "embed_tokens.weight", hf_dir)
     vocab, width = emb
     q_out = _need(shapes, VLM + "layers.0.self_attn.q_proj.weight", hf_dir)[0]
@@ -198,15 +250,19 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
     llm = {"num_layers": depth, "hidden_dim": width, "num_heads": heads, "num_kv_heads": kv_heads,
            "head_dim": head_dim, "vocab_size": vocab,
            "intermediate_size": _need(shapes, VLM + "layers.0.mlp.gate_proj.weight", hf_dir)[0],
-           "architecture": "gemma", "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+           "architecture": "gemma", "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+           "tie_word_embeddings": not (fast and _untied_head(files)),
            "mrope_section": [], "prefill_attention": "bidirectional"}
     norms = {"state_norm": _norm("STATE", "observation.state", hf_dir, "policy_preprocessor", "normalizer_processor",
                                  state_true),
              "action_norm": _norm("ACTION", "action", hf_dir, "policy_postprocessor", "unnormalizer_processor",
-                                  action_true)}
+                                  action_true),
+             "relative_mask": relative_mask(hf_dir, path, top, action_true, state_true)}
+    # LeRobot 0.5+ writes the true state into pi0.5's and pi0-FAST's prompts; 0.4 the zero-padded one
+    prompt_state = "joints" if (pi05 or fast) and saved_by_lerobot_05(hf_dir, top) else "padded"
     if fast:
         return _pi0_fast_config(hf_dir, path, top, base, vision, llm, norms, prefix + 1, max_instr, joints, max_state,
-                                action_true)
+                                action_true, prompt_state)
     cfg = base.with_overrides(
         mode="vla",
         vision=vision,
@@ -218,6 +274,7 @@ def config_from_lerobot_pi0(hf_dir: str, base: ModelConfig) -> ModelConfig:
                 "expert_intermediate_size": _need(shapes, EXPERT + "model.layers.0.mlp.gate_proj.weight", hf_dir)[0],
                 "state_dim": max_state, "state_joints": joints,
                 "time_conditioning": "adarms" if pi05 else "action_mlp", "state_input": "prompt" if pi05 else "token",
+                "prompt_state": prompt_state,
                 "norm_q01": [], "norm_q99": [], "norm_mask": [], **norms},
         tokenizer={"max_instruction_tokens": max_instr, "prompt_template": PI05_PROMPT if pi05 else "{instruction}\n",
                    "instruction_bos": "<bos>"},
@@ -253,8 +310,20 @@ def _check_expert(shapes: dict, depth: int, q_out: int, kv_out: int, hf_dir: str
                           f"the language model's ({q_out} / {kv_out})")
 
 
+def _untied_head(files: dict) -> bool:
+    """Whether the checkpoint holds PaliGemma's output head and its embedding table as two different matrices.
+    LeRobot 0.4 ties them (the file holds the head alone); LeRobot 0.6's PaliGemma does not (both are saved and
+    trained apart), which matters where logits are read (pi0-FAST)."""
+    keys = {_key(k): k for k in files}
+    if LM_HEAD not in keys or VLM + "embed_tokens.weight" not in keys:
+        return False
+    pair = dict(read_tensors({keys[n]: files[keys[n]] for n in (LM_HEAD, VLM + "embed_tokens.weight")}))
+    head, table = pair[keys[LM_HEAD]], pair[keys[VLM + "embed_tokens.weight"]]
+    return head.shape != table.shape or not bool((head == table).all())
+
+
 def _pi0_fast_config(hf_dir, path, top, base, vision, llm, norms, prefix, max_instr, joints, max_state,
-                     action_dim) -> ModelConfig:
+                     action_dim, prompt_state) -> ModelConfig:
     """pi0-FAST: the backbone generates FAST tokens after [cameras | <bos> prompt | <bos>] (``prefix`` positions);
     the cache holds them and ``max_decoding_steps`` more (rounded up to 8 positions: TensorRT's aligned KV views)."""
     if float(top.get("temperature", 0.0)) != 0.0:
@@ -277,7 +346,7 @@ def _pi0_fast_config(hf_dir, path, top, base, vision, llm, norms, prefix, max_in
         llm={**llm, "prefill_buckets": [prefix], "decode_buckets": [span], "max_seq_len": span},
         action={"head_type": "autoregressive", "token_codec": "fast", "action_dim": action_dim, "output_dim": 0,
                 "action_horizon": int(top.get("n_action_steps", top.get("chunk_size", 50))),
-                "state_dim": max_state, "state_joints": joints, "state_input": "prompt",
+                "state_dim": max_state, "state_joints": joints, "state_input": "prompt", "prompt_state": prompt_state,
                 "time_conditioning": "action_mlp", "expert_attention": "joint", "action_attention": "bidirectional",
                 "num_bins": 256, "token_vocab_size": 0, "norm_q01": [], "norm_q99": [], "norm_mask": [], **norms,
                 "fast_tokenizer": os.path.abspath(tokenizer), "fast_scale": fast["scale"],
@@ -319,6 +388,8 @@ def load_lerobot_pi0(hf_dir: str, lm, vision, expert=None) -> None:
         elif name == LM_HEAD:
             if VLM + "embed_tokens.weight" not in by_name:  # the tied table, saved once under the head's name
                 targets["language model"][1][key] = "model.embed_tokens.weight"
+            elif not lm.llm.tie_word_embeddings:  # LeRobot 0.6's own head (pi0-FAST reads its logits)
+                targets["language model"][1][key] = "lm_head.weight"
         elif name.startswith(VISION):
             targets["vision encoder"][1][key] = _vision_names(name[len(VISION):])
         elif name.startswith(PROJECTOR):
@@ -342,8 +413,9 @@ def load_lerobot_pi0(hf_dir: str, lm, vision, expert=None) -> None:
         raise ConfigError(f"{hf_dir}: tensors that are not part of {what}: {sorted(unexpected)[:8]}")
     for what, (module, wanted) in targets.items():
         params = dict(module.named_parameters(remove_duplicate=False))
-        expected = {n for n in params if not n.startswith(("rope_", "lm_head", "head_t"))
-                    and not n.endswith(_EXPORT_LAYOUT)}
+        untied = what == "language model" and not lm.llm.tie_word_embeddings
+        expected = {n for n in params if not n.startswith(("rope_", "head_t"))
+                    and (untied or not n.startswith("lm_head")) and not n.endswith(_EXPORT_LAYOUT)}
         if what == "action expert" and getattr(module, "state_proj", None) is None:
             expected = {n for n in expected if not n.startswith("state_proj")}
         copy_checked(params, files, wanted, expected, [], hf_dir, f"pi0's {what} of this config",

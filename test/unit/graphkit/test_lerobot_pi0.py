@@ -191,3 +191,91 @@ def test_a_pi0_fast_checkpoint_imports_as_the_fast_codec(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**top, key: value}))
         with pytest.raises(ConfigError, match=needle):
             config_from_hf(str(tmp_path), base())
+
+
+def as_lerobot_06(d: Path, relative: bool = False, names=None, **fields) -> None:
+    """Make the checkpoint in ``d`` look as LeRobot 0.6 saves it: its new config.json fields, and the relative-actions
+    steps before the normaliser (which moves the normaliser's state file to another step) and after the
+    unnormaliser."""
+    top = json.loads((d / "config.json").read_text())
+    top.update({"pretrained_revision": None, "use_relative_actions": relative, "relative_exclude_joints": ["gripper"],
+                "action_feature_names": None, **fields})
+    (d / "config.json").write_text(json.dumps(top))
+    for name, relative_step in (("policy_preprocessor", "relative_actions_processor"),
+                                ("policy_postprocessor", "absolute_actions_processor")):
+        pipeline = json.loads((d / f"{name}.json").read_text())
+        steps = pipeline["steps"]
+        step = {"registry_name": relative_step, "config": {"enabled": relative}}
+        if relative_step == "relative_actions_processor":
+            step["config"].update(exclude_joints=["gripper"], action_names=names)
+        at = len(steps) - 1 if name == "policy_preprocessor" else 1
+        steps.insert(at, step)
+        for i, s in enumerate(steps):
+            if s.get("state_file"):
+                moved = f"{name}_step_{i}_{s['registry_name']}.safetensors"
+                (d / s["state_file"]).rename(d / moved)
+                s["state_file"] = moved
+        (d / f"{name}.json").write_text(json.dumps(pipeline))
+
+
+def test_a_lerobot_06_checkpoint_imports_as_its_release_runs_it(tmp_path):
+    """LeRobot 0.6's checkpoints: the normaliser's state file at another step, the true state in pi0.5's and
+    pi0-FAST's prompts, PaliGemma's head saved apart from the embedding table (each loads as itself where logits
+    are read), actions relative to the state where the relative-actions step's mask says."""
+    write_checkpoint(tmp_path)
+    as_lerobot_06(tmp_path)
+    assert json.loads((tmp_path / "policy_preprocessor.json").read_text())["steps"][6]["state_file"].endswith(
+        "step_6_normalizer_processor.safetensors")
+    act = config_from_hf(str(tmp_path), base()).action
+    assert act.state_norm.mean == (0.0, 1.0, 2.0, 3.0, 4.0) and act.prompt_state == "padded"  # pi0: a state token
+    assert act.relative_mask == ()
+
+    fast = tmp_path / "fast06"
+    fast.mkdir()
+    tensors = write_checkpoint(fast)
+    table = torch.randn(257152, W, generator=torch.Generator().manual_seed(1)) * 0.1
+    kept = {k: v for k, v in tensors.items() if "gemma_expert" not in k
+            and not k.startswith(("model.state_proj", "model.action_"))}
+    safetensors_torch.save_file({**kept, VLM + "embed_tokens.weight": table}, str(fast / "model.safetensors"))
+    top = json.loads((fast / "config.json").read_text())
+    (fast / "config.json").write_text(json.dumps({**top, "type": "pi0_fast", "max_decoding_steps": 16}))
+    (fast / "fast").mkdir()
+    (fast / "fast" / "tokenizer.json").write_text("{}")
+    (fast / "fast" / "processor_config.json").write_text(json.dumps({"scale": 10, "min_token": -300}))
+    assert config_from_hf(str(fast), base()).action.prompt_state == "padded"  # before: LeRobot 0.4's prompt
+    as_lerobot_06(fast)
+    cfg = config_from_hf(str(fast), base())
+    assert cfg.action.prompt_state == "joints" and not cfg.llm.tie_word_embeddings
+    lm = build_graph_modules(cfg, hf_dir=str(fast)).modules[f"prefill_{cfg.llm.prefill_buckets[0]}"].lm
+    torch.testing.assert_close(lm.model.embed_tokens.weight.detach(), table, rtol=0, atol=0)
+    torch.testing.assert_close(lm.lm_head.weight.detach(), kept["model.paligemma_with_expert.paligemma.lm_head.weight"],
+                               rtol=0, atol=0)
+    # the same table saved twice (a tied model) stays one matrix
+    safetensors_torch.save_file({**kept, VLM + "embed_tokens.weight": kept[
+        "model.paligemma_with_expert.paligemma.lm_head.weight"].clone()}, str(fast / "model.safetensors"))
+    assert config_from_hf(str(fast), base()).llm.tie_word_embeddings
+
+    # actions relative to the state: LeRobot's mask (exclude_joints tokens found in the action names); the state
+    # needs a value for every action, the flag and the steps must agree
+    state6 = base(state_joints=[f"j{i}" for i in range(6)])
+    for names, want in ((None, (True,) * 6), (["a", "b", "c", "d", "e", "Left_Gripper"], (True,) * 5 + (False,)),
+                        (["gripper_a", "b"], (False,) + (True,) * 5)):
+        relative = tmp_path / f"relative-{len(names or [])}"
+        relative.mkdir()
+        write_checkpoint(relative, state_mode="IDENTITY")  # (the statistics are of 5 state values)
+        top = json.loads((relative / "config.json").read_text())
+        top["input_features"]["observation.state"]["shape"] = [6]
+        (relative / "config.json").write_text(json.dumps(top))
+        as_lerobot_06(relative, relative=True, names=names)
+        assert config_from_hf(str(relative), state6).action.relative_mask == want
+    small = tmp_path / "relative-small"
+    small.mkdir()
+    write_checkpoint(small)
+    as_lerobot_06(small, relative=True)
+    with pytest.raises(ConfigError, match="adds state value i to action i, but the state has 5 values for 6"):
+        config_from_hf(str(small), base())
+    top = json.loads((relative / "config.json").read_text())
+    (relative / "config.json").write_text(json.dumps({**top, "use_relative_actions": False}))
+    with pytest.raises(ConfigError, match="use_relative_actions is False, but the saved postprocessor's "
+                                          "absolute_actions_processor is enabled"):
+        config_from_hf(str(relative), state6)

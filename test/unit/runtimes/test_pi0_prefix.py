@@ -192,6 +192,49 @@ def test_pi05_writes_each_frames_state_into_its_prompt():
         rt.close()
 
 
+def test_a_lerobot_05_prompt_writes_the_joints_alone():
+    """action.prompt_state joints (checkpoints of LeRobot 0.5+): the state_joints values, not the padded vector."""
+    from synflux_ros.runtimes.vla import VLARuntime
+    cfg = pi05(action={"prompt_state": "joints"})
+    rt = VLARuntime(cfg)
+    try:
+        joints = len(cfg.action.state_joints)
+        assert 0 < joints < cfg.action.state_dim
+        state = np.r_[np.full(joints, 2.0, np.float32), np.zeros(cfg.action.state_dim - joints, np.float32)]
+        text = rt.tokenizer.decode(rt.prompt_ids("go", rt.maps.state_in(state))[len(rt.bos):])
+        assert text == f"Task: go, State: {' '.join(['255'] * joints)};\nAction: "
+    finally:
+        rt.close()
+    with pytest.raises(ConfigError, match="action.prompt_state: for a state written into the prompt"):
+        demo(action={"prompt_state": "joints"})
+
+
+def test_relative_actions_add_the_frames_state_where_the_mask_says():
+    """action.relative_mask (LeRobot's use_relative_actions): the un-normalised chunk plus the frame's robot state
+    where true; RTC, which steers towards the last chunk in model space, is refused with it (auto: replace)."""
+    from synflux_ros.runtimes.vla import VLARuntime
+    state = np.array([1.0, -2.0, 3.0, 0, 0, 0, 0, 0], np.float32)
+    image = np.zeros((64, 64, 3), np.uint8)
+    chunks = []
+    for mask in ([True, False, True], []):
+        rt = VLARuntime(demo(action={"output_dim": 3, "relative_mask": mask}))
+        try:
+            chunks.append(rt.infer(image, seq=4, state=state).actions)
+        finally:
+            rt.close()
+    np.testing.assert_allclose(chunks[0] - chunks[1], np.broadcast_to([1.0, 0.0, 3.0], chunks[0].shape), atol=1e-6)
+    cfg = demo(action={"output_dim": 3, "relative_mask": [True, False, True]})
+    assert cfg.resolved_execution.mode == "replace" and demo().resolved_execution.mode == "rtc"
+    with pytest.raises(ValueError, match="relative actions .* add the frame's robot state; none was given"):
+        StateActionMaps(cfg.action).actions_out(np.zeros((4, 7), np.float32))
+    with pytest.raises(ConfigError, match="execution.mode: rtc steers .* relative to each frame's state"):
+        demo(action={"output_dim": 3, "relative_mask": [True, False, True]}, execution={"mode": "rtc"})
+    with pytest.raises(ConfigError, match="action.relative_mask: 2 values for 3 published action values"):
+        demo(action={"output_dim": 3, "relative_mask": [True, False]})
+    with pytest.raises(ConfigError, match="the state has 3 joints for 7 actions"):
+        demo(action={"relative_mask": [True] * 7})
+
+
 def test_pi05_config_rules():
     assert pi05().action.state_token_dim == 0 and demo().action.state_token_dim == 8
     from synflux_ros.core.contract import graph_set
