@@ -152,18 +152,21 @@ def test_a_frame_waits_for_at_most_the_running_background_call_and_none_starts_w
         proc.kill()
     calls = [tuple(map(float, line.split())) for line in out.strip().splitlines()]
     assert len(calls) > 20
+    # Checked by the order of events, not by how long a wait took: on a loaded machine a process wakes late.
+    entered_during_a_call = 0
     for t_ask, t_in, t_out in frames:
         # no background call starts while a frame holds the arbiter
         assert not [c for c in calls if t_in < c[0] < t_out], (t_in, t_out)
-        running = [c for c in calls if c[0] < t_ask < c[1]]
+        # a frame waits for at most one call: the one running when it asked, or one that had just taken its turn
+        assert len([c for c in calls if c[0] < t_in and c[1] > t_ask]) <= 1, (t_ask, t_in)
         if exclusive:
-            # the frame waited for the call running when it asked, and for nothing more
-            assert t_in - t_ask <= (running[0][1] - t_ask if running else 0.0) + 0.01
             assert not [c for c in calls if c[0] < t_in < c[1]], "a call ran on when the frame started"
         else:
-            assert t_in - t_ask < 0.01  # holds the next calls off, waits for none
+            entered_during_a_call += bool([c for c in calls if c[0] < t_in < c[1]])
     if exclusive:
-        assert arbiter.waits > 0 and arbiter.max_wait_s <= call_s + 0.01
+        assert arbiter.waits > 0  # frames did ask while a call ran, and waited for it
+    else:
+        assert entered_during_a_call > 0  # holds the next calls off, waits for none
     arbiter.close()
 
 
