@@ -68,6 +68,21 @@ $(RKNN_VENV)/.stamp-rknn: requirements-rknn.txt
 	$(RKNN_PY) -c "from rknn.api import RKNN; import numpy, torch; print('rknn-toolkit2 ready: numpy', numpy.__version__, 'torch', torch.__version__)"
 	touch $@
 
+# $(call reference_venv,venv,its python,the python that makes it,requirements file): a LeRobot reference venv.
+# The lerobot line of the file is installed with --no-deps and every other line with the whole file as
+# constraints (nothing can pull another torch); then the reference scripts check that they run there.
+define reference_venv
+	$(3) -m venv $(1)
+	$(2) -m pip install --quiet --upgrade "pip>=23"
+	grep -v -E '^[[:space:]]*(#|$$|lerobot)' $(4) > $(1)/deps.txt
+	$(2) -m pip install --quiet -c $(1)/deps.txt -r $(1)/deps.txt
+	$(2) -m pip install --quiet --no-deps $$(grep -E '^lerobot' $(4))
+	: > $(1)/check.log
+	for s in lerobot_pi0 lerobot_smolvla lerobot_pi0_fast; do \
+	  $(2) test/reference/$$s.py check 2>> $(1)/check.log || { cat $(1)/check.log; exit 1; }; done
+	touch $@
+endef
+
 # The π0 reference: LeRobot 0.4.4's π0 on CPU in a venv of its own, which tests compare the project's π0 with
 # (test/reference/lerobot_pi0.py). It needs transformers 4.53.2 (the project's .venv has 5) and lerobot 0.4.4
 # declares torch < 2.11 and a GitHub-only patched transformers, so, as for RKNN: the lerobot line of
@@ -79,15 +94,7 @@ PI0REF_PY := $(abspath $(PI0REF_VENV))/bin/python
 pi0ref-venv: $(PI0REF_VENV)/.stamp-pi0ref
 
 $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
-	$(TOOL_PYTHON) -m venv $(PI0REF_VENV)
-	$(PI0REF_PY) -m pip install --quiet --upgrade "pip>=23"
-	grep -v -E '^[[:space:]]*(#|$$|lerobot)' requirements-pi0ref.txt > $(PI0REF_VENV)/deps.txt
-	$(PI0REF_PY) -m pip install --quiet -c $(PI0REF_VENV)/deps.txt -r $(PI0REF_VENV)/deps.txt
-	$(PI0REF_PY) -m pip install --quiet --no-deps $$(grep -E '^lerobot' requirements-pi0ref.txt)
-	$(PI0REF_PY) test/reference/lerobot_pi0.py check 2> $(PI0REF_VENV)/check.log || { cat $(PI0REF_VENV)/check.log; exit 1; }
-	$(PI0REF_PY) test/reference/lerobot_smolvla.py check 2>> $(PI0REF_VENV)/check.log || { cat $(PI0REF_VENV)/check.log; exit 1; }
-	$(PI0REF_PY) test/reference/lerobot_pi0_fast.py check 2>> $(PI0REF_VENV)/check.log || { cat $(PI0REF_VENV)/check.log; exit 1; }
-	touch $@
+	$(call reference_venv,$(PI0REF_VENV),$(PI0REF_PY),$(TOOL_PYTHON),requirements-pi0ref.txt)
 
 # The reference for checkpoints saved by LeRobot 0.5 and later: LeRobot 0.6.1's π0, π0.5, π0-FAST and SmolVLA on
 # CPU in a venv of its own on Python 3.12 (LeRobot 0.5+ needs it), torch 2.11 and transformers 5.5 within what
@@ -102,15 +109,7 @@ lerobot06-venv: $(LEROBOT06_VENV)/.stamp-lerobot06
 $(LEROBOT06_VENV)/.stamp-lerobot06: requirements-lerobot06.txt
 	@[ -n "$(PYTHON)" ] || { echo "make: Python 3.12 not found (LeRobot 0.6 needs it): pyenv install 3.12, \
 	or make PYTHON=/path/to/python3.12"; exit 1; }
-	$(PYTHON) -m venv $(LEROBOT06_VENV)
-	$(LEROBOT06_PY) -m pip install --quiet --upgrade "pip>=23"
-	grep -v -E '^[[:space:]]*(#|$$|lerobot)' requirements-lerobot06.txt > $(LEROBOT06_VENV)/deps.txt
-	$(LEROBOT06_PY) -m pip install --quiet -c $(LEROBOT06_VENV)/deps.txt -r $(LEROBOT06_VENV)/deps.txt
-	$(LEROBOT06_PY) -m pip install --quiet --no-deps $$(grep -E '^lerobot' requirements-lerobot06.txt)
-	$(LEROBOT06_PY) test/reference/lerobot_pi0.py check 2> $(LEROBOT06_VENV)/check.log || { cat $(LEROBOT06_VENV)/check.log; exit 1; }
-	$(LEROBOT06_PY) test/reference/lerobot_smolvla.py check 2>> $(LEROBOT06_VENV)/check.log || { cat $(LEROBOT06_VENV)/check.log; exit 1; }
-	$(LEROBOT06_PY) test/reference/lerobot_pi0_fast.py check 2>> $(LEROBOT06_VENV)/check.log || { cat $(LEROBOT06_VENV)/check.log; exit 1; }
-	touch $@
+	$(call reference_venv,$(LEROBOT06_VENV),$(LEROBOT06_PY),$(PYTHON),requirements-lerobot06.txt)
 
 # The tests import the installed package (with its generated messages), not the source tree.
 # The RKNN venv is a prerequisite so that the rknn backend tests run (they skip without it); the pi0 reference
