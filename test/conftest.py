@@ -12,7 +12,8 @@ for this test session.
 ``--shard K/N`` runs the K-th of N parts of the selected test files, parted by their recorded times
 (``durations.json``), so that `make test` runs the node and serving tests in two processes that end together;
 ``--record-durations`` writes the times of the files a run ran into that record (``make test
-PYTEST_ARGS=--record-durations`` after adding or changing a slow test file).
+PYTEST_ARGS=--record-durations`` after adding or changing a slow test file); ``--quick S`` leaves out the files
+recorded at over S seconds (`make check`: the unit tests in under 2 minutes; `make test` runs them all).
 """
 import json
 import os
@@ -38,6 +39,8 @@ def pytest_configure(config):
 def pytest_addoption(parser):
     parser.addoption("--shard", default="", metavar="K/N",
                      help="run the K-th of N parts of the selected test files, parted by durations.json")
+    parser.addoption("--quick", type=float, default=0.0, metavar="SECONDS",
+                     help="leave out the test files whose recorded time (durations.json) is over SECONDS")
     parser.addoption("--record-durations", action="store_true",
                      help="write each file's time in this run (setup, call and teardown) into durations.json")
 
@@ -58,8 +61,21 @@ def shards(files: list[str], times: dict[str, float], n: int) -> list[list[str]]
     return parts
 
 
+def leave_out(config, items, keep_file) -> None:
+    """Deselect (reported as such) the items of the files ``keep_file`` says no to."""
+    files = {item.nodeid.split("::")[0] for item in items}
+    kept = {f for f in files if keep_file(f)}
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid.split("::")[0] not in kept])
+    items[:] = [item for item in items if item.nodeid.split("::")[0] in kept]
+
+
 @pytest.hookimpl(trylast=True)  # after the markers have deselected theirs: every shard parts the same files
 def pytest_collection_modifyitems(config, items):
+    quick = config.getoption("--quick")
+    if quick > 0:  # a file not recorded yet runs
+        with open(DURATIONS, encoding="utf-8") as fh:
+            times = json.load(fh)
+        leave_out(config, items, lambda f: times.get(f, 0.0) <= quick)
     spec = config.getoption("--shard")
     if not spec:
         return
@@ -72,9 +88,7 @@ def pytest_collection_modifyitems(config, items):
         times = json.load(fh)
     files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
     mine = set(shards(files, times, n)[k - 1])
-    keep = [item for item in items if item.nodeid.split("::")[0] in mine]
-    config.hook.pytest_deselected(items=[item for item in items if item.nodeid.split("::")[0] not in mine])
-    items[:] = keep
+    leave_out(config, items, mine.__contains__)
 
 
 _file_times: dict[str, float] = {}

@@ -25,3 +25,15 @@ def test_the_recorded_times_name_existing_test_files():
     missing = [f for f in times if not os.path.isfile(os.path.join(HERE, f))]
     assert not missing, f"durations.json names files that are gone: {missing}"
     assert all(isinstance(t, (int, float)) and t > 0 for t in times.values())
+
+
+def test_leave_out_deselects_the_files_refused_and_reports_them():
+    from types import SimpleNamespace
+
+    from conftest import leave_out
+    reported = []
+    config = SimpleNamespace(hook=SimpleNamespace(pytest_deselected=lambda items: reported.extend(items)))
+    items = [SimpleNamespace(nodeid=n) for n in ("a.py::x", "b.py::y", "a.py::z", "c.py::w")]
+    leave_out(config, items, lambda f: f != "a.py")
+    assert [i.nodeid for i in items] == ["b.py::y", "c.py::w"]
+    assert [i.nodeid for i in reported] == ["a.py::x", "a.py::z"]
