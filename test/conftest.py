@@ -61,22 +61,26 @@ def shards(files: list[str], times: dict[str, float], n: int) -> list[list[str]]
     return parts
 
 
+def file_of(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
 def leave_out(config, items, keep_file) -> None:
     """Deselect (reported as such) the items of the files ``keep_file`` says no to."""
-    files = {item.nodeid.split("::")[0] for item in items}
-    kept = {f for f in files if keep_file(f)}
-    config.hook.pytest_deselected(items=[item for item in items if item.nodeid.split("::")[0] not in kept])
-    items[:] = [item for item in items if item.nodeid.split("::")[0] in kept]
+    keep = {f: keep_file(f) for f in {file_of(item) for item in items}}
+    config.hook.pytest_deselected(items=[item for item in items if not keep[file_of(item)]])
+    items[:] = [item for item in items if keep[file_of(item)]]
 
 
 @pytest.hookimpl(trylast=True)  # after the markers have deselected theirs: every shard parts the same files
 def pytest_collection_modifyitems(config, items):
-    quick = config.getoption("--quick")
+    quick, spec = config.getoption("--quick"), config.getoption("--shard")
+    if quick <= 0 and not spec:
+        return
+    with open(DURATIONS, encoding="utf-8") as fh:
+        times = json.load(fh)
     if quick > 0:  # a file not recorded yet runs
-        with open(DURATIONS, encoding="utf-8") as fh:
-            times = json.load(fh)
         leave_out(config, items, lambda f: times.get(f, 0.0) <= quick)
-    spec = config.getoption("--shard")
     if not spec:
         return
     try:
@@ -84,10 +88,7 @@ def pytest_collection_modifyitems(config, items):
         assert 1 <= k <= n
     except (ValueError, AssertionError):
         raise pytest.UsageError(f"--shard {spec!r}: expected K/N with 1 <= K <= N") from None
-    with open(DURATIONS, encoding="utf-8") as fh:
-        times = json.load(fh)
-    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
-    mine = set(shards(files, times, n)[k - 1])
+    mine = set(shards(list(dict.fromkeys(file_of(item) for item in items)), times, n)[k - 1])
     leave_out(config, items, mine.__contains__)
 
 
@@ -95,7 +96,7 @@ _file_times: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
-    path = report.nodeid.split("::")[0]
+    path = file_of(report)
     _file_times[path] = _file_times.get(path, 0.0) + report.duration
 
 
