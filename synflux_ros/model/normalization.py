@@ -21,24 +21,32 @@ class Normalizer:
         f32 = np.float32
         self.mode = cfg.mode
         self.eps = f32(cfg.eps)
+        self.clip = cfg.clip
         if cfg.mode == "mean_std":
             self.mean = np.asarray(cfg.mean, f32)
             self.std = np.asarray(cfg.std, f32)
         else:
             self.low = np.asarray(cfg.low, f32)
             span = np.asarray(cfg.high, f32) - self.low
-            self.span = np.where(span == 0, self.eps, span).astype(f32)
+            self.flat = span == 0
+            self.span = np.where(self.flat, f32(1.0) if self.clip else self.eps, span).astype(f32)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, np.float32)
         if self.mode == "mean_std":
             return (x - self.mean) / (self.std + self.eps)
-        return np.float32(2.0) * (x - self.low) / self.span - np.float32(1.0)
+        y = np.float32(2.0) * (x - self.low) / self.span - np.float32(1.0)
+        if self.clip:  # GR00T: equal bounds map to 0, the rest is clipped to [-1, 1]
+            y = np.clip(np.where(self.flat, np.float32(0.0), y), -1.0, 1.0).astype(np.float32)
+        return y
 
     def inverse(self, y: np.ndarray) -> np.ndarray:
         y = np.asarray(y, np.float32)
         if self.mode == "mean_std":
             return y * self.std + self.mean
+        if self.clip:
+            y = np.clip(y, -1.0, 1.0).astype(np.float32)
+            return (y + np.float32(1.0)) / np.float32(2.0) * (self.span * ~self.flat) + self.low
         return (y + np.float32(1.0)) * self.span / np.float32(2.0) + self.low
 
 

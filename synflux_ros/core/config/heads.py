@@ -23,6 +23,9 @@ class NormalizationConfig:
     low: tuple[float, ...] = setting(default_factory=tuple, doc="bounds: per-dimension lower bound (min, q01, q10)")
     high: tuple[float, ...] = setting(default_factory=tuple, doc="bounds: per-dimension upper bound (max, q99, q90)")
     eps: float = setting(1e-8, min=0.0)
+    clip: bool = setting(False, doc="bounds: GR00T's min-max: a normalised value is clipped to [-1, 1], a dimension "
+                                     "whose bounds are equal maps to 0, and a model output is clipped to [-1, 1] "
+                                     "before it is un-normalised")
 
     _RELATIVE_ERRORS = True  # its checks name its own fields; the loader prefixes where it sits
 
@@ -35,6 +38,8 @@ class NormalizationConfig:
                               f"(got {len(a)} and {len(b)})")
         if any(getattr(self, n) for n in other):
             raise ConfigError(f"{other[0]} / {other[1]}: not used by mode {self.mode}")
+        if self.clip and self.mode != "bounds":
+            raise ConfigError("clip: for mode bounds only")
 
     @property
     def dim(self) -> int:
@@ -118,8 +123,34 @@ class ActionConfig:
         "bidirectional", choices=("bidirectional", "causal"),
         doc="flow matching: how the action tokens see each other (pi0: bidirectional; SmolVLA: causal)")
 
+    expert_type: str = setting(
+        "llm", choices=("llm", "dit"),
+        doc="flow matching: llm (pi0, SmolVLA): an action expert built of the backbone's decoder blocks, attending "
+            "to the prefix's keys/values; dit (GR00T N1.7): the backbone's last-layer features pass a LayerNorm and "
+            "vl_layers self-attention blocks once per frame, then a DiT of dit_layers blocks (cross-attention to "
+            "them, to the text rows and the image rows in turn, then self-attention over [state, actions]) is "
+            "integrated from t = 0 (noise) to 1 in num_denoise_steps steps, its time in time_buckets buckets")
+    dit_layers: int = setting(0, min=0, doc="dit: DiT blocks (GR00T N1.7: 32)")
+    dit_heads: int = setting(0, min=0, doc="dit: attention heads of a DiT block (32)")
+    dit_head_dim: int = setting(0, min=0, doc="dit: width of a DiT head (48); the DiT's width is heads x head_dim")
+    dit_hidden_dim: int = setting(0, min=0, doc="dit: the DiT's output width and that of the state encoder's and "
+                                                 "action decoder's hidden layer (1024)")
+    dit_text_every_n_blocks: int = setting(2, min=1, doc="dit: cross-attention block 2k attends to the text rows "
+                                                          "when k is a multiple of it, else to the image rows")
+    vl_layers: int = setting(0, min=0, doc="dit: self-attention blocks over the backbone features (4)")
+    vl_heads: int = setting(0, min=0, doc="dit: their heads (32); heads x vl_head_dim = llm.hidden_dim")
+    vl_head_dim: int = setting(0, min=0, doc="dit: their head width (64)")
+    time_buckets: int = setting(1000, min=1, doc="dit: the flow time t in [0, 1) enters as the bucket int(t x it)")
+    embodiment: int = setting(0, min=0, doc="dit: the embodiment id whose state encoder, action encoder and action "
+                                             "decoder the graphs are built with (GR00T: new_embodiment = 10)")
+    num_embodiments: int = setting(32, min=1, doc="dit: embodiments the checkpoint has encoders for")
+    formalize_language: bool = setting(True, graph=False, doc="dit: the instruction is lower-cased and kept to "
+                                                               "letters, digits, spaces and underscores (GR00T's "
+                                                               "formalize_language)")
+
     def __post_init__(self):
         fast = self.head_type == "autoregressive" and self.token_codec == "fast"
+        self._check_dit()
         flow_fields = (self.time_conditioning, self.expert_attention, self.action_attention)
         if self.head_type != "flow_matching" and flow_fields != ("action_mlp", "joint", "bidirectional"):
             raise ConfigError("action.time_conditioning / expert_attention / action_attention: for flow_matching "
@@ -190,6 +221,44 @@ class ActionConfig:
                 raise ConfigError(f"action.{name}: {len(v)} values given, action_dim is {self.action_dim}")
         if bool(self.norm_q01) != bool(self.norm_q99):
             raise ConfigError("action.norm_q01 / action.norm_q99: give both or neither")
+
+    def _check_dit(self) -> None:
+        dit_fields = ("dit_layers", "dit_heads", "dit_head_dim", "dit_hidden_dim", "vl_heads", "vl_head_dim")
+        if self.expert_type != "dit":
+            given = [n for n in (*dit_fields, "vl_layers", "embodiment") if getattr(self, n)]
+            if given:
+                raise ConfigError(f"action.{given[0]}: for expert_type dit only")
+            return
+        if self.head_type != "flow_matching":
+            raise ConfigError("action.expert_type: dit is a flow-matching head (head_type: flow_matching)")
+        missing = [n for n in dit_fields if not getattr(self, n) and (n[:3] != "vl_" or self.vl_layers)]
+        if missing:
+            raise ConfigError(f"action.{missing[0]}: expert_type dit needs it (> 0)")
+        if self.dit_layers % 2:
+            raise ConfigError(f"action.dit_layers: {self.dit_layers}: the DiT's blocks come in pairs (cross-attention, "
+                              f"then self-attention)")
+        if not self.state_dim or self.state_input != "token":
+            raise ConfigError("action.state_dim: expert_type dit encodes the robot state into its first token: set "
+                              "state_dim (the checkpoint's max_state_dim) and state_input: token")
+        if self.embodiment >= self.num_embodiments:
+            raise ConfigError(f"action.embodiment: {self.embodiment} is not below num_embodiments "
+                              f"({self.num_embodiments})")
+        if (self.time_conditioning, self.expert_attention, self.action_attention) != ("action_mlp", "joint",
+                                                                                        "bidirectional"):
+            raise ConfigError("action.time_conditioning / expert_attention / action_attention: options of the llm "
+                              "expert, not of expert_type dit")
+        if self.relative_mask:
+            raise ConfigError("action.relative_mask: not supported with expert_type dit")
+
+    @property
+    def dit_width(self) -> int:
+        """The DiT's width (GR00T's input_embedding_dim)."""
+        return self.dit_heads * self.dit_head_dim
+
+    @property
+    def dit_cross_blocks(self) -> int:
+        """DiT blocks that cross-attend to the backbone features (the even ones)."""
+        return self.dit_layers // 2
 
     @property
     def published_dim(self) -> int:

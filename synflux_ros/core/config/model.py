@@ -61,7 +61,16 @@ class ModelConfig:
             if ("{state}" in self.tokenizer.prompt_template) != in_prompt:
                 raise ConfigError("tokenizer.prompt_template: {state} places the robot state in the prompt, which "
                                   "goes with action.state_input: prompt" + ("" if in_prompt else " only"))
-        if self.action is not None and self.action.head_type == "flow_matching":
+        if self.groot_dit:
+            if self.vision.architecture != "qwen3_vl" or not self.llm.mrope_section:
+                raise ConfigError("action.expert_type: dit (GR00T N1.7) reads a Qwen3-VL backbone: set "
+                                  "vision.architecture qwen3_vl and llm.mrope_section")
+            if self.llm.prefill_attention != "causal":
+                raise ConfigError("llm.prefill_attention: GR00T N1.7's backbone is causal")
+            if self.action.vl_layers and self.action.vl_heads * self.action.vl_head_dim != self.llm.hidden_dim:
+                raise ConfigError(f"action.vl_heads x vl_head_dim: {self.action.vl_heads} x {self.action.vl_head_dim} "
+                                  f"must equal llm.hidden_dim ({self.llm.hidden_dim})")
+        elif self.action is not None and self.action.head_type == "flow_matching":
             if self.llm.architecture in ("gemma2", "gemma3"):
                 raise ConfigError(f"llm.architecture: {self.llm.architecture}: the action expert of a flow-matching "
                                   f"head is built of the backbone's blocks, which it has for qwen3, qwen2, llama and "
@@ -81,7 +90,7 @@ class ModelConfig:
             raise ConfigError("llm.sliding_window: the window is causal (keys up to sliding_window back); not with "
                               "a bidirectional prefill")
         if self.llm.mrope_section:
-            if self.mode != "vlm":
+            if self.mode != "vlm" and not self.groot_dit:
                 raise ConfigError("llm.mrope_section: multimodal positions are supported for vlm configs only")
             if self.vision is not None and (self.vision.architecture != "qwen3_vl" or self.vision.num_tiles != 1):
                 raise ConfigError("llm.mrope_section: image positions need vision.architecture qwen3_vl with one "
@@ -143,6 +152,12 @@ class ModelConfig:
         contract reads of the execution section."""
         flow = self.mode == "vla" and self.action is not None and self.action.head_type == "flow_matching"
         return flow and self.resolved_execution.guides_inference and self.execution.rtc.guidance == "vjp"
+
+    @property
+    def groot_dit(self) -> bool:
+        """A VLA whose head is GR00T N1.7's DiT (``action.expert_type: dit``): its prefill graphs return the
+        backbone's last features instead of a KV cache."""
+        return self.mode == "vla" and self.action is not None and self.action.expert_type == "dit"
 
     @property
     def prefix_state_dim(self) -> int:
