@@ -169,6 +169,8 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
             (TensorSpec("vision_embeds", (vis.num_tokens, H), F32), *deepstack_out),
             file="vision_encoder.onnx"))
     act = cfg.action
+    if cfg.groot_dit:
+        return graphs + groot_graphs(cfg)
     prefix_state = (TensorSpec("state", (1, cfg.prefix_state_dim), F32),) if cfg.prefix_state_dim else ()
     for p in llm.prefill_buckets:
         graphs.append(GraphMeta(
@@ -210,4 +212,44 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
                      TensorSpec("weights", (1, act.action_horizon, 1), F32), TensorSpec("flow_time", (1,), F32)),
                     (TensorSpec("velocity", chunk, F32), TensorSpec("correction", chunk, F32)),
                     group="action_expert_vjp", file=f"action_expert_vjp_{d}.onnx", attrs={"bucket": d}))
+    return graphs
+
+
+def groot_graphs(cfg: ModelConfig) -> list[GraphMeta]:
+    """GR00T N1.7's graphs after the vision encoder, per prefill bucket p (the prompt, its image rows included,
+    is one call): ``embed_<p>``; ``features_<p>``, the cut backbone over the prompt (causal, multimodal rope,
+    DeepStack) returning its last layer's hidden states before the final norm; ``vl_context_<p>``, once per
+    frame: those features through the VL LayerNorm and self-attention, the keys/values every cross-attention
+    block of the DiT reads of them, the additive masks of the text rows and of the image rows, and the encoded
+    robot state; ``dit_<p>``, each denoising step: the velocity of the noisy chunk at a time bucket."""
+    llm, vis, act = cfg.llm, cfg.vision, cfg.action
+    H, K, ids = llm.hidden_dim, vis.num_deepstack, llm.token_id_dtype
+    C, nh, dh = act.dit_cross_blocks, act.dit_heads, act.dit_head_dim
+    chunk = (1, act.action_horizon, act.action_dim)
+    state_features = TensorSpec("state_features", (1, 1, act.dit_width), F32)
+    graphs = []
+    for p in llm.prefill_buckets:
+        kv = TensorSpec("cross_kv", (C, 2, nh, p, dh), F32)
+        bias = TensorSpec("cross_bias", (2, p), F32)
+        graphs += [
+            GraphMeta(f"embed_{p}", "embed", (TensorSpec("input_ids", (1, p), ids),),
+                      (TensorSpec("inputs_embeds", (1, p, H), F32),), group="embed", file=f"embed_{p}.onnx",
+                      attrs={"bucket": p}),
+            GraphMeta(f"features_{p}", "features",
+                      (TensorSpec("inputs_embeds", (1, p, H), F32), TensorSpec("num_tokens", (1,), I64),
+                       TensorSpec("position_ids", (3, p), I64), *((TensorSpec("deepstack_embeds", (K, p, H), F32),)
+                                                                  if K else ())),
+                      (TensorSpec("features", (1, p, H), F32),), group="features", file=f"features_{p}.onnx",
+                      attrs={"bucket": p}),
+            GraphMeta(f"vl_context_{p}", "vl_context",
+                      (TensorSpec("features", (1, p, H), F32), TensorSpec("num_tokens", (1,), I64),
+                       TensorSpec("image_rows", (1, p), F32), TensorSpec("state", (1, act.state_dim), F32)),
+                      (kv, bias, state_features), group="vl_context", file=f"vl_context_{p}.onnx",
+                      attrs={"bucket": p}),
+            GraphMeta(f"dit_{p}", "dit",
+                      (TensorSpec("noisy_actions", chunk, F32), TensorSpec("timestep", (1,), F32), state_features,
+                       kv, bias),
+                      (TensorSpec("velocity", chunk, F32),), group="dit", file=f"dit_{p}.onnx",
+                      attrs={"bucket": p, "time_buckets": act.time_buckets}),
+        ]
     return graphs

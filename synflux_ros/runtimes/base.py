@@ -107,7 +107,8 @@ class ModelRuntime:
                 load_tokenizer(cfg, graphset.tokenizer_file(gdir, manifest))
             self.vision = VisionEncoder(cfg, self.executor) if cfg.vision is not None else None
             self.backbone = LLMBackbone(cfg, self.executor)
-            self.kv_pool = KVCachePool(self.executor, kv_slots, cfg.llm.kv_shape, cfg.llm.kv_dtype, kv_name)
+            self.kv_pool = KVCachePool(self.executor, kv_slots, cfg.llm.kv_shape, cfg.llm.kv_dtype, kv_name) \
+                if kv_slots else None  # (GR00T's backbone keeps no cache)
             self.executor.freeze()
             self._setup()
         except BaseException:

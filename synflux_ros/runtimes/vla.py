@@ -69,6 +69,7 @@ class Frame:
     state: np.ndarray | None = None  # robot state [action.state_dim] for the action expert (configs with one)
     rtc: Any = None  # flow matching: a RTCGuidance (model.heads.rtc), or a callable giving one, for the head
     raw_actions: np.ndarray | None = None  # the head's output before un-normalisation [horizon, action_dim]
+    prompt: Any = None  # GR00T: the prompt the backbone ran (runtimes.groot)
     holds_arbiter: bool = False  # entered the accelerator arbiter (VLAPipeline), left once it is done
     timings: dict = field(default_factory=dict)
 
@@ -112,6 +113,12 @@ class VLARuntime(StagedVLA, ModelRuntime):
     :class:`VLAPipeline` runs in threads. The instruction is tokenised and embedded once per change."""
 
     mode = "vla"
+
+    def __new__(cls, cfg: ModelConfig, *args, **kwargs):
+        if cls is VLARuntime and getattr(cfg, "groot_dit", False):  # GR00T N1.7: its own stages
+            from .groot import GrootVLARuntime
+            cls = GrootVLARuntime
+        return super().__new__(cls)
 
     def __init__(self, cfg: ModelConfig, executor: Executor | None = None, tokenizer: Tokenizer | None = None):
         # One KV slot per frame that can be between the backbone and the end of the head at once.

@@ -249,6 +249,47 @@ def _run_action_expert_vjp(ex: MockExecutor, meta, ins, outs):
     outs["correction"][...] = e - s * e / max(time_from_embedding(ins["time_embedding"]), 1e-6)
 
 
+def _run_features(ex: MockExecutor, meta, ins, outs):
+    """GR00T's backbone: row i reads rows 0 .. i alone (causal), with their positions and DeepStack maps."""
+    n = int(ins["num_tokens"][0])
+    x = ins["inputs_embeds"][0]
+    if not 1 <= n <= x.shape[0]:
+        raise ValueError(f"{meta.name}: num_tokens {n} outside [1, {x.shape[0]}]")
+    rows = x[:n].astype(np.float32)
+    if "deepstack_embeds" in ins:
+        rows = rows + ins["deepstack_embeds"][:, :n].sum(axis=0)
+    rows = rows + np.float32(1e-3) * ins["position_ids"][:, :n].sum(axis=0)[:, None].astype(np.float32)
+    outs["features"][...] = 0
+    outs["features"][0, :n] = np.tanh(np.cumsum(rows, axis=0) / np.arange(1, n + 1, dtype=np.float32)[:, None])
+
+
+def _run_vl_context(ex: MockExecutor, meta, ins, outs):
+    """GR00T's once-per-frame context: a summary of the valid feature rows in every key/value, the text and image
+    masks, the state's sum in the state features."""
+    n = int(ins["num_tokens"][0])
+    feats = ins["features"][0, :n]
+    kv = outs["cross_kv"]
+    flat = np.resize(np.concatenate([feats.mean(axis=0), feats[-1]]), kv.shape[2:])
+    kv[...] = flat.astype(np.float32)
+    image = ins["image_rows"][0] > 0.5
+    valid = np.arange(image.size) < n
+    outs["cross_bias"][0] = np.where(valid & ~image, 0.0, -1e9)
+    outs["cross_bias"][1] = np.where(valid & image, 0.0, -1e9)
+    outs["state_features"][...] = np.float32(np.tanh(ins["state"].astype(np.float64).sum()))
+
+
+def _run_dit(ex: MockExecutor, meta, ins, outs):
+    """GR00T's DiT: the exact velocity of the straight path from noise (t = 0) to a target that the context and
+    the state features fix (t = timestep / time_buckets)."""
+    kv, bias = ins["cross_kv"], ins["cross_bias"]
+    visible = (bias > -1.0).any(axis=0)  # rows some block reads
+    u = ex._summary(kv[0, 0][:, visible]) + np.float32(ins["state_features"].ravel()[0])
+    x = ins["noisy_actions"]
+    target = np.tanh(0.5 * ex._wave(x.size, u)).reshape(x.shape)
+    t = float(ins["timestep"][0]) / float(meta.attrs.get("time_buckets", 1000))
+    outs["velocity"][...] = (target - x) / max(1.0 - t, 1e-6)
+
+
 def _hidden_of(meta: GraphMeta) -> int:
     if "hidden_dim" not in meta.attrs:
         raise ValueError(f"mock executor: decode graph {meta.name!r} lacks attrs.hidden_dim")
@@ -262,6 +303,9 @@ _KINDS = {
     "decode": _run_decode,
     "action_expert": _run_action_expert,
     "action_expert_vjp": _run_action_expert_vjp,
+    "features": _run_features,
+    "vl_context": _run_vl_context,
+    "dit": _run_dit,
 }
 
 

@@ -31,6 +31,7 @@ from .action_expert import ActionExpert, ActionExpertGraph
 from .action_expert_vjp import ActionExpertVJPGraph
 from .decoder import CausalLM, DecodeGraph, EmbedGraph, PrefillGraph, fuse_projections, init_random, materialize
 from .hf_decoder import hf_llm_fields, load_hf_weights, read_hf_config
+from .lerobot_groot import config_from_lerobot_groot, is_lerobot_groot
 from .lerobot_pi0 import config_from_lerobot_pi0, is_lerobot_pi0, load_lerobot_pi0
 from .lerobot_smolvla import config_from_lerobot_smolvla, is_lerobot_smolvla, load_lerobot_smolvla
 from .qwen3_vl_vision import build_qwen3_vl_vision, vision_config_from_hf
@@ -71,6 +72,8 @@ def config_from_hf(hf_dir: str, base: ModelConfig) -> ModelConfig:
     tower's when ``base`` has ``vision.architecture: qwen3_vl`` (buckets, kv dtype, resolution, action,
     ... kept from ``base``); for a LeRobot pi0 checkpoint, everything it fixes (:mod:`.lerobot_pi0`).
     Raises ConfigError for an unsupported checkpoint."""
+    if is_lerobot_groot(hf_dir):
+        return config_from_lerobot_groot(hf_dir, base)
     if is_lerobot_pi0(hf_dir):
         return config_from_lerobot_pi0(hf_dir, base)
     if is_lerobot_smolvla(hf_dir):
@@ -125,6 +128,10 @@ def _load_lerobot(cfg: ModelConfig, hf_dir: str) -> dict:
 
 def build_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = None) -> GraphModules:
     """One torch module per graph of ``graph_set(cfg)``."""
+    if cfg.groot_dit:
+        from .lerobot_groot import groot_graph_modules
+        modules, tokenizer, source = groot_graph_modules(cfg, seed, hf_dir)
+        return GraphModules(modules, [], tokenizer, source)
     llm = cfg.llm
     rope = None
     model_type = None

@@ -695,7 +695,7 @@ def init_random(module: nn.Module, generator: torch.Generator, std: float = 0.02
                     m.bias.zero_()
             elif isinstance(m, RMSNorm):
                 m.reset_parameters()
-            elif isinstance(m, nn.LayerNorm):
+            elif isinstance(m, nn.LayerNorm) and m.weight is not None:
                 m.weight.fill_(1.0)
                 m.bias.zero_()
             if hasattr(m, "init_extra"):

@@ -429,11 +429,13 @@ _ARCH_FIELDS = ("patch_size", "hidden_dim", "num_layers", "num_heads", "intermed
                 "spatial_merge_size", "deepstack_layers")
 
 
-def build_qwen3_vl_vision(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = None) -> Qwen3VLVision:
+def build_qwen3_vl_vision(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = None,
+                          state_dict: dict | None = None) -> Qwen3VLVision:
     """The ``vision_encoder`` module of ``cfg`` (``vision.architecture == "qwen3_vl"``), in eval mode.
 
     Random weights from ``seed`` unless ``hf_dir`` names a Qwen3-VL checkpoint, whose vision fields must
-    then equal ``cfg``'s (pass ``cfg`` through :func:`vision_config_from_hf` first)."""
+    then equal ``cfg``'s (pass ``cfg`` through :func:`vision_config_from_hf` first); its tensors, or those of
+    ``state_dict`` (names without the ``model.visual.`` prefix: a model that holds the tower elsewhere, GR00T)."""
     vis = cfg.vision
     if vis.architecture != "qwen3_vl":
         raise ConfigError(f"vision.architecture: {vis.architecture!r}, this builder is for 'qwen3_vl'")
@@ -462,7 +464,8 @@ def build_qwen3_vl_vision(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = 
                           f"and spatial_merge_size {dims['spatial_merge_size']}")
     model = Qwen3VLVision(tile_size=vis.tile_size, out_dim=cfg.llm.hidden_dim, **dims, **extra)
     if hf_dir:
-        model.load_hf_state_dict(load_hf_vision_state_dict(hf_dir), source=hf_dir)
+        model.load_hf_state_dict(load_hf_vision_state_dict(hf_dir) if state_dict is None else state_dict,
+                                 source=hf_dir)
     else:
         model.init_random(seed)
     return model.eval()

@@ -1,0 +1,134 @@
+"""GR00T N1.7's DiT head (``action.expert_type: dit``): its config checks, its graph set, and the runtime's three
+stages on the mock executor and on onnxruntime with random weights (exported by synflux-build). Parity with
+LeRobot's GR00T is test/parity/test_groot_lerobot.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from synflux_ros.core.config import ConfigError, from_dict
+from synflux_ros.core.contract import graph_set
+from synflux_ros.runtimes.groot import GrootVLARuntime, formalized
+from synflux_ros.runtimes.vla import VLARuntime
+
+JOINTS = ["a", "b", "c", "d", "e", "f", "g"]
+
+
+def raw(**action) -> dict:
+    act = dict(head_type="flow_matching", expert_type="dit", action_dim=12, action_horizon=8, num_denoise_steps=4,
+               dit_layers=4, dit_heads=2, dit_head_dim=16, dit_hidden_dim=48, vl_layers=2, vl_heads=4, vl_head_dim=16,
+               embodiment=3, num_embodiments=4, state_dim=10, state_joints=JOINTS, output_dim=6,
+               state_norm={"mode": "bounds", "low": [-1.0] * 7, "high": [2.0] * 7, "clip": True},
+               action_norm={"mode": "bounds", "low": [-3.0] * 6, "high": [1.0] * 6, "clip": True})
+    act.update(action)
+    return {"name": "groot-tiny", "mode": "vla",
+            "vision": dict(resolution=[64, 64], tile_size=[64, 64], tokens_per_tile=4, architecture="qwen3_vl",
+                           patch_size=16, hidden_dim=32, num_layers=3, num_heads=2, intermediate_size=64,
+                           spatial_merge_size=2, deepstack_layers=[0, 1], cameras=["base", "wrist"]),
+            "llm": dict(num_layers=2, hidden_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=512,
+                        prefill_buckets=[32, 64], decode_buckets=[64], max_seq_len=64, architecture="qwen3",
+                        mrope_section=[4, 2, 2], tie_word_embeddings=True),
+            "action": act, "executor": {"backend": "mock"}}
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"dit_layers": 3}, "come in pairs"),
+    ({"dit_heads": 0}, "dit_heads: expert_type dit needs it"),
+    ({"embodiment": 4}, "not below num_embodiments"),
+    ({"state_dim": 0, "state_joints": [], "state_norm": None}, "state_dim: expert_type dit"),
+    ({"vl_heads": 3}, "must equal llm.hidden_dim"),
+    ({"time_conditioning": "adarms"}, "not of expert_type dit"),
+    ({"relative_mask": [True] * 6}, "relative_mask: not supported"),
+])
+def test_bad_dit_configs_are_refused_naming_the_field(change, error):
+    with pytest.raises(ConfigError, match=error):
+        from_dict(raw(**change))
+
+
+def test_dit_fields_belong_to_dit_only():
+    r = raw(expert_type="llm")
+    with pytest.raises(ConfigError, match="for expert_type dit only"):
+        from_dict(r)
+
+
+def test_graph_set_has_no_cache_and_one_context_per_bucket():
+    cfg = from_dict(raw())
+    metas = {m.name: m for m in graph_set(cfg)}
+    assert sorted(metas) == sorted(["vision_encoder"] + [f"{k}_{p}" for p in (32, 64)
+                                                        for k in ("embed", "features", "vl_context", "dit")])
+    assert not any(s.name == "past_kv" for m in metas.values() for s in m.inputs)
+    ctx = metas["vl_context_64"]
+    assert ctx.output("cross_kv").shape == (2, 2, 2, 64, 16)  # 2 cross blocks, k and v, 2 heads, rows, head width
+    assert metas["dit_32"].input("noisy_actions").shape == (1, 8, 12)
+
+
+def test_formalized_instruction():
+    assert formalized("Pick up the RED cube, then place it!  x_y") == "pick up the red cube then place it  x_y"
+
+
+def frame(seed: int, cfg):
+    rng = np.random.default_rng(seed)
+    images = [rng.integers(0, 256, (48, 80, 3), dtype=np.uint8) for _ in range(2)]
+    state = np.zeros(cfg.action.state_dim, np.float32)
+    state[:7] = rng.uniform(-1.0, 2.0, 7)
+    return images, state
+
+
+def test_mock_runtime_runs_the_three_stages_and_integrates_from_noise_to_data():
+    cfg = from_dict(raw())
+    rt = VLARuntime(cfg)
+    assert isinstance(rt, GrootVLARuntime) and rt.kv_pool is None
+    images, state = frame(0, cfg)
+    a = rt.infer(images, seq=1, state=state)
+    assert a.actions.shape == (8, 6) and np.isfinite(a.actions).all()
+    # the mock's velocity is the exact one of the straight path from the noise (t = 0) to its target (t = 1):
+    # integrated over t = 0, 1/4, 2/4, 3/4 it lands on the target whatever the noise
+    b = rt.infer(images, seq=2, state=state)
+    np.testing.assert_allclose(a.raw_actions, b.raw_actions, atol=1e-5)
+    assert not np.allclose(rt.head.initial_noise(1), rt.head.initial_noise(2))
+    # the state, an image and the instruction each move the result
+    other = rt.infer(images, seq=1, state=state + np.r_[np.full(7, 0.3, np.float32), np.zeros(3, np.float32)])
+    assert np.abs(other.raw_actions - a.raw_actions).max() > 1e-3
+    moved = rt.infer([images[0], 255 - images[1]], seq=1, state=state)
+    assert np.abs(moved.raw_actions - a.raw_actions).max() > 1e-3
+    rt.set_instruction("stack the blocks")
+    assert np.abs(rt.infer(images, seq=1, state=state).raw_actions - a.raw_actions).max() > 1e-3
+
+
+def test_prompt_is_the_chat_of_every_camera_then_the_instruction():
+    cfg = from_dict(raw())
+    rt = VLARuntime(cfg)
+    tokens = rt.prompt_tokens("Pick it UP!")
+    rows = [t for t in tokens if not isinstance(t, int)]
+    assert rows == [(c, r) for c in range(2) for r in range(4)]
+    text = rt.tokenizer.decode([t for t in tokens if isinstance(t, int)])
+    assert text == "user\npick it up\n"  # formalized; the special tokens are no bytes: they decode to nothing
+    with pytest.raises(ValueError, match="over the largest prefill bucket"):
+        rt.set_instruction("x" * 60)
+    assert rt.instruction == "pick up the object"  # the refused one left the last in force
+
+
+def test_missing_state_and_rtc_are_refused():
+    cfg = from_dict(raw())
+    rt = VLARuntime(cfg)
+    images, state = frame(1, cfg)
+    with pytest.raises(ValueError, match="robot state"):
+        rt.infer(images, seq=1)
+    with pytest.raises(ValueError, match="Real-Time Chunking"):
+        rt.infer(images, seq=1, state=state, rtc=object())
+
+
+def test_onnxruntime_graphs_run_with_random_weights(tmp_path):
+    pytest.importorskip("torch", reason="synflux-build needs torch")
+    pytest.importorskip("onnxruntime")
+    from synflux_ros.buildtool.export import build
+    cfg = from_dict(raw())
+    build(cfg, str(tmp_path))
+    rt = VLARuntime(cfg.with_overrides(executor={"backend": "onnxruntime", "graph_dir": str(tmp_path)}))
+    images, state = frame(2, cfg)
+    a, b = rt.infer(images, seq=1, state=state), rt.infer(images, seq=1, state=state)
+    np.testing.assert_array_equal(a.actions, b.actions)
+    c = rt.infer(images, seq=2, state=state)  # other noise, other chunk (a real DiT, unlike the mock)
+    assert np.abs(c.raw_actions - a.raw_actions).max() > 1e-4
+    # the clipped min-max un-normalisation: model outputs beyond [-1, 1] publish at the bounds
+    assert (a.actions >= -3.0 - 1e-6).all() and (a.actions <= 1.0 + 1e-6).all()
