@@ -68,9 +68,10 @@ $(RKNN_VENV)/.stamp-rknn: requirements-rknn.txt
 	$(RKNN_PY) -c "from rknn.api import RKNN; import numpy, torch; print('rknn-toolkit2 ready: numpy', numpy.__version__, 'torch', torch.__version__)"
 	touch $@
 
-# $(call reference_venv,venv,its python,the python that makes it,requirements file): a LeRobot reference venv.
-# The lerobot line of the file is installed with --no-deps and every other line with the whole file as
-# constraints (nothing can pull another torch); then the reference scripts check that they run there.
+# $(call reference_venv,venv,its python,the python that makes it,requirements file[,reference scripts of this
+# venv only]): a LeRobot reference venv. The lerobot line of the file is installed with --no-deps and every other
+# line with the whole file as constraints (nothing can pull another torch); then the reference scripts that run in
+# every such venv, and the fifth argument's, check that they run there.
 define reference_venv
 	$(3) -m venv $(1)
 	$(2) -m pip install --quiet --upgrade "pip>=23"
@@ -78,7 +79,7 @@ define reference_venv
 	$(2) -m pip install --quiet -c $(1)/deps.txt -r $(1)/deps.txt
 	$(2) -m pip install --quiet --no-deps $$(grep -E '^lerobot' $(4))
 	: > $(1)/check.log
-	for s in lerobot_pi0 lerobot_smolvla lerobot_pi0_fast; do \
+	for s in lerobot_pi0 lerobot_smolvla lerobot_pi0_fast $(5); do \
 	  $(2) test/reference/$$s.py check 2>> $(1)/check.log || { cat $(1)/check.log; exit 1; }; done
 	touch $@
 endef
@@ -100,7 +101,8 @@ $(PI0REF_VENV)/.stamp-pi0ref: requirements-pi0ref.txt
 # CPU in a venv of its own on Python 3.12 (LeRobot 0.5+ needs it), torch 2.11 and transformers 5.5 within what
 # LeRobot 0.6.1 declares. As for .venv-pi0ref, the lerobot line of requirements-lerobot06.txt is installed with
 # --no-deps and every other line with the whole file as constraints; the same reference scripts run in both
-# venvs (test/reference/lerobot_pi0.py tells the versions apart).
+# venvs (test/reference/lerobot_pi0.py tells the versions apart), and GR00T N1.7's (lerobot_groot.py) only here:
+# LeRobot 0.4.4 has GR00T N1.5, which 0.6 removed.
 LEROBOT06_VENV := .venv-lerobot06
 LEROBOT06_PY := $(abspath $(LEROBOT06_VENV))/bin/python
 .PHONY: lerobot06-venv
@@ -109,7 +111,7 @@ lerobot06-venv: $(LEROBOT06_VENV)/.stamp-lerobot06
 $(LEROBOT06_VENV)/.stamp-lerobot06: requirements-lerobot06.txt
 	@[ -n "$(PYTHON)" ] || { echo "make: Python 3.12 not found (LeRobot 0.6 needs it): pyenv install 3.12, \
 	or make PYTHON=/path/to/python3.12"; exit 1; }
-	$(call reference_venv,$(LEROBOT06_VENV),$(LEROBOT06_PY),$(PYTHON),requirements-lerobot06.txt)
+	$(call reference_venv,$(LEROBOT06_VENV),$(LEROBOT06_PY),$(PYTHON),requirements-lerobot06.txt,lerobot_groot)
 
 # The tests import the installed package (with its generated messages), not the source tree.
 # The RKNN venv is a prerequisite so that the rknn backend tests run (they skip without it); the pi0 reference
