@@ -166,9 +166,7 @@ class GrootVLARuntime(VLARuntime):
         frame.logits = None
         if callable(frame.rtc):
             frame.rtc = frame.rtc()
-        if frame.rtc is not None:
-            raise ValueError("Real-Time Chunking is not available for GR00T's DiT head yet (execution.mode rtc)")
-        actions = self.head(context, frame.seq)
+        actions = self.head(context, frame.seq, frame.rtc)
         frame.raw_actions = actions
         actions = self.maps.actions_out(actions, frame.state)
         frame.actions = unnormalize(actions, self.cfg.action)

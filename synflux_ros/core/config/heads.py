@@ -144,6 +144,9 @@ class ActionConfig:
     embodiment: int = setting(0, min=0, doc="dit: the embodiment id whose state encoder, action encoder and action "
                                              "decoder the graphs are built with (GR00T: new_embodiment = 10)")
     num_embodiments: int = setting(32, min=1, doc="dit: embodiments the checkpoint has encoders for")
+    rtc_ramp_rate: float = setting(6.0, min=0.0, graph=False, doc="dit: Real-Time Chunking's ramp of the velocity "
+                                                                   "over the rows after the frozen ones "
+                                                                   "(1 - exp(-rate u), GR00T's rtc_ramp_rate)")
     formalize_language: bool = setting(True, graph=False, doc="dit: the instruction is lower-cased and kept to "
                                                                "letters, digits, spaces and underscores (GR00T's "
                                                                "formalize_language)")

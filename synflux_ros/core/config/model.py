@@ -67,6 +67,9 @@ class ModelConfig:
                                   "vision.architecture qwen3_vl and llm.mrope_section")
             if self.llm.prefill_attention != "causal":
                 raise ConfigError("llm.prefill_attention: GR00T N1.7's backbone is causal")
+            if self.resolved_execution.guides_inference and self.execution.rtc.guidance != "lerobot":
+                raise ConfigError("execution.rtc.guidance: GR00T's DiT head runs GR00T's own Real-Time Chunking "
+                                  "(lerobot: the leftover written over the first rows, their velocity ramped)")
             if self.action.vl_layers and self.action.vl_heads * self.action.vl_head_dim != self.llm.hidden_dim:
                 raise ConfigError(f"action.vl_heads x vl_head_dim: {self.action.vl_heads} x {self.action.vl_head_dim} "
                                   f"must equal llm.hidden_dim ({self.llm.hidden_dim})")

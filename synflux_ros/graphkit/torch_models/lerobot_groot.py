@@ -162,6 +162,7 @@ def config_from_lerobot_groot(hf_dir: str, base: ModelConfig) -> ModelConfig:
         time_buckets=int(g.get("num_timestep_buckets", 1000)), embodiment=embodiment,
         num_embodiments=int(g.get("max_num_embodiments", 32)), state_dim=max_state, state_joints=joints,
         state_input="token", output_dim=action_true, formalize_language=bool(pc.get("formalize_language", True)),
+        rtc_ramp_rate=float(top.get("rtc_ramp_rate") or g.get("rtc_ramp_rate", 6.0)),
         **{k: v for k, v in norms.items() if v})
     if int(dit.get("num_attention_heads", 32)) * int(dit.get("attention_head_dim", 48)) != \
             int(g.get("input_embedding_dim", 1536)):

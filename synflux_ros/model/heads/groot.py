@@ -5,6 +5,13 @@ values of its cross-attention, the masks of the text and image rows) and encodes
 then ``num_denoise_steps`` Euler steps of ``dit_<p>`` integrate seeded Gaussian noise from t = 0 to 1:
 step k runs at the time bucket ``int(k / N * time_buckets)`` and adds ``(1 / N) * velocity``. GR00T's
 direction is the opposite of pi0's (noise at 0, actions at 1).
+
+Real-Time Chunking is GR00T's own (LeRobot 0.6.1's ``GrootPolicy`` with ``prev_chunk_left_over``), not a
+guided velocity: the leftover of the previous chunk (its trailing all-zero rows dropped, at most a horizon) is
+written over the first ``overlap = min(its length, execution_horizon)`` rows of the initial noise (its last
+``overlap`` rows), and each step's velocity is scaled per row: 0 for the ``min(inference_delay, overlap)`` rows
+executed before the chunk arrives (they stay the leftover), then a ramp ``1 - exp(-rtc_ramp_rate * u)``
+normalised to end at 1, over u evenly spaced in (0, 1) for the rows up to ``overlap``, 1 after them.
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ import numpy as np
 
 from ...core.config import ModelConfig
 from ...core.executor import Executor
+from .rtc import RTCGuidance
 
 
 class GrootDiTHead:
@@ -26,6 +34,7 @@ class GrootDiTHead:
         n = act.num_denoise_steps
         self.dt = 1.0 / n
         self.buckets = [np.array([int(k / float(n) * act.time_buckets)], np.float32) for k in range(n)]
+        self.ramp_rate = np.float32(act.rtc_ramp_rate)
 
     def initial_noise(self, seed: int) -> np.ndarray:
         return np.random.default_rng(seed).standard_normal(self.shape).astype(np.float32)
@@ -44,17 +53,53 @@ class GrootDiTHead:
         return {"bucket": bucket, "cross_kv": out["cross_kv"], "cross_bias": out["cross_bias"],
                 "state_features": out["state_features"]}
 
-    def denoise(self, context: dict, noise: np.ndarray) -> np.ndarray:
-        """``noise`` [1, horizon, action_dim] -> the normalised chunk [horizon, action_dim]."""
+    def rtc_start(self, noise: np.ndarray, rtc: RTCGuidance) -> tuple[np.ndarray, np.ndarray | None]:
+        """The initial actions and the per-row velocity scale [1, horizon, 1] of GR00T's Real-Time Chunking (None:
+        the leftover holds no row, plain denoising)."""
+        if not isinstance(rtc, RTCGuidance):
+            raise TypeError(f"rtc: expected an RTCGuidance, got {type(rtc).__name__}")
+        if rtc.flavour != "lerobot":
+            raise ValueError(f"rtc flavour {rtc.flavour}: GR00T's DiT head runs GR00T's own Real-Time Chunking "
+                             f"(execution.rtc.guidance: lerobot)")
+        _, horizon, dims = self.shape
+        prev = rtc.prev_chunk
+        if prev.shape[1] > dims:
+            raise ValueError(f"rtc prev_chunk: {prev.shape[1]} dimensions, the model's chunk has {dims} "
+                             f"(action_dim)")
+        rows = np.flatnonzero(np.abs(prev).sum(axis=1) > 0)
         x = np.array(noise, np.float32, copy=True).reshape(self.shape)
+        if rows.size == 0:  # trailing all-zero rows are padding, as GR00T reads a leftover
+            return x, None
+        prev = prev[:rows[-1] + 1][-horizon:]
+        steps = prev.shape[0]
+        overlap = min(steps, rtc.execution_horizon)
+        frozen = min(rtc.inference_delay, overlap)
+        x[0, :overlap] = 0.0
+        x[0, :overlap, :prev.shape[1]] = prev[steps - overlap:]
+        scale = np.ones((1, horizon, 1), np.float32)
+        scale[0, :frozen] = 0.0
+        u = np.linspace(0.0, 1.0, overlap - frozen + 2, dtype=np.float32)
+        ramp = np.float32(1.0) - np.exp(-self.ramp_rate * u)
+        ramp = ramp / max(ramp[-1], np.float32(1e-8))
+        scale[0, frozen:overlap, 0] = ramp[1:-1]
+        return x, scale
+
+    def denoise(self, context: dict, noise: np.ndarray, rtc: RTCGuidance | None = None) -> np.ndarray:
+        """``noise`` [1, horizon, action_dim] -> the normalised chunk [horizon, action_dim]; ``rtc`` continues the
+        previous chunk (see the module docstring)."""
+        if rtc is not None:
+            x, scale = self.rtc_start(noise, rtc)
+        else:
+            x, scale = np.array(noise, np.float32, copy=True).reshape(self.shape), None
         feeds = {"noisy_actions": x, "state_features": context["state_features"],
                  "cross_kv": context["cross_kv"], "cross_bias": context["cross_bias"]}
         graph = f"dit_{context['bucket']}"
         dt = np.float32(self.dt)
         for t in self.buckets:
             feeds["timestep"] = t
-            x += dt * self.ex.run(graph, feeds)["velocity"]
+            step = dt * self.ex.run(graph, feeds)["velocity"]
+            x += step if scale is None else step * scale
         return x[0]
 
-    def __call__(self, context: dict, seq: int) -> np.ndarray:
-        return self.denoise(context, self.initial_noise(self.seed + seq))
+    def __call__(self, context: dict, seq: int, rtc: RTCGuidance | None = None) -> np.ndarray:
+        return self.denoise(context, self.initial_noise(self.seed + seq), rtc)

@@ -8,6 +8,7 @@ import pytest
 
 from synflux_ros.core.config import ConfigError, from_dict
 from synflux_ros.core.contract import graph_set
+from synflux_ros.model.heads.rtc import RTCGuidance
 from synflux_ros.runtimes.groot import GrootVLARuntime, formalized
 from synflux_ros.runtimes.vla import VLARuntime
 
@@ -108,14 +109,44 @@ def test_prompt_is_the_chat_of_every_camera_then_the_instruction():
     assert rt.instruction == "pick up the object"  # the refused one left the last in force
 
 
-def test_missing_state_and_rtc_are_refused():
+def test_missing_state_is_refused():
     cfg = from_dict(raw())
     rt = VLARuntime(cfg)
-    images, state = frame(1, cfg)
+    images, _ = frame(1, cfg)
     with pytest.raises(ValueError, match="robot state"):
         rt.infer(images, seq=1)
-    with pytest.raises(ValueError, match="Real-Time Chunking"):
-        rt.infer(images, seq=1, state=state, rtc=object())
+
+
+def test_real_time_chunking_is_groots_own():
+    """The leftover's last rows replace the first rows of the noise; the rows executed before the chunk arrives
+    keep it exactly, the ramped ones move less than free ones; vjp and a wider leftover are refused."""
+    cfg = from_dict(raw())
+    rt = VLARuntime(cfg)
+    images, state = frame(3, cfg)
+    plain = rt.infer(images, seq=4, state=state).raw_actions
+    prev = np.random.default_rng(0).uniform(-1, 1, (6, 6)).astype(np.float32)
+    guided = rt.infer(images, seq=4, state=state, rtc=RTCGuidance(prev, 2, 5)).raw_actions
+    np.testing.assert_array_equal(guided[:2, :6], prev[1:3])  # overlap 5: the leftover's last 5 rows, 2 frozen
+    np.testing.assert_array_equal(guided[:2, 6:], 0.0)  # its padded dimensions
+    np.testing.assert_allclose(guided[5:], plain[5:], atol=1e-6)  # the mock's rows after the overlap: free
+    start, scale = rt.head.rtc_start(rt.head.initial_noise(1), RTCGuidance(prev, 2, 5))
+    assert scale[0, :, 0].tolist()[:2] == [0.0, 0.0] and scale[0, 5:, 0].tolist() == [1.0] * 3
+    assert 0.0 < scale[0, 2, 0] < scale[0, 3, 0] < scale[0, 4, 0] < 1.0
+    # trailing all-zero rows are padding: the same as the leftover without them
+    padded = np.r_[prev, np.zeros((2, 6), np.float32)]
+    again = rt.infer(images, seq=4, state=state, rtc=RTCGuidance(padded, 2, 5)).raw_actions
+    np.testing.assert_array_equal(again, guided)
+    with pytest.raises(ValueError, match="GR00T's own Real-Time Chunking"):
+        rt.infer(images, seq=4, state=state, rtc=RTCGuidance(prev, 2, 5, flavour="vjp"))
+    with pytest.raises(ValueError, match="13 dimensions"):
+        rt.infer(images, seq=4, state=state, rtc=RTCGuidance(np.ones((3, 13), np.float32), 1, 3))
+
+
+def test_vjp_guidance_is_refused_at_load():
+    r = raw()
+    r["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
+    with pytest.raises(ConfigError, match="GR00T's DiT head runs GR00T's own"):
+        from_dict(r)
 
 
 def test_onnxruntime_graphs_run_with_random_weights(tmp_path):
