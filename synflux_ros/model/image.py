@@ -289,6 +289,139 @@ class _Plan:
         np.right_shift(acc, 8, out=interior, casting="unsafe")
 
 
+def _keys_cubic(x: np.ndarray) -> np.ndarray:
+    """Keys' cubic convolution kernel with a = -0.5 at the float64 offsets ``x`` (zero beyond 2)."""
+    a = -0.5
+    x = np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
+
+
+def _cubic_taps(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(first, taps, precision)`` of :func:`cubic_weights`: output ``i`` reads inputs ``first[i] + k`` with the
+    integer weights ``taps[i, k]`` (zero past the frame's edge)."""
+    scale = n_in / n_out
+    support = 2.0 * scale if scale >= 1.0 else 2.0
+    size = int(np.ceil(support)) * 2 + 1
+    inverse = 1.0 / scale if scale >= 1.0 else 1.0
+    centre = scale * (np.arange(n_out, dtype=np.int64) + 0.5)
+    first = np.maximum(np.trunc(centre - support + 0.5), 0).astype(np.int64)
+    count = np.clip(np.minimum(np.trunc(centre + support + 0.5).astype(np.int64), n_in) - first, 0, size)
+    k = np.arange(size, dtype=np.int64)
+    inside = k[None, :] < count[:, None]
+    offsets = ((k[None, :] + first[:, None]) - centre[:, None] + 0.5) * inverse
+    w = np.where(inside, _keys_cubic(offsets), 0.0)
+    total = np.zeros(n_out)
+    for j in range(size):  # summed tap by tap, in order, as the reference does
+        total += w[:, j]
+    w = np.divide(w, total[:, None], out=w, where=total[:, None] != 0.0)
+    largest = float(w.max())
+    precision = 0
+    while precision < 22 and int(0.5 + largest * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    scaled = w * float(1 << precision)
+    fixed = np.where(scaled < 0, np.trunc(scaled - 0.5), np.trunc(scaled + 0.5))
+    return first, np.where(inside, fixed, 0.0).astype(np.int64), precision
+
+
+def cubic_weights(n_in: int, n_out: int) -> tuple[np.ndarray, int]:
+    """Fixed-point weights of the antialiased bicubic resize of one axis from ``n_in`` to ``n_out`` pixels.
+
+    Returns ``(weights, precision)``: ``weights`` is an ``[n_out, n_in]`` int64 matrix; each output pixel is
+    ``(weights @ column + 2**(precision-1)) >> precision``, clipped to 0..255.  This follows torch's uint8
+    antialiased bicubic: output ``i`` is centred on input coordinate ``c = s * (i + 0.5)`` with
+    ``s = n_in / n_out``; its taps are the inputs ``j`` from ``int(c - support + 0.5)`` (at least 0) to before
+    ``int(c + support + 0.5)`` (at most ``n_in``), where the support is 2, or ``2 s`` when downscaling, and tap
+    ``j`` weighs ``cubic((j + 0.5 - c) / max(s, 1))`` (Keys, a = -0.5); the taps are normalised to sum 1 and
+    scaled by the largest power of two that keeps the largest weight of the axis below 2**15, rounded half away
+    from zero.  Every step is the same float64 operation in the same order, so the integers equal torch's.
+    """
+    first, taps, precision = _cubic_taps(n_in, n_out)
+    weights = np.zeros((n_out, n_in), np.int64)
+    for k in range(taps.shape[1]):
+        used = taps[:, k] != 0
+        weights[np.flatnonzero(used), first[used] + k] = taps[used, k]
+    return weights, precision
+
+
+class _CubicPass:
+    """One axis of one bicubic resize, its outputs cut to ``start:start + size``: per tap ``k`` the input index
+    and the int32 weight of every output, or a plain slice when the axis keeps its size (the identity)."""
+
+    def __init__(self, n_in: int, n_out: int, start: int, size: int) -> None:
+        self.rows = slice(start, start + size)
+        self.identity = n_in == n_out
+        if not self.identity:
+            first, taps, precision = _cubic_taps(n_in, n_out)
+            first, taps = first[self.rows], taps[self.rows]
+            used = np.flatnonzero(taps.any(axis=0))
+            taps = taps[:, : used[-1] + 1] if used.size else taps[:, :1]
+            self.index = [np.minimum(first + k, n_in - 1).astype(np.intp) for k in range(taps.shape[1])]
+            self.weights = [np.ascontiguousarray(taps[:, k], dtype=np.int32) for k in range(taps.shape[1])]
+            self.half = 1 << (precision - 1)
+            self.precision = precision
+
+    def run(self, x: np.ndarray, axis: int, out: np.ndarray, scratch: np.ndarray) -> None:
+        """Resample ``x`` (int32 planes) along ``axis`` (1: rows, 2: columns) into ``out`` (int32 0..255)."""
+        for k, (index, weight) in enumerate(zip(self.index, self.weights)):
+            w = weight if axis == 2 else weight[:, None]
+            target = out if k == 0 else scratch
+            np.take(x, index, axis=axis, out=target, mode="clip")
+            np.multiply(target, w, out=target)
+            if k:
+                np.add(out, scratch, out=out)
+        np.add(out, self.half, out=out)
+        np.right_shift(out, self.precision, out=out)
+        np.clip(out, 0, 255, out=out)
+
+
+class _CubicPlan:
+    """Antialiased bicubic resize tables and buffers for one input size (internal).
+
+    The frame (``h x w``) is resized to ``first`` (rows x cols), the window ``crop`` (top, left, rows, cols) is
+    kept and, when ``second`` is given, resized again to it; the result lands in the ``(3, *shape)`` window of the
+    canvas at ``(top, left)``.  Each axis of each resize is a sum over its taps of gathered int32 planes times
+    the weights (exact integers, as torch's), rounded to uint8 by a shift; width first, as torch.
+    """
+
+    def __init__(self, h: int, w: int, top: int, left: int, first: tuple[int, int],
+                 crop: tuple[int, int, int, int] | None, second: tuple[int, int] | None) -> None:
+        crop_top, crop_left, crop_h, crop_w = crop if crop else (0, 0, *first)
+        self.passes = [(2, _CubicPass(w, first[1], crop_left, crop_w)),
+                       (1, _CubicPass(h, first[0], crop_top, crop_h))]
+        shape = (crop_h, crop_w)
+        if second is not None and second != shape:
+            self.passes += [(2, _CubicPass(crop_w, second[1], 0, second[1])),
+                            (1, _CubicPass(crop_h, second[0], 0, second[0]))]
+            shape = second
+        self.shape = shape
+        self.window = (slice(None), slice(top, top + shape[0]), slice(left, left + shape[1]))
+        self.planes = np.empty((3, h, w), np.int32)
+        self.buffers = []
+        rows, cols = h, w
+        for axis, step in self.passes:
+            if axis == 2:
+                cols = step.rows.stop - step.rows.start
+            else:
+                rows = step.rows.stop - step.rows.start
+            # Each pass writes its own contiguous buffer (a kept slice is copied), with a scratch plane.
+            self.buffers.append((np.empty((3, rows, cols), np.int32), np.empty((3, rows, cols), np.int32)))
+
+    def run(self, rgb: np.ndarray, canvas: np.ndarray) -> None:
+        np.copyto(self.planes, rgb.transpose(2, 0, 1))
+        x = self.planes
+        for (axis, step), (out, scratch) in zip(self.passes, self.buffers):
+            if step.identity:
+                if out.shape != x.shape:
+                    np.copyto(out, x[:, :, step.rows] if axis == 2 else x[:, step.rows])
+                    x = out
+            else:
+                step.run(x, axis, out, scratch)
+                x = out
+        np.copyto(canvas[self.window], x, casting="unsafe")
+
+
 class Preprocessor:
     """Resize, tile and normalise RGB frames into float32 model input.
 
@@ -305,6 +438,13 @@ class Preprocessor:
     the neighbour-gather temporary of bilinear mode and, in nearest mode, a
     packed copy of a non-contiguous input.  Instances are not thread-safe;
     use one per thread.
+
+    In bicubic mode the frame is resampled as torchvision resamples a uint8
+    tensor on the CPU (see :func:`cubic_weights`): per axis a sum over the
+    taps of gathered int32 planes, rounded to uint8 after each; with a crop
+    (``spec.cropped``) the frame is stretched to a square, centre-cropped and
+    resized again (LeRobot GR00T N1.7), only the kept rows and columns of the
+    square being computed.
     """
 
     def __init__(self, spec: PreprocessSpec, max_cached_sizes: int = 4) -> None:
@@ -313,7 +453,7 @@ class Preprocessor:
         th, tw = spec.tile_size
         gh, gw = spec.grid
         self._max_cached = max(1, int(max_cached_sizes))
-        self._plans: OrderedDict[tuple[int, int], _Plan] = OrderedDict()
+        self._plans: OrderedDict[tuple[int, int], _Plan | _CubicPlan] = OrderedDict()
         self._active: tuple[int, int] | None = None
         self._canvas = np.full((3, height, width), spec.pad_value, np.uint8)
         # Canvas seen as (grid_row, grid_col, channel, th, tw): the output tile layout.
@@ -354,14 +494,21 @@ class Preprocessor:
         new_w = min(width, max(1, round(w * scale)))
         return scale, (height - new_h) // 2, (width - new_w) // 2, new_h, new_w
 
-    def _plan(self, h: int, w: int) -> _Plan:
+    def _plan(self, h: int, w: int) -> _Plan | _CubicPlan:
         plan = self._plans.get((h, w))
         if plan is None:
-            if self._spec.resize in ("letterbox", "letterbox_bottom_right"):
+            spec = self._spec
+            if spec.resize in ("letterbox", "letterbox_bottom_right"):
                 _, top, left, new_h, new_w = self.letterbox_params(h, w)
             else:
-                (new_h, new_w), top, left = self._spec.resolution, 0, 0
-            plan = _Plan(h, w, top, left, new_h, new_w, self._spec.interpolation)
+                (new_h, new_w), top, left = spec.resolution, 0, 0
+            if spec.cropped:
+                edge, offset, side = spec.crop_window()
+                plan = _CubicPlan(h, w, 0, 0, (edge, edge), (offset, offset, side, side), spec.resolution)
+            elif spec.interpolation == "bicubic":
+                plan = _CubicPlan(h, w, top, left, (new_h, new_w), None, None)
+            else:
+                plan = _Plan(h, w, top, left, new_h, new_w, spec.interpolation)
             self._plans[(h, w)] = plan
             if len(self._plans) > self._max_cached:
                 self._plans.popitem(last=False)

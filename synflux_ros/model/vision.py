@@ -32,7 +32,8 @@ class VisionEncoder:
         self.num_tokens = v.num_tokens
         self.preprocess = Preprocessor(PreprocessSpec(
             resolution=tuple(v.resolution), tile_size=tuple(v.tile_size), resize=v.resize,
-            pad_value=v.pad_value, mean=tuple(v.mean), std=tuple(v.std), interpolation=v.interpolation))
+            pad_value=v.pad_value, mean=tuple(v.mean), std=tuple(v.std), interpolation=v.interpolation,
+            crop_fraction=v.crop_fraction, crop_edge=v.crop_edge))
 
     def encode(self, pixel_values: np.ndarray) -> np.ndarray:
         """Preprocessed tiles [T, 3, th, tw] -> vision embeddings [num_tokens, H]."""

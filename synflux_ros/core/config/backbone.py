@@ -55,8 +55,25 @@ class PreprocessSpec:
             ``(x / 255 - mean) / std``.
         interpolation: ``"bilinear"`` (half-pixel centres, no antialiasing,
             8-bit fixed point: within 1.5 grey levels of exact float
-            bilinear) or ``"nearest"`` (about 3x faster).  Unused when the
-            input already has the target resolution.
+            bilinear), ``"nearest"`` (about 3x faster) or ``"bicubic"``:
+            Keys' cubic with a = -0.5, antialiased (when downscaling by s the
+            kernel is stretched by s, its support widened from 2 to 2s input
+            pixels), weights normalised to sum 1 over the taps inside the
+            frame, in the 16-bit fixed point of torch's uint8 kernel with a
+            uint8 result after each axis, width first: equal, pixel for pixel,
+            to torchvision's ``v2.functional.resize(BICUBIC, antialias=True)``
+            of a uint8 tensor on the CPU (LeRobot GR00T N1.7's geometry).
+            Unused when the input already has the target resolution.
+        crop_fraction: ``1.0`` (the default) keeps the whole frame.  Below 1
+            (``"bicubic"`` and ``"stretch"`` only), the frame is first
+            stretched to a square of ``crop_edge``, a centred window of
+            ``round(crop_fraction * crop_edge)`` pixels per side is kept (its
+            offset floored) and that window is resized to ``resolution``:
+            LeRobot GR00T N1.7's centre crop (``230 / 256``).
+        crop_edge: side of that first square (LeRobot GR00T's
+            ``shortest_image_edge``); ``0`` = the height of ``resolution``.
+            A positive value makes the two-step resize happen even with
+            ``crop_fraction`` 1.
     """
 
     resolution: tuple[int, int]
@@ -66,9 +83,11 @@ class PreprocessSpec:
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     interpolation: str = "bilinear"
+    crop_fraction: float = 1.0
+    crop_edge: int = 0
 
     RESIZE_MODES: ClassVar[tuple[str, ...]] = ("letterbox", "letterbox_bottom_right", "stretch")
-    INTERPOLATIONS: ClassVar[tuple[str, ...]] = ("bilinear", "nearest")
+    INTERPOLATIONS: ClassVar[tuple[str, ...]] = ("bilinear", "nearest", "bicubic")
 
     def __post_init__(self) -> None:
         res = _pair(self.resolution, "resolution")
@@ -81,6 +100,18 @@ class PreprocessSpec:
             raise ValueError(
                 f"interpolation must be one of {self.INTERPOLATIONS}, got {self.interpolation!r}"
             )
+        try:
+            fraction = float(self.crop_fraction)
+        except (TypeError, ValueError):
+            raise ValueError(f"crop_fraction must be a number in (0, 1], got {self.crop_fraction!r}") from None
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"crop_fraction must be a number in (0, 1], got {self.crop_fraction!r}")
+        edge = self.crop_edge
+        if isinstance(edge, bool) or not isinstance(edge, (int, np.integer)) or edge < 0:
+            raise ValueError(f"crop_edge must be an integer >= 0, got {self.crop_edge!r}")
+        if (fraction < 1.0 or edge) and (self.interpolation, self.resize) != ("bicubic", "stretch"):
+            raise ValueError(f"crop_fraction {fraction} / crop_edge {edge} need interpolation 'bicubic' and resize "
+                             f"'stretch', got {self.interpolation!r} and {self.resize!r}")
         pad = self.pad_value
         if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or not 0 <= pad <= 255:
             raise ValueError(f"pad_value must be an integer in 0..255, got {self.pad_value!r}")
@@ -88,8 +119,22 @@ class PreprocessSpec:
         if not all(np.isfinite(mean)) or not all(s > 0 and np.isfinite(s) for s in std):
             raise ValueError(f"mean must be finite and std positive, got mean {mean}, std {std}")
         for name, value in (("resolution", res), ("tile_size", tile), ("mean", mean),
-                            ("std", std), ("pad_value", int(pad))):
+                            ("std", std), ("pad_value", int(pad)), ("crop_fraction", fraction),
+                            ("crop_edge", int(edge))):
             object.__setattr__(self, name, value)
+
+    @property
+    def cropped(self) -> bool:
+        """Whether the frame goes through the square resize and centre crop before the resize to resolution."""
+        return self.crop_fraction < 1.0 or self.crop_edge > 0
+
+    def crop_window(self) -> tuple[int, int, int]:
+        """``(edge, offset, side)``: the square the frame is first stretched to, and the first row (and column)
+        and side of the centred window kept from it: ``side = max(1, round(edge * crop_fraction))``,
+        ``offset = (edge - side) // 2``."""
+        edge = self.crop_edge or self.resolution[0]
+        side = max(1, int(round(edge * self.crop_fraction)))
+        return edge, (edge - side) // 2, side
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -120,7 +165,17 @@ class VisionConfig:
     tokens_per_tile: int = setting(256, min=1, doc="vision tokens produced per tile")
     resize: str = setting("letterbox", choices=PreprocessSpec.RESIZE_MODES, graph=False)
     interpolation: str = setting("bilinear", choices=PreprocessSpec.INTERPOLATIONS,
-                                  doc="resampling when the camera size differs from the resolution", graph=False)
+                                  doc="resampling when the camera size differs from the resolution: bilinear, "
+                                      "nearest, or bicubic (antialiased, torchvision's uint8 bicubic on the CPU: "
+                                      "LeRobot GR00T N1.7's)", graph=False)
+    crop_fraction: float = setting(1.0, min=0.0, max=1.0, graph=False,
+                                   doc="below 1 (bicubic, stretch): the frame is stretched to a square of crop_edge, "
+                                       "a centred window of round(crop_fraction * crop_edge) pixels per side kept "
+                                       "(offset floored) and resized to the resolution (GR00T N1.7: 230/256 = "
+                                       "0.8984375); 1 = no crop")
+    crop_edge: int = setting(0, min=0, graph=False,
+                             doc="side of the square before the centre crop (LeRobot GR00T's shortest_image_edge); "
+                                 "0 = the resolution's height; > 0 resizes in two steps even without a crop")
     pad_value: int = setting(0, min=0, max=255, graph=False)
     mean: tuple[float, float, float] = setting((0.5, 0.5, 0.5), graph=False)
     std: tuple[float, float, float] = setting((0.5, 0.5, 0.5), graph=False)
@@ -168,6 +223,13 @@ class VisionConfig:
                     f"{self.resolution[i]}")
         if any(s <= 0 for s in self.std):
             raise ConfigError(f"vision.std: values must be > 0, got {list(self.std)}")
+        if not 0.0 < self.crop_fraction <= 1.0:
+            raise ConfigError(f"vision.crop_fraction: a fraction in (0, 1] is needed, got {self.crop_fraction}")
+        if (self.crop_fraction < 1.0 or self.crop_edge) and (self.interpolation, self.resize) != ("bicubic",
+                                                                                                    "stretch"):
+            name = "crop_fraction" if self.crop_fraction < 1.0 else "crop_edge"
+            raise ConfigError(f"vision.{name}: the centre crop needs interpolation bicubic and resize stretch, got "
+                              f"{self.interpolation} and {self.resize}")
         names = list(self.cameras)
         if len(set(names)) != len(names) or not all(_is_topic_token(n) for n in names):
             raise ConfigError(f"vision.cameras: names must be unique, non-empty and usable in a topic name "
