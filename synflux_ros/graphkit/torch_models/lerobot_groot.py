@@ -28,6 +28,10 @@ TEXT = ROOT + "backbone.model.model.language_model."
 HEAD = ROOT + "action_head."
 LM_HEAD = ROOT + "backbone.model.lm_head.weight"
 PACK_STEP = "groot_n1_7_pack_inputs_v1"
+VLM_STEP = "groot_n1_7_vlm_encode_v1"
+N1_5_STEPS = ("groot_pack_inputs_v3", "groot_eagle_encode_v3", "groot_eagle_collate_v3",
+              "groot_action_unpack_unnormalize_v1")
+"""The processor steps of a GR00T N1.5 checkpoint (LeRobot 0.4 and 0.5)."""
 DECODE_STEPS = ("groot_n1_7_action_decode_v1", "groot_action_unpack_unnormalize_v2")
 
 
@@ -50,14 +54,29 @@ def _local_dir(name: str, against: str, what: str, where: str) -> str:
                       f"point {what} at DIR")
 
 
+N1_5_REFUSAL = ("a GR00T N1.5 checkpoint (LeRobot 0.4 / 0.5): its Eagle 2.5 backbone (SigLIP 2 with pixel shuffle and an "
+                "MLP connector, Qwen3-1.7B cut at 12 layers, no DeepStack or multimodal rope), its DiT without the "
+                "text / image alternation, with 32 learned future tokens between the state and the actions, and its "
+                "processor steps ({steps}) are not what the GR00T N1.7 graph set carries; only GR00T N1.7 "
+                "(LeRobot 0.6, Qwen3-VL backbone) is imported")
+
+
+def _refuse_n1_5(hf_dir: str, path: str, top: dict) -> None:
+    """ConfigError naming what an N1.5 checkpoint has that the N1.7 graphs lack (LeRobot 0.6.1 refuses it too)."""
+    steps = [s.get("registry_name") for p in ("policy_preprocessor", "policy_postprocessor")
+             for s in _processor_steps(hf_dir, p) if s.get("registry_name") in N1_5_STEPS]
+    if steps or top.get("tokenizer_assets_repo"):
+        raise ConfigError(f"{path}: " + N1_5_REFUSAL.format(steps=", ".join(steps) or "groot_*_v3"))
+
+
 def groot_dirs(hf_dir: str) -> tuple[dict, str, dict, str]:
     """(the policy config, the base model directory, its GR00T config, the Qwen3-VL backbone directory)."""
     path, top = read_config(hf_dir)
+    _refuse_n1_5(hf_dir, path, top)
     base_dir = _local_dir(str(top.get("base_model_path") or ""), hf_dir, "base_model_path", path)
     base_path, base = read_config(base_dir)
     if "backbone_cfg" in base or str(base.get("model_type", "")).lower().startswith("gr00t_n1_5"):
-        raise ConfigError(f"{base_path}: a GR00T N1.5 model (Eagle 2.5 backbone): only GR00T N1.7 (Qwen3-VL backbone) "
-                          f"is supported")
+        raise ConfigError(f"{base_path}: the base model is " + N1_5_REFUSAL.format(steps="groot_*_v3"))
     if base.get("use_alternate_vl_dit", True) is not True:
         raise ConfigError(f"{base_path}: use_alternate_vl_dit false: only GR00T N1.7's DiT (cross-attention to the "
                           f"text and image rows in turn) is supported")
@@ -94,6 +113,28 @@ def _bounds(stats: dict, feature: str, dim: int, where: str) -> dict | None:
     if low is None or high is None or len(low) != dim or len(high) != dim:
         raise ConfigError(f"{where}: {feature} needs min and max of {dim} values each")
     return {"mode": "bounds", "low": low, "high": high, "clip": True}
+
+
+def _geometry(hf_dir: str) -> dict:
+    """The vision fields of GR00T's image path (its VLM step): each camera stretched to a square, a centred crop,
+    resized to image_target_size, all bicubic on uint8 (``vision.interpolation: bicubic``, ``crop_fraction``)."""
+    where = f"{hf_dir}/policy_preprocessor.json"
+    step = next((s for s in _processor_steps(hf_dir, "policy_preprocessor") if s.get("registry_name") == VLM_STEP),
+                None)
+    if step is None:
+        raise ConfigError(f"{where}: no {VLM_STEP} step")
+    c = step.get("config") or {}
+    for flag, what in (("use_albumentations", "the albumentations image path (aspect-preserving resizes)"),
+                       ("letter_box_transform", "the letterbox before the square resize")):
+        if c.get(flag):
+            raise ConfigError(f"{where}: {VLM_STEP}.{flag}: {what} is not supported")
+    target = [int(v) for v in (c.get("image_target_size") or (256, 256))]
+    crop = c.get("crop_fraction")
+    if crop is None and c.get("image_crop_size"):
+        crop = float(c["image_crop_size"][0]) / target[0]
+    crop = float(crop) if crop is not None and 0.0 < float(crop) < 1.0 else 1.0
+    return {"resolution": target, "tile_size": target, "resize": "stretch", "interpolation": "bicubic",
+            "crop_fraction": crop, "crop_edge": int(c.get("shortest_image_edge") or 0)}
 
 
 def config_from_lerobot_groot(hf_dir: str, base: ModelConfig) -> ModelConfig:
@@ -167,7 +208,7 @@ def config_from_lerobot_groot(hf_dir: str, base: ModelConfig) -> ModelConfig:
     if int(dit.get("num_attention_heads", 32)) * int(dit.get("attention_head_dim", 48)) != \
             int(g.get("input_embedding_dim", 1536)):
         raise ConfigError(f"{where}: input_embedding_dim must equal the DiT's heads x head width")
-    vision = {"cameras": cameras}
+    vision = {"cameras": cameras, **_geometry(hf_dir)}
     cfg = base.with_overrides(llm=llm, action=action, vision=vision)
     return vision_config_from_hf(backbone_dir, cfg)
 
