@@ -49,7 +49,10 @@ def demo_size(raw: dict) -> dict:
         if vis.get("deepstack_layers"):
             vis["deepstack_layers"] = [0]
     act = raw.get("action")
-    if act:
+    if act and act.get("expert_type") == "dit":  # GR00T: the VL blocks as wide as the LLM
+        act.update(dit_layers=2, dit_heads=2, dit_head_dim=16, dit_hidden_dim=32, vl_layers=1, vl_heads=4,
+                   vl_head_dim=16)
+    elif act:
         act.update(expert_hidden_dim=32, expert_intermediate_size=64)
         if act.get("token_vocab_size"):
             act["token_vocab_size"] = 1000

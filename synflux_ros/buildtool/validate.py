@@ -82,15 +82,18 @@ def compare_graphs(cfg: ModelConfig, rt, rt_ref, passes, seed: int = 0) -> list[
     """Every graph on both runtimes' executors with the same seeded inputs; one row per output. The random
     KV cache is written into a slot of each runtime's pool (a slot's contents are its user's to track)."""
     ex, ref = rt.executor, rt_ref.executor
-    slot, slot_ref = rt.kv_pool.acquire(), rt_ref.kv_pool.acquire()
+    cached = rt.kv_pool is not None  # (GR00T's graphs keep no KV cache)
+    slot, slot_ref = (rt.kv_pool.acquire(), rt_ref.kv_pool.acquire()) if cached else (None, None)
     rows = []
     try:
-        kv_shape, kv_dtype = cfg.llm.kv_shape, cfg.llm.kv_dtype
-        rng = np.random.default_rng(seed)
-        kv_value = (rng.standard_normal(kv_shape) * 0.5).astype(kv_dtype)
-        kv, kv_ref = rt.kv_pool.tensor(slot), rt_ref.kv_pool.tensor(slot_ref)
-        ex.write(kv, (), kv_value)
-        ref.write(kv_ref, (), kv_value)
+        kv = kv_ref = None
+        if cached:
+            kv_shape, kv_dtype = cfg.llm.kv_shape, cfg.llm.kv_dtype
+            rng = np.random.default_rng(seed)
+            kv_value = (rng.standard_normal(kv_shape) * 0.5).astype(kv_dtype)
+            kv, kv_ref = rt.kv_pool.tensor(slot), rt_ref.kv_pool.tensor(slot_ref)
+            ex.write(kv, (), kv_value)
+            ref.write(kv_ref, (), kv_value)
         for i, meta in enumerate(ex.graphs.values()):
             feeds = seeded_feeds(meta, cfg, np.random.default_rng([seed, i]), kv)
             ref_feeds = {k: (kv_ref if v is kv else v) for k, v in feeds.items()}
@@ -103,8 +106,9 @@ def compare_graphs(cfg: ModelConfig, rt, rt_ref, passes, seed: int = 0) -> list[
                 scale = float(np.max(np.abs(b))) if b.size and spec.dtype == "float16" else 0.0
                 rows.append(Comparison(f"{meta.name}/{spec.name}", diff, cos, passes(diff, cos, scale)))
     finally:
-        rt.kv_pool.release(slot)
-        rt_ref.kv_pool.release(slot_ref)
+        if cached:
+            rt.kv_pool.release(slot)
+            rt_ref.kv_pool.release(slot_ref)
     return rows
 
 

@@ -14,6 +14,9 @@ import numpy as np
 from .config import ModelConfig
 
 F32, I64 = "float32", "int64"
+MASKED_SCORE = -30000.0
+"""What a graph that outputs an attention mask adds to the score of a key a row may not see (GR00T's
+``cross_bias``): its softmax weight is exactly 0, as with -inf, and the value stays finite in float16."""
 
 
 class ShapeError(ValueError):

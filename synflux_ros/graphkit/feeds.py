@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.config import ModelConfig
-from ..core.contract import GraphMeta
+from ..core.contract import MASKED_SCORE, GraphMeta
 from ..model.time_embedding import time_embedding
 
 
@@ -37,6 +37,15 @@ def seeded_feeds(meta: GraphMeta, cfg: ModelConfig, rng: np.random.Generator, kv
             feeds[name] = np.array([max(1, bucket // 2)], spec.dtype)
         elif name == "time_embedding":
             feeds[name] = time_embedding(rng.uniform(0.0, 1.0), spec.shape[-1])
+        elif name == "image_rows":  # GR00T: every third row an image token
+            feeds[name] = (np.arange(spec.shape[1]) % 3 == 0).astype(spec.dtype)[None]
+        elif name == "timestep":  # GR00T's time bucket
+            feeds[name] = np.array([rng.integers(0, cfg.action.time_buckets)], spec.dtype)
+        elif name == "cross_bias":  # GR00T's masks: text rows, image rows; the last quarter padding
+            rows = np.arange(spec.shape[1])
+            valid = rows < max(1, bucket - bucket // 4)
+            image = rows % 3 == 0
+            feeds[name] = np.where(np.stack([valid & ~image, valid & image]), 0.0, MASKED_SCORE).astype(spec.dtype)
         elif name in ("weights", "flow_time"):  # RTC guidance: prefix weights and flow time lie in [0, 1]
             feeds[name] = rng.uniform(0.0, 1.0, spec.shape).astype(spec.dtype)
         else:  # pixel values, embeddings, noisy actions, RTC targets: Gaussian at the scale the graph sees

@@ -31,7 +31,7 @@ import numpy as np
 from ...core.config import ConfigError
 from ...core.executor import Executor, HostMemoryHooks
 from ...core.contract import GraphMeta
-from ...core.contract import TIME_MAX_PERIOD
+from ...core.contract import MASKED_SCORE, TIME_MAX_PERIOD
 from ..options import parse_options
 from .options import FaultSpec, MockExecutorOptions
 
@@ -273,8 +273,8 @@ def _run_vl_context(ex: MockExecutor, meta, ins, outs):
     kv[...] = flat.astype(np.float32)
     image = ins["image_rows"][0] > 0.5
     valid = np.arange(image.size) < n
-    outs["cross_bias"][0] = np.where(valid & ~image, 0.0, -1e9)
-    outs["cross_bias"][1] = np.where(valid & image, 0.0, -1e9)
+    outs["cross_bias"][0] = np.where(valid & ~image, 0.0, MASKED_SCORE)
+    outs["cross_bias"][1] = np.where(valid & image, 0.0, MASKED_SCORE)
     outs["state_features"][...] = np.float32(np.tanh(ins["state"].astype(np.float64).sum()))
 
 

@@ -102,6 +102,12 @@ def _kv(metas) -> TensorSpec:
     raise PlanError("the graph set has no graph reading past_kv")
 
 
+STATIC_KINDS = ("features", "vl_context", "dit")
+"""Kinds built as one static engine per graph (GR00T N1.7's backbone features, VL context and DiT step) from the
+portable ONNX files: their bucket axis runs through several inputs and outputs, which the profiled exports of the
+other kinds do not express yet."""
+
+
 def plan_engines(metas: list[GraphMeta], dla_kinds=()) -> list[EngineSpec]:
     """The engines of a graph set (see docs/backends/tensorrt.md#engine-plan). ``dla_kinds`` (subset of
     :data:`DLA_CAPABLE`) are built per graph from the static ONNX files, for a DLA core."""
@@ -143,6 +149,8 @@ def plan_engines(metas: list[GraphMeta], dla_kinds=()) -> list[EngineSpec]:
     elif experts:
         engines.append(EngineSpec("action_expert", "action_expert", f"{ONNX_SUBDIR}/action_expert.onnx",
                                   tuple(Profile(m.name, ((SPAN_INPUT, (m.attrs["bucket"],)),)) for m in experts)))
+    for kind in STATIC_KINDS:  # GR00T N1.7's graphs: an engine per graph, at its bucket's shapes
+        engines += [static(m, False) for m in kinds.get(kind, [])]
     vjp = kinds.get("action_expert_vjp", [])
     if vjp:  # on the GPU even when the expert is on DLA: the backward pass is no DLA network
         engines.append(EngineSpec("action_expert_vjp", "action_expert_vjp", f"{ONNX_SUBDIR}/action_expert_vjp.onnx",

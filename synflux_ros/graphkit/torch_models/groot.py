@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ...core.config import ModelConfig
+from ...core.contract import MASKED_SCORE
 from .decoder import CausalLM, attention_bias, gelu_tanh
 
 LN_EPS = 1e-5  # the blocks' LayerNorms
@@ -34,13 +35,9 @@ OUT_NORM_EPS = 1e-6  # the DiT's output norm
 TIME_CHANNELS = 256  # the DiT's sinusoidal timestep projection
 
 
-MASKED = -1e9
-"""The additive score of a key a row may not see, where a graph outputs the mask (outputs are finite): its
-softmax weight is exactly 0, as with -inf."""
-
-
 def masked_bias(allowed: torch.Tensor) -> torch.Tensor:
-    return torch.where(allowed, torch.tensor(0.0), torch.tensor(MASKED))
+    """The additive mask a graph outputs: 0 where allowed, :data:`MASKED_SCORE` (finite) elsewhere."""
+    return torch.where(allowed, torch.tensor(0.0), torch.tensor(MASKED_SCORE))
 
 
 class CategoryLinear(nn.Module):
