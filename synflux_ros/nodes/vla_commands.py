@@ -41,7 +41,7 @@ class ChunkCommands:
         """The chunk executor, its command streams, the enable service and the control timer."""
         ex = cfg.resolved_execution
         sim_time = bool(self.get_parameter("use_sim_time").value)  # stamps may lead the clock by a /clock's lag
-        self.controller = Controller(ex, cfg.action.step_period, cfg.action.action_horizon,
+        self.controller = Controller(ex, cfg.action.step_period, cfg.action.published_horizon,
                                      SIM_CLOCK_SKEW_S if sim_time else CLOCK_SKEW_S)
         if p["publish_joint_command"]:
             self._pubs["command"] = self.create_lifecycle_publisher(Float64MultiArray, "joint_command", 10)

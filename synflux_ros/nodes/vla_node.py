@@ -146,7 +146,7 @@ class VLANode(ChunkCommands, SynfluxNode):
         ex = cfg.resolved_execution
         commands = (f", commanding {len(joints)} joints at {ex.control_rate_hz:g} Hz ({ex.mode})" if joints else
                     ", no commands (no execution joints)")
-        return (f"{cfg.name!r} ({cfg.action.head_type}, horizon {cfg.action.action_horizon} x "
+        return (f"{cfg.name!r} ({cfg.action.head_type}, horizon {cfg.action.published_horizon} x "
                 f"{cfg.action.published_dim}{cams}) on {cfg.executor.backend!r}, instruction "
                 f"{self.runtime.instruction!r}{commands}")
 

@@ -59,7 +59,7 @@ class GrootVLARuntime(VLARuntime):
     def _setup(self) -> None:
         cfg = self.cfg
         self.head = GrootDiTHead(cfg, self.executor)
-        self.horizon, self.action_dim = cfg.action.action_horizon, cfg.action.published_dim
+        self.horizon, self.action_dim = cfg.action.published_horizon, cfg.action.published_dim
         self.maps = StateActionMaps(cfg.action)
         self.template = chat_template_of(cfg, self.tokenizer)
         try:
@@ -166,7 +166,7 @@ class GrootVLARuntime(VLARuntime):
         frame.logits = None
         if callable(frame.rtc):
             frame.rtc = frame.rtc()
-        actions = self.head(context, frame.seq, frame.rtc)
+        actions = self.head(context, frame.seq, frame.rtc)[:self.horizon]  # action.output_horizon
         frame.raw_actions = actions
         actions = self.maps.actions_out(actions, frame.state)
         frame.actions = unnormalize(actions, self.cfg.action)

@@ -106,7 +106,7 @@ class RemoteVLARuntime(StagedVLA):
         self._connect_fn = connect
         self._key = read_key(cfg)
         self._tls = tls_context(cfg)
-        self.horizon, self.action_dim = cfg.action.action_horizon, cfg.action.published_dim
+        self.horizon, self.action_dim = cfg.action.published_horizon, cfg.action.published_dim
         self._ws = None
         self._lock = threading.Lock()
         self._retry_at = 0.0

@@ -127,7 +127,7 @@ class VLARuntime(StagedVLA, ModelRuntime):
     def _setup(self) -> None:
         cfg = self.cfg
         self.head = action_head(cfg, self.executor, self.backbone, self.tokenizer)
-        self.horizon, self.action_dim = cfg.action.action_horizon, cfg.action.published_dim
+        self.horizon, self.action_dim = cfg.action.published_horizon, cfg.action.published_dim
         fast = cfg.action.token_codec == "fast"  # (an autoregressive head's codec)
         self.maps = StateActionMaps(cfg.action) if cfg.action.head_type == "flow_matching" or fast else None
         self.vision_tokens = cfg.prefix_vision_tokens
@@ -255,7 +255,7 @@ class VLARuntime(StagedVLA, ModelRuntime):
                                     state)
         finally:
             self.release(frame)
-        frame.raw_actions = actions
+        frame.raw_actions = actions = actions[:self.horizon]  # action.output_horizon: the steps published
         if self.maps is not None:
             actions = self.maps.actions_out(actions, frame.state)
         frame.actions = unnormalize(actions, self.cfg.action)  # norm_q01/q99 (OpenVLA style), when given

@@ -61,7 +61,7 @@ class VLAPolicy:
     @property
     def metadata(self) -> dict:
         cfg, act = self.cfg, self.cfg.action
-        return {"model": cfg.name, "backend": cfg.executor.backend, "action_horizon": act.action_horizon,
+        return {"model": cfg.name, "backend": cfg.executor.backend, "action_horizon": act.published_horizon,
                 "action_dim": act.published_dim, "step_period": act.step_period, "head": act.head_type,
                 "cameras": {c: _name(p) for c, p in self.camera_keys},
                 "state": [_name(p) for p in self.state_keys] if act.state_dim else [],

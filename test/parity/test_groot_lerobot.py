@@ -75,13 +75,15 @@ def base_config(path) -> str:
 def imported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("groot")
     ckpt = tmp / "checkpoint"
-    reference("make-checkpoint", "--out", str(ckpt), "--seed", "7")
+    # a chunk of 12 of the model's 16 steps: LeRobot publishes the first 12 (action.output_horizon)
+    reference("make-checkpoint", "--out", str(ckpt), "--seed", "7", "--options", '{"chunk_size": 12}')
     out = tmp / "graphs"
     assert build_tool.main(["--config", base_config(tmp / "base.yaml"), "--out", str(out), "--from-hf", str(ckpt),
                             "--backend", "onnxruntime"]) == 0
     cfg = load_config(str(out / "config.yaml"))
     act = cfg.action
     assert (act.expert_type, act.embodiment, act.state_dim, act.output_dim) == ("dit", 10, 24, 6)
+    assert (act.action_horizon, act.published_horizon) == (16, 12)
     assert cfg.vision.cameras == CAMERAS and act.state_norm.clip and act.action_norm.clip
     return dict(tmp=tmp, ckpt=ckpt, out=out, cfg=cfg)
 
@@ -232,7 +234,7 @@ def test_actions_equal_lerobot(served, case):
     noise = np.random.default_rng(cfg.action.seed + c.frame_seq).standard_normal(
         (cfg.action.action_horizon, cfg.action.action_dim)).astype(np.float32)
     want = lerobot(s, f"case{case}", images, state, noise)
-    assert want["actions"][0].shape == got.shape == (cfg.action.action_horizon, 6)
+    assert want["actions"][0].shape == got.shape == (cfg.action.published_horizon, 6)
     err, scale = float(np.abs(got - want["actions"][0]).max()), float(np.abs(want["actions"]).max())
     print(f"GR00T N1.7, case {case}: max |synflux - LeRobot| = {err:.2e} (actions up to {scale:.2f})")
     assert err <= TOLERANCE * max(1.0, scale), f"max difference {err} (actions up to {scale})"

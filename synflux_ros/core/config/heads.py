@@ -53,6 +53,10 @@ class ActionConfig:
     action_dim: int = setting(min=1)
     action_horizon: int = setting(min=1, doc="steps per chunk")
     step_period: float = setting(0.02, min=1e-6, doc="seconds between two steps of a chunk", graph=False)
+    output_horizon: int = setting(0, min=0, graph=False,
+                                  doc="steps published per chunk: the first output_horizon of the action_horizon "
+                                      "the model predicts (GR00T: LeRobot's chunk_size / n_action_steps cut); 0 = "
+                                      "action_horizon")
     num_denoise_steps: int = setting(10, min=1, doc="flow matching: Euler steps")
     seed: int = setting(0, min=0, doc="flow matching: base seed of the initial noise", graph=False)
     num_bins: int = setting(256, min=2, doc="autoregressive: uniform bins over [-1, 1]")
@@ -198,6 +202,9 @@ class ActionConfig:
                                   f"{list(self.state_joints)}")
         elif self.state_joints:
             raise ConfigError("action.state_joints: given without action.state_dim")
+        if self.output_horizon > self.action_horizon:
+            raise ConfigError(f"action.output_horizon: {self.output_horizon} exceeds action_horizon "
+                              f"{self.action_horizon}")
         if self.output_dim > self.action_dim:
             raise ConfigError(f"action.output_dim: {self.output_dim} exceeds action_dim {self.action_dim}")
         flow_only = [n for n in ("output_dim", "state_norm", "action_norm") if getattr(self, n)]
@@ -262,6 +269,11 @@ class ActionConfig:
     def dit_cross_blocks(self) -> int:
         """DiT blocks that cross-attend to the backbone features (the even ones)."""
         return self.dit_layers // 2
+
+    @property
+    def published_horizon(self) -> int:
+        """Steps of a published chunk."""
+        return self.output_horizon or self.action_horizon
 
     @property
     def published_dim(self) -> int:

@@ -191,9 +191,13 @@ def config_from_lerobot_groot(hf_dir: str, base: ModelConfig) -> ModelConfig:
         for n in norms.values():
             if n:
                 n["clip"] = False
+    horizon = int(g.get("action_horizon", 40))  # the model's (its position table, its DiT's tokens)
+    # LeRobot publishes the first min(horizon, chunk_size, n_action_steps) steps of the model's horizon
+    cut = min([horizon] + [int(v) for v in (top.get("chunk_size"), top.get("n_action_steps"),
+                                           pc.get("valid_action_horizon")) if int(v or 0) > 0])
     action = dict(
-        head_type="flow_matching", expert_type="dit", action_dim=max_action,
-        action_horizon=int(pc.get("action_horizon", g.get("action_horizon", 40))),
+        head_type="flow_matching", expert_type="dit", action_dim=max_action, action_horizon=horizon,
+        output_horizon=cut if cut < horizon else 0,
         num_denoise_steps=int(top.get("num_inference_timesteps") or g.get("num_inference_timesteps", 4)),
         dit_layers=int(dit.get("num_layers", 32)), dit_heads=int(dit.get("num_attention_heads", 32)),
         dit_head_dim=int(dit.get("attention_head_dim", 48)), dit_hidden_dim=int(g.get("hidden_size", 1024)),

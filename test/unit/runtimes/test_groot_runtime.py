@@ -163,3 +163,15 @@ def test_onnxruntime_graphs_run_with_random_weights(tmp_path):
     assert np.abs(c.raw_actions - a.raw_actions).max() > 1e-4
     # the clipped min-max un-normalisation: model outputs beyond [-1, 1] publish at the bounds
     assert (a.actions >= -3.0 - 1e-6).all() and (a.actions <= 1.0 + 1e-6).all()
+
+
+def test_output_horizon_publishes_the_first_steps():
+    """LeRobot publishes GR00T's first chunk_size steps of its horizon: action.output_horizon."""
+    full = VLARuntime(from_dict(raw()))
+    cut = VLARuntime(from_dict(raw(output_horizon=5)))
+    images, state = frame(6, full.cfg)
+    a, b = full.infer(images, seq=2, state=state), cut.infer(images, seq=2, state=state)
+    assert cut.horizon == 5 and b.actions.shape == (5, 6) and b.raw_actions.shape == (5, 12)
+    np.testing.assert_array_equal(b.actions, a.actions[:5])
+    with pytest.raises(ConfigError, match="output_horizon: 9 exceeds action_horizon 8"):
+        from_dict(raw(output_horizon=9))
