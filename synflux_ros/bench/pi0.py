@@ -210,9 +210,11 @@ def node_config(args, graphs: str, pool: str) -> str:
         options["allow_spinning"] = args.spinning
     # The checkpoint ships no tokenizer (LeRobot's is downloaded from the Hub): the byte-level one stands in
     # (its ids are not PaliGemma's, the instruction's length is about the same), so no <bos> special exists.
-    # GR00T's checkpoint has its tokenizer.
+    # GR00T's checkpoint has its tokenizer, named relative to the graph set (this config is written beside it).
     if args.policy != "groot":
         raw["tokenizer"]["instruction_bos"] = ""
+    elif raw["tokenizer"].get("path") and not os.path.isabs(raw["tokenizer"]["path"]):
+        raw["tokenizer"]["path"] = os.path.join(graphs, raw["tokenizer"]["path"])
     path = f"{stem}-node-{pool}.yaml"
     with open(path, "w", encoding="utf-8") as fh:
         yaml.safe_dump(raw, fh)
