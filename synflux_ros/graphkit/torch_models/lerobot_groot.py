@@ -32,7 +32,10 @@ VLM_STEP = "groot_n1_7_vlm_encode_v1"
 N1_5_STEPS = ("groot_pack_inputs_v3", "groot_eagle_encode_v3", "groot_eagle_collate_v3",
               "groot_action_unpack_unnormalize_v1")
 """The processor steps of a GR00T N1.5 checkpoint (LeRobot 0.4 and 0.5)."""
-DECODE_STEPS = ("groot_n1_7_action_decode_v1", "groot_action_unpack_unnormalize_v2")
+DECODE_STEP = "groot_action_unpack_unnormalize_v2"
+"""The postprocessor step of a LeRobot fine-tune on its dataset's statistics: clipped min-max of the env's actions."""
+BASE_STATS_DECODE = "groot_n1_7_action_decode_v1"
+"""The postprocessor step that decodes with the base model's per-modality statistics (a pretrained embodiment)."""
 
 
 def is_lerobot_groot(hf_dir: str) -> bool:
@@ -137,6 +140,23 @@ def _geometry(hf_dir: str) -> dict:
             "crop_fraction": crop, "crop_edge": int(c.get("shortest_image_edge") or 0)}
 
 
+def _decode_step(hf_dir: str) -> dict:
+    """The postprocessor's action step; ConfigError for the decodings the graphs' runtime does not do."""
+    where = f"{hf_dir}/policy_postprocessor.json"
+    steps = {s.get("registry_name"): s for s in _processor_steps(hf_dir, "policy_postprocessor")}
+    if BASE_STATS_DECODE in steps:
+        raise ConfigError(f"{where}: {BASE_STATS_DECODE} decodes the actions with the base model's statistics per "
+                          f"modality group (its raw_stats: per-step relative groups, end-effector rotations), which "
+                          f"the import does not map; a fine-tune on its dataset's statistics ({DECODE_STEP}) imports")
+    step = steps.get(DECODE_STEP)
+    if step is None:
+        raise ConfigError(f"{where}: no {DECODE_STEP} step (how the actions are un-normalised)")
+    c = step.get("config") or {}
+    if c.get("libero_gripper_action"):
+        raise ConfigError(f"{where}: {DECODE_STEP}.libero_gripper_action: LIBERO's gripper transform is not supported")
+    return step
+
+
 def config_from_lerobot_groot(hf_dir: str, base: ModelConfig) -> ModelConfig:
     """``base`` with everything a LeRobot GR00T N1.7 checkpoint fixes: the backbone's sizes (cut at select_layer),
     the vision tower's, the action head's, the embodiment, the cameras' count, state/action sizes and min-max
@@ -185,12 +205,21 @@ def config_from_lerobot_groot(hf_dir: str, base: ModelConfig) -> ModelConfig:
         cameras = [k for k in keys if k in cameras] + [k for k in cameras if k not in keys]
     if not cameras:
         raise ConfigError(f"{hf_dir}/config.json: no observation.images.* input features")
-    norms = {"state_norm": _bounds(stats, "observation.state", state_true, hf_dir),
-             "action_norm": _bounds(stats, "action", action_true, hf_dir)} if pc.get("normalize_min_max", True) else {}
-    if norms and not pc.get("clip_outliers", True):
-        for n in norms.values():
-            if n:
-                n["clip"] = False
+    decode = _decode_step(hf_dir)
+    dc = decode.get("config") or {}
+    norms = {}
+    if pc.get("normalize_min_max", True):
+        norms["state_norm"] = _bounds(stats, "observation.state", state_true, hf_dir)
+        if norms["state_norm"] is None:
+            raise ConfigError(f"{hf_dir}: the {PACK_STEP} step normalises the state but its state file has no "
+                              f"observation.state.min / max")
+        norms["state_norm"]["clip"] = bool(pc.get("clip_outliers", True))
+    if dc.get("normalize_min_max", True):
+        norms["action_norm"] = _bounds(_stats(hf_dir, decode), "action", action_true, hf_dir)
+        if norms["action_norm"] is None:
+            raise ConfigError(f"{hf_dir}: the {DECODE_STEP} step un-normalises the actions but its state file has no "
+                              f"action.min / max")
+        norms["action_norm"]["clip"] = bool(dc.get("clip_normalized_action", True))
     horizon = int(g.get("action_horizon", 40))  # the model's (its position table, its DiT's tokens)
     # LeRobot publishes the first min(horizon, chunk_size, n_action_steps) steps of the model's horizon
     cut = min([horizon] + [int(v) for v in (top.get("chunk_size"), top.get("n_action_steps"),

@@ -72,3 +72,19 @@ def test_image_geometry_from_the_vlm_step(tmp_path):
           steps("groot_n1_7_vlm_encode_v1", config={"use_albumentations": True}))
     with pytest.raises(ConfigError, match="use_albumentations: the albumentations image path"):
         _geometry(str(tmp_path))
+
+
+def test_action_decodings_the_runtime_does_not_do_are_refused(tmp_path):
+    from synflux_ros.graphkit.torch_models.lerobot_groot import _decode_step
+    post = tmp_path / "policy_postprocessor.json"
+    write(post, steps("groot_n1_7_action_decode_v1"))
+    with pytest.raises(ConfigError, match="base model's statistics per modality group"):
+        _decode_step(str(tmp_path))
+    write(post, steps("groot_action_unpack_unnormalize_v2", config={"libero_gripper_action": True}))
+    with pytest.raises(ConfigError, match="libero_gripper_action: LIBERO's gripper transform"):
+        _decode_step(str(tmp_path))
+    write(post, steps("device_processor"))
+    with pytest.raises(ConfigError, match="no groot_action_unpack_unnormalize_v2 step"):
+        _decode_step(str(tmp_path))
+    write(post, steps("groot_action_unpack_unnormalize_v2", config={"clip_normalized_action": True}))
+    assert _decode_step(str(tmp_path))["registry_name"] == "groot_action_unpack_unnormalize_v2"
