@@ -176,7 +176,6 @@ import os
 import sys
 import time
 import types
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +187,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lerobot_pi0 import add_option_flags, gather_options, print_result  # noqa: E402
+from lerobot_pi0 import randomize_weights as pi0_randomize_weights  # noqa: E402
 
 BASE_DIR = "base"  # the GR00T N1.7 base model directory (NVIDIA's layout) inside a checkpoint
 BACKBONE_DIR = "backbone"  # the Qwen3-VL backbone directory (config, tokenizer, processors) inside a checkpoint
@@ -495,21 +495,9 @@ def randomize_weights(model, seed: int) -> None:
     neither construction order nor library versions. Everything GR00T initialises to zero or one (the
     category-specific biases, LayerNorm and RMSNorm weights and biases, every Linear bias) or leaves at its
     defaults (the DiT's adaLN and proj_out_1 modulation, the timestep MLP) gets a random value too, so every weight
-    changes the actions.
+    changes the actions. The draws are lerobot_pi0's (a tied lm_head drawn once), GR00T's rule above.
     """
-    import torch
-
-    done = set()
-    for module_name, module in model.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            if id(param) in done:  # lm_head is tied to embed_tokens
-                continue
-            done.add(id(param))
-            name = f"{module_name}.{param_name}"
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-            with torch.no_grad():
-                param.copy_(weight_value(module, module_name, param_name, param, noise).to(param.dtype))
+    pi0_randomize_weights(model, seed, rule=weight_value)
 
 
 def make_stats(rng: np.random.Generator, dim: int) -> dict:
