@@ -123,3 +123,51 @@ def check_rtc_against_lerobot(s: dict, guidance: str, base, instruction: str, im
         err = float(np.abs(frame.actions - ref).max())
         assert err <= tolerance * max(1.0, float(np.abs(ref).max())), (RTC_CASES[i], err)
         assert np.abs(frame.actions - plain.actions).max() > 100 * tolerance, RTC_CASES[i]
+
+
+def serve_cameras(s: dict, ros_env, ns: str, cameras, instruction: str):
+    """A generator for a module fixture: vla_node serving ``s["out"]``'s graph set in namespace ``ns``, with a
+    publisher per camera of ``cameras``, one of joint states and a subscription to its chunks; yields ``s`` with
+    ``node``, ``pubs``, ``state_pub`` and ``chunks`` added, and checks at the end that the node is still up."""
+    import uuid
+
+    import rclpy
+    from rclpy.qos import qos_profile_sensor_data
+    from sensor_msgs.msg import Image, JointState
+    from synflux_ros.msg import ActionChunk
+    from synflux_ros.tools import harness as testing
+    from synflux_ros.tools.harness import spin_until
+
+    s = dict(s)
+    node = rclpy.create_node(f"{ns.strip('/')}_parity_{uuid.uuid4().hex[:8]}")
+    chunks = []
+    node.create_subscription(ActionChunk, f"{ns}/action_chunk", chunks.append, 50)
+    pubs = [node.create_publisher(Image, f"{ns}/{c}/image", qos_profile_sensor_data) for c in cameras]
+    state_pub = node.create_publisher(JointState, f"{ns}/joint_states", 50)
+    with testing.NodeProcess("vla_node", {"config": str(s["out"] / "config.yaml"), "default_instruction": instruction},
+                             env=ros_env, remaps={"__ns": ns}) as proc:
+        for p in (*pubs, state_pub):
+            assert spin_until(node, lambda: p.get_subscription_count() > 0, 60.0), proc.output()[-3000:]
+        s.update(node=node, pubs=pubs, state_pub=state_pub, chunks=chunks)
+        yield s
+        assert proc.alive(), proc.output()[-3000:]
+    node.destroy_node()
+
+
+def publish_cameras(s: dict, stamp: int, images, state, joints) -> None:
+    """One frame to a :func:`serve_cameras` node: the joint state 5 ms before ``stamp``, then the cameras' images,
+    the last first, each 1 ms before the next (the first camera's at ``stamp``)."""
+    import time
+
+    from sensor_msgs.msg import Image, JointState
+
+    msg = JointState(name=list(joints), position=[float(v) for v in state])
+    msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp - 5_000_000, 10**9)
+    s["state_pub"].publish(msg)
+    time.sleep(0.02)
+    for i, (pub, image) in enumerate(reversed(list(zip(s["pubs"], images)))):
+        img = Image(height=image.shape[0], width=image.shape[1], encoding="rgb8", step=3 * image.shape[1],
+                    data=image.tobytes())
+        img.header.stamp.sec, img.header.stamp.nanosec = divmod(stamp - (len(images) - 1 - i) * 1_000_000, 10**9)
+        pub.publish(img)
+        time.sleep(0.01)

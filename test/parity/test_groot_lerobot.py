@@ -14,9 +14,6 @@ makes, and the intermediate tensors (backbone features, the denoising steps' vel
 """
 from __future__ import annotations
 
-import time
-import uuid
-
 import numpy as np
 import pytest
 import yaml
@@ -24,18 +21,13 @@ import yaml
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 pytest.importorskip("onnxruntime")
 
-import rclpy  # noqa: E402
-from rclpy.qos import qos_profile_sensor_data  # noqa: E402
-from sensor_msgs.msg import Image, JointState  # noqa: E402
 from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
-from synflux_ros.msg import ActionChunk  # noqa: E402
 from synflux_ros.runtimes.vla import Frame, VLARuntime  # noqa: E402
-from synflux_ros.tools import harness as testing  # noqa: E402
-from synflux_ros.tools.harness import chunk_for_frame, spin_until  # noqa: E402
+from synflux_ros.tools.harness import chunk_for_frame  # noqa: E402
 
 import pi0_reference  # noqa: E402
-from pi0_reference import LEROBOT_VENVS, ROOT  # noqa: E402
+from pi0_reference import LEROBOT_VENVS, ROOT, publish_cameras, serve_cameras  # noqa: E402
 
 INSTRUCTION = "Pick up the red cube, then place it in the bowl!"
 TOLERANCE = 1e-4
@@ -195,33 +187,11 @@ def test_pixels_equal_lerobots(imported):
 
 @pytest.fixture(scope="module")
 def served(imported, ros_env):
-    s = dict(imported)
-    node = rclpy.create_node(f"groot_parity_{uuid.uuid4().hex[:8]}")
-    chunks = []
-    node.create_subscription(ActionChunk, "/groot/action_chunk", chunks.append, 50)
-    pubs = [node.create_publisher(Image, f"/groot/{c}/image", qos_profile_sensor_data) for c in CAMERAS]
-    state_pub = node.create_publisher(JointState, "/groot/joint_states", 50)
-    with testing.NodeProcess("vla_node", {"config": str(s["out"] / "config.yaml"), "default_instruction": INSTRUCTION},
-                             env=ros_env, remaps={"__ns": "/groot"}) as proc:
-        for p in (*pubs, state_pub):
-            assert spin_until(node, lambda: p.get_subscription_count() > 0, 60.0), proc.output()[-3000:]
-        s.update(node=node, pubs=pubs, state_pub=state_pub, chunks=chunks)
-        yield s
-        assert proc.alive(), proc.output()[-3000:]
-    node.destroy_node()
+    yield from serve_cameras(imported, ros_env, "/groot", CAMERAS, INSTRUCTION)
 
 
 def publish_frame(s: dict, stamp: int, images, state) -> None:
-    msg = JointState(name=list(JOINTS), position=[float(v) for v in state])
-    msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp - 5_000_000, 10**9)
-    s["state_pub"].publish(msg)
-    time.sleep(0.02)
-    for pub, image, offset in zip(reversed(s["pubs"]), reversed(images), (1_000_000, 0)):  # the wrist's first
-        img = Image(height=image.shape[0], width=image.shape[1], encoding="rgb8", step=3 * image.shape[1],
-                    data=image.tobytes())
-        img.header.stamp.sec, img.header.stamp.nanosec = divmod(stamp - offset, 10**9)
-        pub.publish(img)
-        time.sleep(0.01)
+    publish_cameras(s, stamp, images, state, JOINTS)
 
 
 @pytest.mark.parametrize("case", [0, 1])

@@ -187,6 +187,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lerobot_pi0 import add_option_flags, gather_options, print_result  # noqa: E402
+from lerobot_pi0 import io_problems  # noqa: E402
 from lerobot_pi0 import randomize_weights as pi0_randomize_weights  # noqa: E402
 
 BASE_DIR = "base"  # the GR00T N1.7 base model directory (NVIDIA's layout) inside a checkpoint
@@ -317,13 +318,7 @@ def checkpoint_options(args, defaults: dict = CHECKPOINT_DEFAULTS) -> dict:
     if o["chunk_size"] is None:
         o["chunk_size"] = o["action_horizon"]
     problems = []
-    cams = o["cameras"]
-    if not cams or len(set(cams)) != len(cams) or not all(c.replace("_", "").isalnum() for c in cams):
-        problems.append("cameras must be one or more distinct names of letters, digits and _")
-    if not 0 < o["state_dim"] <= o["max_state_dim"]:
-        problems.append("state_dim must be in 1..max_state_dim")
-    if not 0 < o["action_dim"] <= o["max_action_dim"]:
-        problems.append("action_dim must be in 1..max_action_dim")
+    problems += io_problems(o)
     # GrootConfig silently replaces these N1.5-era values by N1.7's (132, 132, 40)
     if o["max_state_dim"] == 64 or o["max_action_dim"] == 32 or o["chunk_size"] == 50:
         problems.append("max_state_dim 64, max_action_dim 32 and chunk_size 50 are rewritten by GrootConfig")

@@ -721,6 +721,19 @@ def add_run_flags(rn: argparse.ArgumentParser) -> None:
     rn.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 
 
+def io_problems(o: dict) -> list[str]:
+    """What is wrong with the cameras, state_dim and action_dim of make-checkpoint options (also GR00T's)."""
+    problems = []
+    cams = o["cameras"]
+    if not cams or len(set(cams)) != len(cams) or not all(c.replace("_", "").isalnum() for c in cams):
+        problems.append("cameras must be one or more distinct names of letters, digits and _")
+    if not 0 < o["state_dim"] <= o["max_state_dim"]:
+        problems.append("state_dim must be in 1..max_state_dim")
+    if not 0 < o["action_dim"] <= o["max_action_dim"]:
+        problems.append("action_dim must be in 1..max_action_dim")
+    return problems
+
+
 def shape_problems(o: dict) -> list[str]:
     """What is wrong in the options every policy's make-checkpoint shares (heads, cameras, state and action sizes,
     steps, normalisation modes); each runner adds its own checks."""
@@ -729,13 +742,7 @@ def shape_problems(o: dict) -> list[str]:
         problems.append("vision_width must be a multiple of vision_heads")
     if o["num_heads"] % o["num_kv_heads"]:
         problems.append("num_heads must be a multiple of num_kv_heads")
-    cams = o["cameras"]
-    if not cams or len(set(cams)) != len(cams) or not all(c.replace("_", "").isalnum() for c in cams):
-        problems.append("cameras must be one or more distinct names of letters, digits and _")
-    if not 0 < o["state_dim"] <= o["max_state_dim"]:
-        problems.append("state_dim must be in 1..max_state_dim")
-    if not 0 < o["action_dim"] <= o["max_action_dim"]:
-        problems.append("action_dim must be in 1..max_action_dim")
+    problems += io_problems(o)
     if not 0 < o["n_action_steps"] <= o["chunk_size"]:
         problems.append("n_action_steps must be in 1..chunk_size")
     for key in ("state_norm", "action_norm"):
