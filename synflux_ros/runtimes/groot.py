@@ -47,6 +47,7 @@ class _Prompt:
     embeds: np.ndarray  # [n, H], image rows zero
     positions: np.ndarray  # [3, bucket]
     image_rows: np.ndarray  # [bucket] float32, 1 at an image row
+    camera_starts: tuple  # the first row of each camera's tokens (they are consecutive)
 
 
 class GrootVLARuntime(VLARuntime):
@@ -119,8 +120,9 @@ class GrootVLARuntime(VLARuntime):
         positions[:, n:] = pos[:, n - 1:n] + np.arange(1, bucket - n + 1)  # padded rows continue after the last
         rows = np.zeros(bucket, np.float32)
         rows[:n] = image
+        starts = tuple(i for i, t in enumerate(tokens) if not isinstance(t, int) and t[1] == 0)
         with self._instr_lock:
-            self._instruction = _Prompt(text, tuple(tokens), bucket, embeds, positions, rows)
+            self._instruction = _Prompt(text, tuple(tokens), bucket, embeds, positions, rows, starts)
 
     # ---------------------------------------------------------------- stages
     def stage_vision(self, frame: Frame) -> Frame:
@@ -139,12 +141,10 @@ class GrootVLARuntime(VLARuntime):
         x[0, :n] = prompt.embeds
         k = self.backbone.num_deepstack
         deepstack = np.zeros((k, p, hidden), np.float32) if k else None
-        for i, t in enumerate(prompt.tokens):
-            if not isinstance(t, int):
-                feats = frame.vision_embeds[t[0]]
-                x[0, i] = feats.embeds[t[1]]
-                if k:
-                    deepstack[:, i] = feats.deepstack[:, t[1]]
+        for start, feats in zip(prompt.camera_starts, frame.vision_embeds):  # each camera's rows, in one copy
+            x[0, start:start + feats.rows] = feats.embeds
+            if k:
+                deepstack[:, start:start + feats.rows] = feats.deepstack
         feeds = {"inputs_embeds": x, "num_tokens": np.array([n], np.int64), "position_ids": prompt.positions}
         if k:
             feeds["deepstack_embeds"] = deepstack
