@@ -167,8 +167,8 @@ ROLES = ("control", "background")
 
 
 class Arbiter:
-    """The accelerator arbiter between the processes that name the same ``path`` (two files, ``path`` + ``.turn``
-    and ``path`` + ``.run``, made when missing).
+    """The accelerator arbiter between the processes that name the same ``path`` (three files, ``path`` +
+    ``.turn``, ``.run`` and ``.calls``, made when missing).
 
     A ``control`` process (the VLA) calls :meth:`enter` when a frame starts and :meth:`leave` when it is done;
     frames may overlap (pipelined), the arbiter is held from the first enter to the last leave. While held,
@@ -178,7 +178,11 @@ class Arbiter:
 
     The order holds through the kernel's ``flock``: a background call takes ``.turn`` shared only for the
     moment it takes ``.run`` shared, so a waiting control side is never passed by more than the calls that
-    were already running. Locks die with their process: a crashed holder frees the other side."""
+    were already running. Locks die with their process: a crashed holder frees the other side.
+
+    ``.calls`` holds the count of background calls started; the control side reads it before and after its
+    wait, so :attr:`max_passed` is the most calls that started while one frame waited (at most one per
+    background process: the one taking its locks at that instant)."""
 
     def __init__(self, path: str, role: str, exclusive: bool = True):
         if role not in ROLES:
@@ -189,6 +193,7 @@ class Arbiter:
         self.path, self.role, self.exclusive = path, role, exclusive
         self._turn = os.open(path + ".turn", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         self._run = os.open(path + ".run", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        self._count = os.open(path + ".calls", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         self._cond = threading.Condition()  # the depth of frames in flight and who is taking the locks
         self._depth = 0
         self._acquiring = False
@@ -196,6 +201,7 @@ class Arbiter:
         self.waits = 0  # calls or frames that found the other side in the way
         self.wait_s = 0.0  # the time they waited
         self.max_wait_s = 0.0
+        self.max_passed = 0  # control: the most background calls that started while one frame waited
         self.held_s = 0.0  # control: the time the arbiter was held
         self._held_since = 0.0
 
@@ -218,9 +224,11 @@ class Arbiter:
             self._acquiring = True
         t0 = time.perf_counter()
         try:
+            calls = self._calls_started()
             fcntl.flock(self._turn, fcntl.LOCK_EX)
             if self.exclusive:
                 fcntl.flock(self._run, fcntl.LOCK_EX)
+            self.max_passed = max(self.max_passed, self._calls_started() - calls)
         finally:
             with self._cond:
                 self._acquiring = False
@@ -252,16 +260,32 @@ class Arbiter:
         fcntl.flock(self._turn, fcntl.LOCK_SH)
         try:
             fcntl.flock(self._run, fcntl.LOCK_SH)
+            self._count_call()
         finally:
             fcntl.flock(self._turn, fcntl.LOCK_UN)
         self._waited(t0)
+
+    def _calls_started(self) -> int:
+        fcntl.flock(self._count, fcntl.LOCK_SH)
+        try:
+            return int.from_bytes(os.pread(self._count, 8, 0).ljust(8, b"\0"), "little")
+        finally:
+            fcntl.flock(self._count, fcntl.LOCK_UN)
+
+    def _count_call(self) -> None:
+        fcntl.flock(self._count, fcntl.LOCK_EX)  # background processes count one after the other
+        try:
+            n = int.from_bytes(os.pread(self._count, 8, 0).ljust(8, b"\0"), "little")
+            os.pwrite(self._count, ((n + 1) % (1 << 63)).to_bytes(8, "little"), 0)
+        finally:
+            fcntl.flock(self._count, fcntl.LOCK_UN)
 
     def _end_call(self) -> None:
         fcntl.flock(self._run, fcntl.LOCK_UN)
         self._calls.release()
 
     def close(self) -> None:
-        for fd in (self._turn, self._run):
+        for fd in (self._turn, self._run, self._count):
             try:
                 os.close(fd)
             except OSError:

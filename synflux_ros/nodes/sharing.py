@@ -104,6 +104,7 @@ class MachineShare:
             out.update(self.arbiter.stats())
             if self.arbiter.role == "control":
                 out["arbiter_held_ms"] = self.arbiter.held_s * 1e3
+                out["arbiter_max_calls_passed"] = self.arbiter.max_passed
         return out
 
 

@@ -180,7 +180,7 @@ def test_the_arbiter_orders_frames_before_chat_calls(start_node, client, make_co
     assert time.monotonic() - t < 30
     assert int(d_vlm["arbiter_waits"]) > 10, d_vlm  # chat calls held off while frames ran
     assert int(d_vla["arbiter_waits"]) > 0, d_vla  # frames that found a chat call running
-    # a frame waited for at most one chat call, never for two or a turn: a call is 30 ms of simulated device
-    # time plus the chat process's own work, which on a loaded machine took up to 53 ms
-    assert float(d_vla["arbiter_max_wait_ms"]) < 2 * 30.0, d_vla
+    # no frame let a chat call start after it came, save the one taking its locks at that instant
+    assert int(d_vla["arbiter_max_calls_passed"]) <= 1, d_vla
+    assert float(d_vla["arbiter_max_wait_ms"]) > 0
     assert float(d_vla["arbiter_held_ms"]) > 0

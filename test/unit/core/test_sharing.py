@@ -167,6 +167,9 @@ def test_a_frame_waits_for_at_most_the_running_background_call_and_none_starts_w
         assert arbiter.waits > 0  # frames did ask while a call ran, and waited for it
     else:
         assert entered_during_a_call > 0  # holds the next calls off, waits for none
+    # the shared count saw every call, and what the node reports agrees with the order of events
+    assert arbiter._calls_started() == len(calls)
+    assert arbiter.max_passed <= 1
     arbiter.close()
 
 
