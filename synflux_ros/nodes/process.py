@@ -6,6 +6,7 @@ Both signals mean "stop, clean up, exit with 0", also while the model is still l
 """
 from __future__ import annotations
 
+import faulthandler
 import signal
 import sys
 import threading
@@ -115,6 +116,8 @@ def run_lifecycle_node(factory: Callable[[], Any], args=None) -> int:
     thread still alive after that is reported on stderr.
     """
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:  # kill -USR1: every thread's stack on stderr
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     signals = ShutdownSignals()
     own_handlers = signals.install()
     signals.interruptible = own_handlers

@@ -146,14 +146,19 @@ class NodeProcess:
             self.proc.send_signal(signal.SIGINT)
 
     def stop(self, timeout: float = 10.0) -> int:
-        """SIGINT (:meth:`interrupt`), then wait; returns the exit code."""
+        """SIGINT (:meth:`interrupt`), then wait; returns the exit code. A node still running after ``timeout``
+        gets SIGUSR1 (it writes its threads' stacks to its output) and then SIGKILL."""
         if self.alive():
             self.interrupt()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.proc.send_signal(signal.SIGUSR1)  # the node's threads' stacks into its output, then kill
+                try:
+                    self.proc.wait(2.0)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
         self._log.close()
         return self.proc.returncode
 

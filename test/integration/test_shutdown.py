@@ -170,6 +170,25 @@ def test_vlm_node_stops_while_a_turn_is_generated(sig, start_node, client, make_
     check_clean_exit(proc, sig, elapsed, "generating a chat turn")
 
 
+def test_sigusr1_writes_every_thread_s_stack_and_the_node_serves_on(start_node, client, make_config):
+    """The way to see where a hung node is: SIGUSR1 dumps its threads' stacks; it is not a stop signal."""
+    cfg = make_config("vlm_demo.yaml", executor={"backend": "mock"})
+    proc = start_node("vlm_node", {"config": cfg}, namespace="/shutdown_usr1")
+    cli = client.create_client(Chat, "/shutdown_usr1/chat")
+    try:
+        assert proc.wait_output("configured", 60), proc.output()
+        proc.proc.send_signal(signal.SIGUSR1)
+        assert proc.wait_output("Current thread", 10), proc.output()[-3000:]
+        out = proc.output()
+        assert re.search(r"File .*process\.py\", line \d+ in run_lifecycle_node", out), out[-3000:]
+        reply = call_service(client, cli, Chat.Request(session_id="s", prompt="Hello"), 30)
+        assert reply.success, reply.error
+    finally:
+        client.destroy_client(cli)
+    elapsed = stop_with(proc, signal.SIGINT, client)
+    assert proc.proc.returncode == 0 and elapsed < BOUND_S, proc.output()[-3000:]
+
+
 # ------------------------------------------------------------------ while loading
 
 
