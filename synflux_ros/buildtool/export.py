@@ -90,7 +90,7 @@ def graph_key(cfg: ModelConfig, meta: GraphMeta, weights: str, versions: dict) -
     llm = {k: v for k, v in d["llm"].items() if k not in ("prefill_buckets", "decode_buckets")}
     if meta.kind == "vision_encoder":
         sections = {"vision": d["vision"], "hidden_dim": d["llm"]["hidden_dim"]}
-    elif meta.kind in ("action_expert", "action_expert_vjp"):
+    elif meta.kind in ("action_expert", "action_expert_vjp", "vl_context", "dit", "dit_vjp"):
         sections = {"llm": llm, "action": graph_values(cfg.action) if cfg.action is not None else {}}
     else:
         sections = {"llm": llm}

@@ -224,7 +224,9 @@ def groot_graphs(cfg: ModelConfig) -> list[GraphMeta]:
     DeepStack) returning its last layer's hidden states before the final norm; ``vl_context_<p>``, once per
     frame: those features through the VL LayerNorm and self-attention, the keys/values every cross-attention
     block of the DiT reads of them, the additive masks of the text rows and of the image rows, and the encoded
-    robot state; ``dit_<p>``, each denoising step: the velocity of the noisy chunk at a time bucket."""
+    robot state; ``dit_<p>``, each denoising step: the velocity of the noisy chunk at a time bucket; with the
+    ``vjp`` guidance ``dit_vjp_<p>``, that velocity and Real-Time Chunking's correction at GR00T time
+    ``flow_time``."""
     llm, vis, act = cfg.llm, cfg.vision, cfg.action
     H, K, ids = llm.hidden_dim, vis.num_deepstack, llm.token_id_dtype
     C, nh, dh = act.dit_cross_blocks, act.dit_heads, act.dit_head_dim
@@ -255,4 +257,11 @@ def groot_graphs(cfg: ModelConfig) -> list[GraphMeta]:
                       (TensorSpec("velocity", chunk, F32),), group="dit", file=f"dit_{p}.onnx",
                       attrs={"bucket": p, "time_buckets": act.time_buckets}),
         ]
+        if cfg.rtc_vjp_graphs:
+            graphs.append(GraphMeta(
+                f"dit_vjp_{p}", "dit_vjp",
+                (*graphs[-1].inputs, TensorSpec("target", chunk, F32),
+                 TensorSpec("weights", (1, act.action_horizon, 1), F32), TensorSpec("flow_time", (1,), F32)),
+                (TensorSpec("velocity", chunk, F32), TensorSpec("correction", chunk, F32)),
+                group="dit_vjp", file=f"dit_vjp_{p}.onnx", attrs={"bucket": p, "time_buckets": act.time_buckets}))
     return graphs

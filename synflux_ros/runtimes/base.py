@@ -47,6 +47,10 @@ def load_graph_metas(cfg: ModelConfig, manifest: dict | None = None) -> list[Gra
     return [by_name[w.name] for w in expected]
 
 
+VJP_OF = {"action_expert_vjp": "action_expert", "dit_vjp": "dit"}
+"""Real-Time Chunking's VJP graph kinds and the kind each runs again."""
+
+
 def create_executor(cfg: ModelConfig, manifest: dict | None = None) -> Executor:
     """Instantiate and load the configured backend, or with ``executor.placement`` one executor per
     placement behind a :class:`PlacedExecutor`. Errors name the backend or the missing package."""
@@ -56,8 +60,8 @@ def create_executor(cfg: ModelConfig, manifest: dict | None = None) -> Executor:
         return _load_member(cfg, cfg.executor.backend, cfg.executor.options, metas)
     groups: dict[str, tuple[str, dict, list]] = {}
     for meta in metas:
-        # Real-Time Chunking's VJP graph runs the action expert again: it goes where the expert goes
-        where = placements.get("action_expert" if meta.kind == "action_expert_vjp" else meta.kind)
+        # Real-Time Chunking's VJP graph runs the action expert (the DiT) again: it goes where that goes
+        where = placements.get(VJP_OF.get(meta.kind, meta.kind))
         backend, options = (where.backend, dict(where.options)) if where else \
             (cfg.executor.backend, dict(cfg.executor.options))
         key = json.dumps([backend, options], sort_keys=True, default=str)

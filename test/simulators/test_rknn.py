@@ -542,3 +542,21 @@ def test_the_rtc_vjp_graphs_compile_and_run_as_on_onnxruntime(tmp_path):
     vjp = sorted(c for c in rows if c.startswith("action_expert_vjp_"))
     assert vjp == ["action_expert_vjp_160/correction", "action_expert_vjp_160/velocity"]
     assert all(rows[c].passed and rows[c].cosine > 0.99999 for c in vjp), [rows[c] for c in vjp]
+
+
+def test_groot_s_rtc_vjp_graph_compiles_and_runs_as_on_onnxruntime(tmp_path):
+    """GR00T N1.7's dit_vjp graph (demo size, its first prefill bucket) compiles for rk3588 and the simulator
+    computes the velocity and the correction as onnxruntime does."""
+    import yaml
+    from checkpoints import demo_size
+    from synflux_ros.core.config import from_dict
+    raw = demo_size(yaml.safe_load((REPO / "config" / "vla_groot_n17.yaml").read_text()))
+    raw["llm"]["prefill_buckets"] = raw["llm"]["prefill_buckets"][:1]
+    raw["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
+    bucket = raw["llm"]["prefill_buckets"][0]
+    build(from_dict(raw), str(tmp_path), backend="rknn", options=RKNNOptions(target=TARGET))
+    assert (tmp_path / "rknn" / TARGET / f"dit_vjp_{bucket}.rknn").is_file()
+    rows = {r.check: r for r in validate(str(tmp_path), "rknn", options={"target": TARGET}, precision="reduced")}
+    vjp = sorted(c for c in rows if c.startswith("dit_vjp_"))
+    assert vjp == [f"dit_vjp_{bucket}/correction", f"dit_vjp_{bucket}/velocity"]
+    assert all(rows[c].passed and rows[c].cosine > 0.99999 for c in vjp), [rows[c] for c in vjp]

@@ -290,6 +290,17 @@ def _run_dit(ex: MockExecutor, meta, ins, outs):
     outs["velocity"][...] = (target - x) / max(1.0 - t, 1e-6)
 
 
+def _run_dit_vjp(ex: MockExecutor, meta, ins, outs):
+    """The mock DiT's velocity and the exact Real-Time Chunking correction J^T e of x1 = x + (1 - τ) v(x) at
+    GR00T time τ (``flow_time``): the mock's dv/dx is -I / (1 - t), so J^T e = e - (1 - τ) e / (1 - t)."""
+    _run_dit(ex, meta, ins, outs)
+    x, v = ins["noisy_actions"], outs["velocity"]
+    remaining = np.float32(1.0) - ins["flow_time"].astype(np.float32)[0]
+    e = (ins["target"] - (x + remaining * v)) * ins["weights"]
+    t = float(ins["timestep"][0]) / float(meta.attrs.get("time_buckets", 1000))
+    outs["correction"][...] = e - remaining * e / np.float32(max(1.0 - t, 1e-6))
+
+
 def _hidden_of(meta: GraphMeta) -> int:
     if "hidden_dim" not in meta.attrs:
         raise ValueError(f"mock executor: decode graph {meta.name!r} lacks attrs.hidden_dim")
@@ -306,6 +317,7 @@ _KINDS = {
     "features": _run_features,
     "vl_context": _run_vl_context,
     "dit": _run_dit,
+    "dit_vjp": _run_dit_vjp,
 }
 
 

@@ -102,7 +102,7 @@ def _kv(metas) -> TensorSpec:
     raise PlanError("the graph set has no graph reading past_kv")
 
 
-STATIC_KINDS = ("features", "vl_context", "dit")
+STATIC_KINDS = ("features", "vl_context", "dit", "dit_vjp")
 """Kinds built as one static engine per graph (GR00T N1.7's backbone features, VL context and DiT step) from the
 portable ONNX files: their bucket axis runs through several inputs and outputs, which the profiled exports of the
 other kinds do not express yet."""

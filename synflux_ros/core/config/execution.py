@@ -105,7 +105,8 @@ class ChunkValidation:
 class RTCConfig:
     """``execution.rtc``: Real-Time Chunking of flow-matching heads (Black et al. 2025)."""
     guidance: str = setting("lerobot", choices=("lerobot", "vjp"),
-                             doc="lerobot: LeRobot 0.4.4's correction (the weighted error); vjp: the paper's "
+                             doc="lerobot: LeRobot's own (pi0 family: the weighted error; GR00T: the leftover "
+                                 "written over the first rows, their velocity ramped); vjp: the paper's "
                                  "vector-Jacobian product through the action expert")
     schedule: str = setting("linear", choices=("zeros", "ones", "linear", "exp"),
                              doc="prefix weights over the previous chunk's leftover")

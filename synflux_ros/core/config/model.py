@@ -67,9 +67,6 @@ class ModelConfig:
                                   "vision.architecture qwen3_vl and llm.mrope_section")
             if self.llm.prefill_attention != "causal":
                 raise ConfigError("llm.prefill_attention: GR00T N1.7's backbone is causal")
-            if self.resolved_execution.guides_inference and self.execution.rtc.guidance != "lerobot":
-                raise ConfigError("execution.rtc.guidance: GR00T's DiT head runs GR00T's own Real-Time Chunking "
-                                  "(lerobot: the leftover written over the first rows, their velocity ramped)")
             if self.action.vl_layers and self.action.vl_heads * self.action.vl_head_dim != self.llm.hidden_dim:
                 raise ConfigError(f"action.vl_heads x vl_head_dim: {self.action.vl_heads} x {self.action.vl_head_dim} "
                                   f"must equal llm.hidden_dim ({self.llm.hidden_dim})")
@@ -150,9 +147,9 @@ class ModelConfig:
 
     @property
     def rtc_vjp_graphs(self) -> bool:
-        """Whether the graph set holds RTC's vector-Jacobian graphs (``action_expert_vjp_<d>``): a flow-matching
-        VLA whose resolved execution mode guides inference, with ``execution.rtc.guidance: vjp``. What the graph
-        contract reads of the execution section."""
+        """Whether the graph set holds RTC's vector-Jacobian graphs (``action_expert_vjp_<d>``, GR00T's
+        ``dit_vjp_<p>``): a flow-matching VLA whose resolved execution mode guides inference, with
+        ``execution.rtc.guidance: vjp``. What the graph contract reads of the execution section."""
         flow = self.mode == "vla" and self.action is not None and self.action.head_type == "flow_matching"
         return flow and self.resolved_execution.guides_inference and self.execution.rtc.guidance == "vjp"
 

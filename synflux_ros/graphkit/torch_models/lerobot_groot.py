@@ -17,6 +17,7 @@ from ...core.config import ConfigError, ModelConfig
 from .checkpoint import copy_checked, read_config, read_tensors, tensor_files
 from .decoder import CausalLM, EmbedGraph, init_random, materialize
 from .groot import CategoryLinear, DiTGraph, FeaturesGraph, GrootHead, VLContextGraph
+from .groot_vjp import DiTVJPGraph
 from .hf_decoder import hf_llm_fields
 from .lerobot_pi0 import _processor_steps, lerobot_policy_type, state_joints
 from .qwen3_vl_vision import build_qwen3_vl_vision, vision_config_from_hf
@@ -354,5 +355,6 @@ def groot_graph_modules(cfg: ModelConfig, seed: int = 0, hf_dir: str | None = No
             "features": lambda: FeaturesGraph(lm, p, deepstack).eval(),
             "vl_context": lambda: VLContextGraph(head, p).eval(),
             "dit": lambda: DiTGraph(head, p).eval(),
+            "dit_vjp": lambda: DiTVJPGraph(head, p).eval(),
         }[meta.kind]()
     return modules, tokenizer, source

@@ -6,12 +6,15 @@ then ``num_denoise_steps`` Euler steps of ``dit_<p>`` integrate seeded Gaussian 
 step k runs at the time bucket ``int(k / N * time_buckets)`` and adds ``(1 / N) * velocity``. GR00T's
 direction is the opposite of pi0's (noise at 0, actions at 1).
 
-Real-Time Chunking is GR00T's own (LeRobot 0.6.1's ``GrootPolicy`` with ``prev_chunk_left_over``), not a
-guided velocity: the leftover of the previous chunk (its trailing all-zero rows dropped, at most a horizon) is
+Real-Time Chunking has two flavours. ``lerobot`` is GR00T's own (LeRobot 0.6.1's ``GrootPolicy`` with
+``prev_chunk_left_over``), not a guided velocity: the leftover of the previous chunk (its trailing all-zero rows dropped, at most a horizon) is
 written over the first ``overlap = min(its length, execution_horizon)`` rows of the initial noise (its last
 ``overlap`` rows), and each step's velocity is scaled per row: 0 for the ``min(inference_delay, overlap)`` rows
 executed before the chunk arrives (they stay the leftover), then a ramp ``1 - exp(-rtc_ramp_rate * u)``
 normalised to end at 1, over u evenly spaced in (0, 1) for the rows up to ``overlap``, 1 after them.
+``vjp`` is the paper's guidance, as for the π0 family: plain noise, and each step runs ``dit_vjp_<p>``, whose
+correction ``J^T e`` (of x1 = x + (1 - τ) v) is added to the velocity with the guidance weight of
+:func:`.rtc.guidance_weight` (π0's time is 1 - τ).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import numpy as np
 
 from ...core.config import ModelConfig
 from ...core.executor import Executor
-from .rtc import RTCGuidance
+from .rtc import RTCGuidance, guidance_weight
 
 
 class GrootDiTHead:
@@ -58,9 +61,6 @@ class GrootDiTHead:
         the leftover holds no row, plain denoising)."""
         if not isinstance(rtc, RTCGuidance):
             raise TypeError(f"rtc: expected an RTCGuidance, got {type(rtc).__name__}")
-        if rtc.flavour != "lerobot":
-            raise ValueError(f"rtc flavour {rtc.flavour}: GR00T's DiT head runs GR00T's own Real-Time Chunking "
-                             f"(execution.rtc.guidance: lerobot)")
         _, horizon, dims = self.shape
         prev = rtc.prev_chunk
         if prev.shape[1] > dims:
@@ -87,6 +87,10 @@ class GrootDiTHead:
     def denoise(self, context: dict, noise: np.ndarray, rtc: RTCGuidance | None = None) -> np.ndarray:
         """``noise`` [1, horizon, action_dim] -> the normalised chunk [horizon, action_dim]; ``rtc`` continues the
         previous chunk (see the module docstring)."""
+        if rtc is not None and not isinstance(rtc, RTCGuidance):
+            raise TypeError(f"rtc: expected an RTCGuidance, got {type(rtc).__name__}")
+        if rtc is not None and rtc.flavour == "vjp":
+            return self._denoise_vjp(context, noise, rtc)
         if rtc is not None:
             x, scale = self.rtc_start(noise, rtc)
         else:
@@ -99,6 +103,26 @@ class GrootDiTHead:
             feeds["timestep"] = t
             step = dt * self.ex.run(graph, feeds)["velocity"]
             x += step if scale is None else step * scale
+        return x[0]
+
+    def _denoise_vjp(self, context: dict, noise: np.ndarray, rtc: RTCGuidance) -> np.ndarray:
+        graph = f"dit_vjp_{context['bucket']}"
+        graphs = getattr(self.ex, "graphs", None)
+        if graphs is not None and graph not in graphs:
+            raise ValueError(f"rtc flavour vjp runs the graph {graph}, which this graph set does not have: build it "
+                             f"with execution.mode: rtc and execution.rtc.guidance: vjp")
+        _, horizon, dims = self.shape
+        target, weights = rtc.arrays(horizon, dims)
+        x = np.array(noise, np.float32, copy=True).reshape(self.shape)
+        feeds = {"noisy_actions": x, "state_features": context["state_features"], "cross_kv": context["cross_kv"],
+                 "cross_bias": context["cross_bias"], "target": target, "weights": weights}
+        dt, n = np.float32(self.dt), len(self.buckets)
+        for k, bucket in enumerate(self.buckets):
+            tau = k / float(n)
+            feeds["timestep"], feeds["flow_time"] = bucket, np.array([tau], np.float32)
+            out = self.ex.run(graph, feeds)
+            w = np.float32(guidance_weight(1.0 - tau, rtc.max_guidance_weight))
+            x += dt * (out["velocity"] + w * out["correction"])
         return x[0]
 
     def __call__(self, context: dict, seq: int, rtc: RTCGuidance | None = None) -> np.ndarray:

@@ -330,16 +330,22 @@ def test_registry_entry(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ RTC vjp graphs
-@pytest.fixture(scope="module", params=["pi0", "pi05"])
+@pytest.fixture(scope="module", params=["pi0", "pi05", "groot"])
 def vjp_graphs(request, tmp_path_factory):
     """vla_demo_orin with the vjp guidance of Real-Time Chunking (adds the action_expert_vjp graphs); as π0.5
-    (adaptive norms, the state in the prompt) too."""
+    (adaptive norms, the state in the prompt) too; GR00T N1.7 at demo size (the dit_vjp graphs)."""
     from synflux_ros.buildtool.export import build
-    from synflux_ros.core.config import load_config
+    from synflux_ros.core.config import from_dict, load_config
     from synflux_ros.model.normalization import PI05_PROMPT
     cfg = load_config(str(REPO / "config" / "vla_demo_orin.yaml")).with_overrides(
         execution={"mode": "rtc", "rtc": {"guidance": "vjp"}})
-    if request.param == "pi05":
+    if request.param == "groot":
+        import yaml
+        from checkpoints import demo_size
+        raw = demo_size(yaml.safe_load((REPO / "config" / "vla_groot_n17.yaml").read_text()))
+        raw["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
+        cfg = from_dict(raw)
+    elif request.param == "pi05":
         cfg = cfg.with_overrides(action={"time_conditioning": "adarms", "state_input": "prompt", "state_dim": 8,
                                          "state_joints": [f"j{i}" for i in range(6)]},
                                  tokenizer={"prompt_template": PI05_PROMPT})
@@ -352,9 +358,12 @@ def test_vjp_graphs_validate_against_onnxruntime(vjp_graphs):
     """The correction multiplies by the transposes of square weights that the velocity multiplies by as they are;
     OpenVINO's CPU plugin got those products wrong (1e-2 relative) until the build put them the other way round."""
     from synflux_ros.buildtool.validate import validate
+    from synflux_ros.core.config import load_config
     rows = {r.check: r for r in validate(str(vjp_graphs), "openvino")}
-    vjp = [c for c in rows if c.startswith("action_expert_vjp_")]
-    assert sorted(vjp) == ["action_expert_vjp_160/correction", "action_expert_vjp_160/velocity",
-                           "action_expert_vjp_256/correction", "action_expert_vjp_256/velocity"]
+    vjp = [c for c in rows if c.startswith(("action_expert_vjp_", "dit_vjp_"))]
+    cfg = load_config(str(vjp_graphs / "config.yaml"))
+    kind = "dit_vjp" if cfg.groot_dit else "action_expert_vjp"
+    buckets = cfg.llm.prefill_buckets if cfg.groot_dit else cfg.llm.decode_buckets
+    assert sorted(vjp) == sorted(f"{kind}_{b}/{o}" for b in buckets for o in ("correction", "velocity"))
     assert all(r.passed for r in rows.values()), [r for r in rows.values() if not r.passed]
     assert all(rows[c].max_abs_diff <= TOL and rows[c].cosine > 0.999999 for c in vjp)

@@ -119,7 +119,8 @@ def test_missing_state_is_refused():
 
 def test_real_time_chunking_is_groots_own():
     """The leftover's last rows replace the first rows of the noise; the rows executed before the chunk arrives
-    keep it exactly, the ramped ones move less than free ones; vjp and a wider leftover are refused."""
+    keep it exactly, the ramped ones move less than free ones; a wider leftover is refused, and the vjp flavour
+    on a graph set built without its graphs."""
     cfg = from_dict(raw())
     rt = VLARuntime(cfg)
     images, state = frame(3, cfg)
@@ -136,17 +137,57 @@ def test_real_time_chunking_is_groots_own():
     padded = np.r_[prev, np.zeros((2, 6), np.float32)]
     again = rt.infer(images, seq=4, state=state, rtc=RTCGuidance(padded, 2, 5)).raw_actions
     np.testing.assert_array_equal(again, guided)
-    with pytest.raises(ValueError, match="GR00T's own Real-Time Chunking"):
+    with pytest.raises(ValueError, match="build it with execution.mode: rtc and execution.rtc.guidance: vjp"):
         rt.infer(images, seq=4, state=state, rtc=RTCGuidance(prev, 2, 5, flavour="vjp"))
     with pytest.raises(ValueError, match="13 dimensions"):
         rt.infer(images, seq=4, state=state, rtc=RTCGuidance(np.ones((3, 13), np.float32), 1, 3))
 
 
-def test_vjp_guidance_is_refused_at_load():
+def vjp_config():
     r = raw()
     r["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
-    with pytest.raises(ConfigError, match="GR00T's DiT head runs GR00T's own"):
-        from_dict(r)
+    return from_dict(r)
+
+
+def test_the_vjp_guidance_adds_one_dit_vjp_graph_per_bucket():
+    metas = {m.name: m for m in graph_set(vjp_config())}
+    assert {"dit_vjp_32", "dit_vjp_64", "dit_32", "dit_64"} <= set(metas)
+    vjp = metas["dit_vjp_32"]
+    assert [t.name for t in vjp.inputs] == [t.name for t in metas["dit_32"].inputs] + ["target", "weights",
+                                                                                         "flow_time"]
+    assert [t.name for t in vjp.outputs] == ["velocity", "correction"]
+    assert not any("vjp" in name for name in (m.name for m in graph_set(from_dict(raw()))))
+
+
+def test_the_vjp_guidance_adds_the_weighted_correction_at_each_step():
+    """Each Euler step runs dit_vjp_<p> at GR00T time τ = k / N with the padded leftover and the prefix weights,
+    and adds dt (v + w(τ) c), w the guidance weight at π0 time 1 - τ (recorded on the mock)."""
+    from synflux_ros.model.heads.rtc import guidance_weight, prefix_weights
+    cfg = vjp_config()
+    rt = VLARuntime(cfg)
+    images, state = frame(3, cfg)
+    calls, run = [], rt.head.ex.run
+
+    def recording(graph, feeds):
+        out = run(graph, feeds)
+        calls.append((graph, {k: np.array(v) for k, v in feeds.items()}, {k: np.array(v) for k, v in out.items()}))
+        return out
+    rt.head.ex.run = recording
+    prev = np.random.default_rng(0).uniform(-1, 1, (6, 10)).astype(np.float32)
+    guided = rt.infer(images, seq=4, state=state, rtc=RTCGuidance(prev, 2, 5, flavour="vjp",
+                                                                  max_guidance_weight=4.0)).raw_actions
+    steps = [c for c in calls if c[0].startswith("dit")]
+    assert len(steps) == 4 and len({c[0] for c in steps}) == 1 and steps[0][0] in ("dit_vjp_32", "dit_vjp_64")
+    x = rt.head.initial_noise(rt.head.seed + 4)
+    for k, (_, feeds, out) in enumerate(steps):
+        np.testing.assert_array_equal(feeds["noisy_actions"], x)
+        assert feeds["flow_time"].tolist() == [k / 4] and feeds["timestep"].tolist() == [k * 250]
+        np.testing.assert_array_equal(feeds["target"][0, :6, :10], prev)
+        np.testing.assert_array_equal(feeds["target"][0, 6:], 0.0)
+        np.testing.assert_array_equal(feeds["weights"][0, :, 0], prefix_weights(2, 5, 8, "linear"))
+        w = np.float32(guidance_weight(1.0 - k / 4, 4.0))
+        x = x + np.float32(0.25) * (out["velocity"] + w * out["correction"])
+    np.testing.assert_allclose(guided, x[0][:len(guided)], atol=1e-6)
 
 
 def test_onnxruntime_graphs_run_with_random_weights(tmp_path):
