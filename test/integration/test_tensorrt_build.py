@@ -77,8 +77,7 @@ def test_every_config_builds_one_engine_per_kind_with_a_profile_per_bucket(tmp_p
     # the buckets of a kind share one engine (decode steps the llm's): an engine per kind, fewer engines than
     # graphs wherever a kind has several buckets (vla_smolvla has one of each)
     kinds = [m.kind for m in metas]
-    static = [k for k in kinds if k in plan.STATIC_KINDS]  # (GR00T's: an engine per graph)
-    assert len(expected) == len(set(kinds) - {"decode"} - set(static)) + len(static)
+    assert len(expected) == len(set(kinds) - {"decode"})
     assert len(expected) < len(metas) or len(set(kinds)) == len(kinds)
 
 

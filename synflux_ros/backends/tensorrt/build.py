@@ -343,7 +343,7 @@ def _profiled_key(manifest: dict) -> str:
     the source of their export."""
     here = os.path.dirname(os.path.abspath(__file__))
     keys = [f"{g['name']}={g.get('key', '')};" for g in sorted(manifest["graphs"], key=lambda g: g["name"])
-            if g["kind"] in ("embed", "prefill", "decode", "action_expert", "action_expert_vjp")]
+            if g["kind"] in ("embed", "prefill", "decode", "action_expert", "action_expert_vjp", *plan.GROOT_KINDS)]
     return cache.digest([os.path.join(here, "build_onnx.py"), os.path.join(here, "build_models.py")],
                         head=keys, length=16)
 

@@ -3,7 +3,9 @@
 Exported from the same torch modules (same weights) as the static per-bucket graph set, with two dynamic
 dims, ``T`` (new rows) and ``D`` (cache positions attended, the length of the shape-only input
 ``attention_span``): ``llm`` at (T = p, D = S) is ``prefill_<p>``, ``embed`` then ``llm`` at T = 1 is
-``decode_<d>``, ``action_expert`` at D = d is ``action_expert_<d>`` (``action_expert_vjp`` likewise). The graphs share one ``weights.bin``
+``decode_<d>``, ``action_expert`` at D = d is ``action_expert_<d>`` (``action_expert_vjp`` likewise); GR00T's
+``features``, ``vl_context``, ``dit`` and ``dit_vjp`` at T = p are ``<kind>_<p>`` (the prompt's rows). The graphs
+share one ``weights.bin``
 (external data, as TensorRT's ``OnnxParser.parse_from_file`` reads it). Each kind's inputs and outputs are
 listed in docs/internals/build.md.
 
@@ -17,7 +19,7 @@ import os
 import tempfile
 import warnings
 
-from .plan import PROFILED_KINDS, SPAN_DTYPE, SPAN_INPUT
+from .plan import GROOT_KINDS, PROFILED_KINDS, SPAN_DTYPE, SPAN_INPUT
 from ...graphset import reader as graphset, writer as graphset_writer
 from ...core.config import ModelConfig
 from ...core.contract import graph_set, reads_logits, time_embedding_dim
@@ -31,9 +33,8 @@ STANDARD_DOMAINS = ("", "ai.onnx")
 def profiled_graph_names(cfg: ModelConfig) -> list[str]:
     """The kinds of :data:`PROFILED_KINDS` this config's graph set has, in that order."""
     kinds = {m.kind for m in graph_set(cfg)}
-    have = {"embed": bool(kinds & {"embed", "decode"}), "llm": bool(kinds & {"prefill", "decode"}),
-            "action_expert": "action_expert" in kinds, "action_expert_vjp": "action_expert_vjp" in kinds}
-    return [k for k in PROFILED_KINDS if have[k]]
+    have = {"embed": bool(kinds & {"embed", "decode"}), "llm": bool(kinds & {"prefill", "decode"})}
+    return [k for k in PROFILED_KINDS if have.get(k, k in kinds)]
 
 
 def _kv_views(cfg: ModelConfig) -> list[tuple[str, tuple, str]]:
@@ -65,12 +66,20 @@ def profiled_io(cfg: ModelConfig, kind: str) -> tuple[list[tuple[str, tuple, str
                *_kv_views(cfg), span,
                *([("state", (1, act.state_token_dim), "float32")] if act.state_token_dim else [])]
         return ins, [("velocity", ha, "float32")]
-    if kind == "action_expert_vjp":
-        ins, outs = profiled_io(cfg, "action_expert")
+    if kind in ("action_expert_vjp", "dit_vjp"):
+        ins, outs = profiled_io(cfg, "action_expert" if kind == "action_expert_vjp" else "dit")
         ha = (1, act.action_horizon, act.action_dim)
         ins += [("target", ha, "float32"), ("weights", (1, act.action_horizon, 1), "float32"),
                 ("flow_time", (1,), "float32")]
         return ins, outs + [("correction", ha, "float32")]
+    if kind in GROOT_KINDS:  # the static graphs' tensors with the prompt's rows as T
+        meta = next(m for m in graph_set(cfg) if m.kind == kind)
+        axes = GROOT_KINDS[kind]
+
+        def io(specs):
+            return [(t.name, tuple("T" if i == axes.get(t.name) else d for i, d in enumerate(t.shape)), t.dtype)
+                    for t in specs]
+        return io(meta.inputs), io(meta.outputs)
     raise ValueError(f"unknown profiled graph kind {kind!r} (kinds: {', '.join(PROFILED_KINDS)})")
 
 
@@ -83,6 +92,9 @@ def example_sizes(cfg: ModelConfig) -> tuple[int, int]:
              llm.num_kv_heads * llm.head_dim, llm.head_dim // 2, *llm.prefill_buckets, *llm.decode_buckets}
     if act is not None:
         taken |= {act.action_horizon, act.action_dim, act.expert_hidden_dim or 0, act.expert_intermediate_size or 0}
+        if cfg.groot_dit:
+            taken |= {act.state_dim, act.dit_cross_blocks, act.dit_heads, act.dit_head_dim, act.dit_width,
+                      act.dit_hidden_dim, cfg.vision.num_deepstack}
     t = next(n for n in range(3, 10 ** 9) if n not in taken)
     d = next((n for n in range(llm.max_seq_len - 1, 2, -1) if n not in taken and n != t), None)
     if d is None:  # a cache too short to avoid every dim: any length but T
@@ -101,6 +113,16 @@ def _module(cfg: ModelConfig, kind: str, modules):
     weights of the static modules in ``modules`` (a GraphModules or its ``.modules`` dict)."""
     from .build_models import FlatViews, ProfiledActionExpert, ProfiledActionExpertVJP, ProfiledEmbed, ProfiledLLM
     mods = getattr(modules, "modules", modules)
+    if kind in GROOT_KINDS:
+        from ...graphkit.torch_models.groot import DiTGraph, FeaturesGraph, VLContextGraph
+        from ...graphkit.torch_models.groot_vjp import DiTVJPGraph
+        cls = {"features": FeaturesGraph, "vl_context": VLContextGraph, "dit": DiTGraph, "dit_vjp": DiTVJPGraph}[kind]
+        static = next((m for m in mods.values() if type(m) is cls), None)
+        if static is None:
+            raise BuildError(f"no {kind} module to take the weights of the {kind!r} graph from")
+        if kind == "features":
+            return FeaturesGraph(static.lm, None, static.deepstack).eval()
+        return cls(static.head, None).eval()
     lm = next((m.lm for m in mods.values() if hasattr(m, "lm")), None)
     if kind in ("embed", "llm") and lm is None:
         raise BuildError(f"no embed/prefill/decode module to take the decoder of the {kind!r} graph from")

@@ -21,7 +21,13 @@ SIDECAR = "tensorrt.json"
 ONNX_SUBDIR = "tensorrt/onnx"
 SPAN_INPUT = "attention_span"
 SPAN_DTYPE = "float32"
-PROFILED_KINDS = ("embed", "llm", "action_expert", "action_expert_vjp")
+PROFILED_KINDS = ("embed", "llm", "action_expert", "action_expert_vjp", "features", "vl_context", "dit", "dit_vjp")
+GROOT_KINDS = {"features": {"inputs_embeds": 1, "position_ids": 1, "deepstack_embeds": 1, "features": 1},
+               "vl_context": {"features": 1, "image_rows": 1, "cross_kv": 3, "cross_bias": 1},
+               "dit": {"cross_kv": 3, "cross_bias": 1},
+               "dit_vjp": {"cross_kv": 3, "cross_bias": 1}}
+"""GR00T N1.7's kinds (backbone features, VL context, DiT step and its RTC vjp) and, per tensor, the axis of the
+prompt's rows: the bucket, which a profile sets on the inputs."""
 DLA_CAPABLE = ("vision_encoder", "action_expert")
 """Kinds that may be placed on a DLA core (static, fp16/int8, no KV-length-dependent control flow)."""
 
@@ -102,12 +108,6 @@ def _kv(metas) -> TensorSpec:
     raise PlanError("the graph set has no graph reading past_kv")
 
 
-STATIC_KINDS = ("features", "vl_context", "dit", "dit_vjp")
-"""Kinds built as one static engine per graph (GR00T N1.7's backbone features, VL context and DiT step) from the
-portable ONNX files: their bucket axis runs through several inputs and outputs, which the profiled exports of the
-other kinds do not express yet."""
-
-
 def plan_engines(metas: list[GraphMeta], dla_kinds=()) -> list[EngineSpec]:
     """The engines of a graph set (see docs/backends/tensorrt.md#engine-plan). ``dla_kinds`` (subset of
     :data:`DLA_CAPABLE`) are built per graph from the static ONNX files, for a DLA core."""
@@ -149,8 +149,11 @@ def plan_engines(metas: list[GraphMeta], dla_kinds=()) -> list[EngineSpec]:
     elif experts:
         engines.append(EngineSpec("action_expert", "action_expert", f"{ONNX_SUBDIR}/action_expert.onnx",
                                   tuple(Profile(m.name, ((SPAN_INPUT, (m.attrs["bucket"],)),)) for m in experts)))
-    for kind in STATIC_KINDS:  # GR00T N1.7's graphs: an engine per graph, at its bucket's shapes
-        engines += [static(m, False) for m in kinds.get(kind, [])]
+    for kind, axes in GROOT_KINDS.items():  # a profile per prompt bucket, shaping the inputs with its rows
+        if kinds.get(kind):
+            engines.append(EngineSpec(kind, kind, f"{ONNX_SUBDIR}/{kind}.onnx", tuple(
+                Profile(m.name, tuple((t.name, tuple(t.shape)) for t in m.inputs if t.name in axes))
+                for m in kinds[kind])))
     vjp = kinds.get("action_expert_vjp", [])
     if vjp:  # on the GPU even when the expert is on DLA: the backward pass is no DLA network
         engines.append(EngineSpec("action_expert_vjp", "action_expert_vjp", f"{ONNX_SUBDIR}/action_expert_vjp.onnx",

@@ -272,14 +272,15 @@ class GrootHead(nn.Module):
 
 class FeaturesGraph(nn.Module):
     """features_<p>: the prompt's rows attend causally among themselves (one call, no cache); the last decoder
-    layer's hidden states before the final norm, padded rows (>= num_tokens) zero."""
+    layer's hidden states before the final norm, padded rows (>= num_tokens) zero. ``bucket`` None: the
+    prompt's length is the input's (TensorRT's profiled export; VLContextGraph likewise)."""
 
     def __init__(self, lm: CausalLM, bucket: int, deepstack: bool):
         super().__init__()
         self.lm, self.bucket, self.deepstack = lm, bucket, deepstack
 
     def forward(self, inputs_embeds, num_tokens, position_ids, deepstack_embeds=None):
-        rows = torch.arange(self.bucket, dtype=torch.int64)
+        rows = torch.arange(inputs_embeds.shape[1] if self.bucket is None else self.bucket, dtype=torch.int64)
         causal = rows[None, :] <= rows[:, None]
         h, _ = self.lm.run(inputs_embeds[0], position_ids, None, causal, span=0,
                            deepstack=deepstack_embeds if self.deepstack else None)
@@ -294,7 +295,8 @@ class VLContextGraph(nn.Module):
         self.head, self.bucket = head, bucket
 
     def forward(self, features, num_tokens, image_rows, state):
-        valid = torch.arange(self.bucket, dtype=torch.int64) < num_tokens
+        rows = features.shape[1] if self.bucket is None else self.bucket
+        valid = torch.arange(rows, dtype=torch.int64) < num_tokens
         return self.head.context(features[0], valid, image_rows[0] > 0.5, state)
 
 

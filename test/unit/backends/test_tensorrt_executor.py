@@ -67,7 +67,7 @@ def fake_device():
 
 
 @pytest.fixture(scope="module", params=["vla_demo_orin.yaml", "vlm_demo.yaml", "vla_pi0.yaml", "vla_pi0.yaml+vjp",
-                                               "vla_pi05.yaml", "vla_smolvla.yaml", "vla_groot_n17.yaml"])
+                                               "vla_pi05.yaml", "vla_smolvla.yaml", "vla_groot_n17.yaml+vjp"])
 def graphs(request, tmp_path_factory):
     out = graph_set_for(tmp_path_factory, request.param)
     stand_in.write_engines(out, TAG)
@@ -86,8 +86,8 @@ def test_stand_in_every_graph_and_the_whole_model_match_onnxruntime(fake_device,
     llm = "decode_" if reads_logits(cfg) else "features_" if cfg.groot_dit else "prefill_"
     assert any(r.check.startswith(llm) for r in rows)
     if "-vjp" in os.path.basename(os.path.dirname(graphs)):  # the vjp guidance's engine: velocity and correction
-        assert {r.check.split("/")[-1] for r in rows if r.check.startswith("action_expert_vjp_")} == {
-            "velocity", "correction"}, sorted(r.check for r in rows)
+        assert {r.check.split("/")[-1] for r in rows if r.check.startswith(("action_expert_vjp_", "dit_vjp_"))} \
+            == {"velocity", "correction"}, sorted(r.check for r in rows)
 
 
 def test_stand_in_decode_steps_replay_as_cuda_graphs(fake_device, graphs):
@@ -141,11 +141,12 @@ def test_stand_in_device_memory_counts_engines_and_the_pool(fake_device, graphs)
         engine_bytes = sum(e.bytes for e in ex.sidecar.engines.values())
         assert ex.device_bytes == engine_bytes + ex.pool.allocated_bytes
         names = ex.pool.breakdown()
-        if cfg.groot_dit:  # no llm engine: a static engine per graph, one activation buffer each
-            p = cfg.llm.prefill_buckets[0]
-            assert all(any(n.startswith(f"tensorrt/activations/{g}_{p}/") for n in names)
-                       for g in ("features", "vl_context", "dit")), sorted(names)
-            assert ex.device_of(f"dit_{p}") == "tensorrt:cuda0"
+        if cfg.groot_dit:  # no llm engine: an engine per GR00T kind, one activation buffer each, not per bucket
+            acts = {n.split("/")[2] for n in names if n.startswith("tensorrt/activations/")}
+            assert {"features", "vl_context", "dit", "dit_vjp"} <= acts, "\n".join(sorted(names))
+            assert not any(n.startswith(f"tensorrt/activations/dit_{p}") for n in names
+                           for p in cfg.llm.prefill_buckets), "\n".join(sorted(names))
+            assert ex.device_of(f"dit_{cfg.llm.prefill_buckets[0]}") == "tensorrt:cuda0"
             return
         assert any(n.startswith("tensorrt/activations/llm/") for n in names)
         # one activation buffer per (engine, graph group), not per bucket
