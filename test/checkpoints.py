@@ -130,3 +130,12 @@ def write_lerobot_processors(d, stats: dict, norm_map: dict) -> None:
             "state_file": state_file}]
         with open(os.path.join(str(d), f"{name}.json"), "w", encoding="utf-8") as fh:
             json.dump({"name": name, "steps": steps}, fh)
+
+
+def weight_digests(model, min_bytes: int = 1024) -> set[str]:
+    """SHA-256 of each initializer of an ONNX ``model`` of at least ``min_bytes``: two graphs that share their
+    weights have the same digests, so a graph set stores them once."""
+    import hashlib
+    from onnx import numpy_helper
+    return {hashlib.sha256(numpy_helper.to_array(i).tobytes()).hexdigest()
+            for i in model.graph.initializer if numpy_helper.to_array(i).nbytes >= min_bytes}

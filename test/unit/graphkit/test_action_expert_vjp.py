@@ -1,7 +1,6 @@
 """The action expert's Real-Time Chunking graph (action_expert_vjp_<d>, ``execution.rtc.guidance: vjp``): its
 correction is torch autograd's vector-Jacobian product of x1 = x - t v(x) with the weighted error, in torch and
 exported to ONNX, at any prefix length and flow time, and it reads the action expert's own weights."""
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +10,8 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from onnx import numpy_helper  # noqa: E402
 
+from checkpoints import weight_digests  # noqa: E402
 from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.graphkit.torch_models import build_graph_modules  # noqa: E402
 from synflux_ros.core.config import load_config  # noqa: E402
@@ -140,8 +139,5 @@ def test_vjp_graph_is_autograd_through_the_expert_in_torch_and_onnx(kv_dtype, ar
         np.testing.assert_allclose(got_v, v, atol=1e-4, err_msg=f"velocity at prefix {prefix_len}, t {t}")
         np.testing.assert_allclose(got_c, c, atol=1e-4, err_msg=f"correction at prefix {prefix_len}, t {t}")
 
-    def contents(m):
-        return {hashlib.sha256(numpy_helper.to_array(i).tobytes()).hexdigest()
-                for i in m.graph.initializer if numpy_helper.to_array(i).nbytes >= 1024}
     # the weights are the action expert's, so the graph set stores them once
-    assert contents(model) and contents(model) <= contents(plain)
+    assert weight_digests(model) and weight_digests(model) <= weight_digests(plain)

@@ -1,7 +1,6 @@
 """GR00T's Real-Time Chunking graph (dit_vjp_<p>, ``execution.rtc.guidance: vjp``): its correction is torch
 autograd's vector-Jacobian product of x1 = x + (1 - τ) v(x) with the weighted error, in torch and exported to
 ONNX, at any time, and it reads the DiT's own weights."""
-import hashlib
 
 import numpy as np
 import pytest
@@ -10,8 +9,8 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from onnx import numpy_helper  # noqa: E402
 
+from checkpoints import weight_digests  # noqa: E402
 from synflux_ros.buildtool import export as build_tool  # noqa: E402
 from synflux_ros.core.config import from_dict  # noqa: E402
 from synflux_ros.core.contract import MASKED_SCORE, graph_set  # noqa: E402
@@ -102,8 +101,5 @@ def test_dit_vjp_graph_is_autograd_through_the_dit_in_torch_and_onnx(text_every,
         np.testing.assert_allclose(got_v, v, atol=1e-4, err_msg=f"velocity at τ {tau}")
         np.testing.assert_allclose(got_c, c, atol=1e-4, err_msg=f"correction at τ {tau}")
 
-    def contents(m):
-        return {hashlib.sha256(numpy_helper.to_array(i).tobytes()).hexdigest()
-                for i in m.graph.initializer if numpy_helper.to_array(i).nbytes >= 1024}
     # the weights are the DiT's, so the graph set stores them once
-    assert contents(model) and contents(model) <= contents(plain)
+    assert weight_digests(model) and weight_digests(model) <= weight_digests(plain)
