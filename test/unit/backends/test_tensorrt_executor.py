@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -51,6 +52,18 @@ def graph_set_for(tmp_path_factory, name: str):
     manifest = build(cfg, out)
     export_profiled(cfg, out, manifest, None, 0, False, progress=lambda *_: None)
     return out
+
+
+@pytest.fixture(scope="module")
+def vlm_graphs(tmp_path_factory):
+    """A fresh copy of vlm_demo's graph set (built once for the module) for each caller, to write engines into."""
+    built = graph_set_for(tmp_path_factory, "vlm_demo.yaml")
+
+    def copy() -> str:
+        out = str(tmp_path_factory.mktemp("vlm_demo-copy") / "graphs")
+        shutil.copytree(built, out)
+        return out
+    return copy
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +112,9 @@ def test_stand_in_decode_steps_replay_as_cuda_graphs(fake_device, graphs):
         assert cudart.state["launches"] > before
 
 
-def test_stand_in_decode_that_cannot_be_captured_runs_uncaptured(fake_device, tmp_path_factory):
+def test_stand_in_decode_that_cannot_be_captured_runs_uncaptured(fake_device, vlm_graphs):
     _, cudart = fake_device
-    out = graph_set_for(tmp_path_factory, "vlm_demo.yaml")
+    out = vlm_graphs()
     stand_in.write_engines(out, TAG)
     before = cudart.state["launches"]
     cudart.state["refuse_capture"] = True
@@ -113,8 +126,8 @@ def test_stand_in_decode_that_cannot_be_captured_runs_uncaptured(fake_device, tm
     assert cudart.state["launches"] == before
 
 
-def test_stand_in_chat_reuses_the_cache_as_recomputing_does(fake_device, tmp_path_factory):
-    out = graph_set_for(tmp_path_factory, "vlm_demo.yaml")
+def test_stand_in_chat_reuses_the_cache_as_recomputing_does(fake_device, vlm_graphs):
+    out = vlm_graphs()
     stand_in.write_engines(out, TAG)
     cfg = load_config(os.path.join(out, "config.yaml"))
 
@@ -161,8 +174,8 @@ def test_stand_in_device_memory_counts_engines_and_the_pool(fake_device, graphs)
     ({"sm": "8.6"}, r"built with TensorRT 10\.3\.0 for sm 8\.6; this device is sm 8\.7"),
     ({"version": "10.0.1"}, r"built with TensorRT 10\.0\.1 for sm 8\.7; this device is sm 8\.7 with TensorRT 10\.3\.0"),
 ])
-def test_stand_in_engines_for_another_device_or_version_are_refused(fake_device, tmp_path_factory, change, message):
-    out = graph_set_for(tmp_path_factory, "vlm_demo.yaml")
+def test_stand_in_engines_for_another_device_or_version_are_refused(fake_device, vlm_graphs, change, message):
+    out = vlm_graphs()
     edir = stand_in.write_engines(out, TAG, **change)
     cfg = load_config(os.path.join(out, "config.yaml")).with_overrides(executor={"backend": "tensorrt", "graph_dir": out})
     with pytest.raises(RuntimeError, match=message) as info:
@@ -170,8 +183,8 @@ def test_stand_in_engines_for_another_device_or_version_are_refused(fake_device,
     assert edir in str(info.value) and "synflux-build" in str(info.value) and "--backend tensorrt" in str(info.value)
 
 
-def test_stand_in_bad_sidecar_names_the_field_and_the_build_command(fake_device, tmp_path_factory):
-    out = graph_set_for(tmp_path_factory, "vlm_demo.yaml")
+def test_stand_in_bad_sidecar_names_the_field_and_the_build_command(fake_device, vlm_graphs):
+    out = vlm_graphs()
     edir = stand_in.write_engines(out, TAG)
     path = os.path.join(edir, "tensorrt.json")
     with open(path, encoding="utf-8") as fh:
@@ -185,8 +198,8 @@ def test_stand_in_bad_sidecar_names_the_field_and_the_build_command(fake_device,
         create_executor(cfg).load()
 
 
-def test_stand_in_missing_engines_name_the_file_and_the_build_command(fake_device, tmp_path_factory):
-    out = graph_set_for(tmp_path_factory, "vlm_demo.yaml")
+def test_stand_in_missing_engines_name_the_file_and_the_build_command(fake_device, vlm_graphs):
+    out = vlm_graphs()
     cfg = load_config(os.path.join(out, "config.yaml")).with_overrides(
         executor={"backend": "tensorrt", "graph_dir": out, "options": {"precision": "fp32"}})
     with pytest.raises(RuntimeError, match=r"no engines for this device \(sm 8\.7, fp32\): .*sm87-fp32/tensorrt\.json "
