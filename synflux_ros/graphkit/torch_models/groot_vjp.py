@@ -50,11 +50,6 @@ def _left(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     return torch.matmul(linear.weight, x.t()).t() + linear.bias
 
 
-def _silu_grad(z: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(z)
-    return s * (1.0 + z * (1.0 - s))
-
-
 class _Block:
     """One DiT block's forward pass with its saved activations, and its backward pass."""
 
@@ -145,6 +140,6 @@ class DiTVJPGraph(nn.Module):
         d = _layer_norm_back(torch.matmul(d, dit.proj_out_2.weight) * (1 + scale), ln_out)
         for block in reversed(blocks):
             d = block.backward(d)
-        d = _times_t(d[-horizon:], enc.W3.W) * _silu_grad(z2[0])
+        d = _times_t(d[-horizon:], enc.W3.W) * _act_grad(z2[0], "silu")
         d = _times_t(_times_t(d, enc.W2.W)[:, :a1.shape[-1]], enc.W1.W)
         return velocity, e + remaining * d[None]

@@ -29,8 +29,9 @@ from checkpoints import demo_size  # noqa: E402
 torch.set_num_threads(2)
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "config"
-CONFIGS = ["vla_demo_orin", "vlm_demo", "vla_pi0", "vla_openvla", "vla_pi0+vjp", "vla_pi05", "vla_pi05+vjp",
-           "vla_smolvla+vjp", "vlm_demo+gemma3"]
+# "+vjp" sets hold every graph of the plain set too, so π0 and π0.5 run only with it
+CONFIGS = ["vla_demo_orin", "vlm_demo", "vla_openvla", "vla_pi0+vjp", "vla_pi05+vjp", "vla_smolvla+vjp",
+           "vlm_demo+gemma3"]
 VJP = {"mode": "rtc", "rtc": {"guidance": "vjp"}}  # "+vjp": Real-Time Chunking's vjp guidance (its own graphs)
 # "+gemma3": a text-only Gemma 3 decoder with a sliding-window layer of its own rope base, soft-caps, fp16 KV
 GEMMA3 = {"architecture": "gemma3", "kv_dtype": "float16", "sliding_window": 5, "sliding_window_layers": [0],

@@ -39,7 +39,8 @@ TAG = plan.device_tag("8.7", None, "fp16")
 
 
 def graph_set_for(tmp_path_factory, name: str):
-    """The graph set of a shipped config at demo size; ``<config>.yaml+vjp`` adds Real-Time Chunking's vjp graphs."""
+    """The graph set of a shipped config at demo size; ``<config>.yaml+vjp`` adds Real-Time Chunking's vjp graphs
+    (the set holds every graph of the plain one too)."""
     name, _, extra = name.partition("+")
     d = tmp_path_factory.mktemp(name.replace(".yaml", "") + (f"-{extra}" if extra else ""))
     with open(os.path.join(CONFIG, name), encoding="utf-8") as fh:
@@ -79,8 +80,8 @@ def fake_device():
         yield trt, cudart
 
 
-@pytest.fixture(scope="module", params=["vla_demo_orin.yaml", "vlm_demo.yaml", "vla_pi0.yaml", "vla_pi0.yaml+vjp",
-                                               "vla_pi05.yaml", "vla_smolvla.yaml", "vla_groot_n17.yaml+vjp"])
+@pytest.fixture(scope="module", params=["vla_demo_orin.yaml", "vlm_demo.yaml", "vla_pi0.yaml+vjp", "vla_pi05.yaml",
+                                               "vla_smolvla.yaml", "vla_groot_n17.yaml+vjp"])
 def graphs(request, tmp_path_factory):
     out = graph_set_for(tmp_path_factory, request.param)
     stand_in.write_engines(out, TAG)
