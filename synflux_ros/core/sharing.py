@@ -265,18 +265,20 @@ class Arbiter:
             fcntl.flock(self._turn, fcntl.LOCK_UN)
         self._waited(t0)
 
+    def _read_count(self) -> int:
+        return int.from_bytes(os.pread(self._count, 8, 0).ljust(8, b"\0"), "little")
+
     def _calls_started(self) -> int:
         fcntl.flock(self._count, fcntl.LOCK_SH)
         try:
-            return int.from_bytes(os.pread(self._count, 8, 0).ljust(8, b"\0"), "little")
+            return self._read_count()
         finally:
             fcntl.flock(self._count, fcntl.LOCK_UN)
 
     def _count_call(self) -> None:
         fcntl.flock(self._count, fcntl.LOCK_EX)  # background processes count one after the other
         try:
-            n = int.from_bytes(os.pread(self._count, 8, 0).ljust(8, b"\0"), "little")
-            os.pwrite(self._count, ((n + 1) % (1 << 63)).to_bytes(8, "little"), 0)
+            os.pwrite(self._count, ((self._read_count() + 1) % (1 << 63)).to_bytes(8, "little"), 0)
         finally:
             fcntl.flock(self._count, fcntl.LOCK_UN)
 

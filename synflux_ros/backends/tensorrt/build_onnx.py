@@ -66,8 +66,8 @@ def profiled_io(cfg: ModelConfig, kind: str) -> tuple[list[tuple[str, tuple, str
                *_kv_views(cfg), span,
                *([("state", (1, act.state_token_dim), "float32")] if act.state_token_dim else [])]
         return ins, [("velocity", ha, "float32")]
-    if kind in ("action_expert_vjp", "dit_vjp"):
-        ins, outs = profiled_io(cfg, "action_expert" if kind == "action_expert_vjp" else "dit")
+    if kind == "action_expert_vjp":
+        ins, outs = profiled_io(cfg, "action_expert")
         ha = (1, act.action_horizon, act.action_dim)
         ins += [("target", ha, "float32"), ("weights", (1, act.action_horizon, 1), "float32"),
                 ("flow_time", (1,), "float32")]

@@ -19,7 +19,7 @@ from ...core.contract import select_bucket, time_embedding_dim
 from ..normalization import state_vector
 from ..time_embedding import time_embedding
 from .base import ActionHead
-from .rtc import RTCGuidance, lerobot_velocity, vjp_velocity
+from .rtc import RTCGuidance, lerobot_velocity, require_vjp_graph, vjp_velocity
 
 
 class FlowMatchingHead(ActionHead):
@@ -59,10 +59,7 @@ class FlowMatchingHead(ActionHead):
             guide = rtc.arrays(self.act.action_horizon, self.act.action_dim)
             if rtc.flavour == "vjp":
                 graph = f"action_expert_vjp_{bucket}"
-                graphs = getattr(self.ex, "graphs", None)
-                if graphs is not None and graph not in graphs:
-                    raise ValueError(f"rtc flavour vjp runs the graph {graph}, which this graph set does not "
-                                     f"have: build it with execution.mode: rtc and execution.rtc.guidance: vjp")
+                require_vjp_graph(self.ex, graph)
                 vjp = {"target": guide[0], "weights": guide[1]}
         x = noise.astype(np.float32, copy=True)
         feeds = {"noisy_actions": x, "prefix_len": np.array([prefix_len], np.int64), "past_kv": kv}

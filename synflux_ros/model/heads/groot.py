@@ -22,7 +22,7 @@ import numpy as np
 
 from ...core.config import ModelConfig
 from ...core.executor import Executor
-from .rtc import RTCGuidance, guidance_weight
+from .rtc import RTCGuidance, guidance_weight, require_vjp_graph
 
 
 class GrootDiTHead:
@@ -107,10 +107,7 @@ class GrootDiTHead:
 
     def _denoise_vjp(self, context: dict, noise: np.ndarray, rtc: RTCGuidance) -> np.ndarray:
         graph = f"dit_vjp_{context['bucket']}"
-        graphs = getattr(self.ex, "graphs", None)
-        if graphs is not None and graph not in graphs:
-            raise ValueError(f"rtc flavour vjp runs the graph {graph}, which this graph set does not have: build it "
-                             f"with execution.mode: rtc and execution.rtc.guidance: vjp")
+        require_vjp_graph(self.ex, graph)
         _, horizon, dims = self.shape
         target, weights = rtc.arrays(horizon, dims)
         x = np.array(noise, np.float32, copy=True).reshape(self.shape)

@@ -107,6 +107,15 @@ def vjp_velocity(v: np.ndarray, correction: np.ndarray, time: float, max_guidanc
     return (v - np.float32(guidance_weight(time, max_guidance_weight)) * correction).astype(np.float32, copy=False)
 
 
+def require_vjp_graph(executor, graph: str) -> None:
+    """Raise ValueError naming the build settings when ``executor``'s graph set lacks the vjp guidance's
+    ``graph`` (an executor that lists no graphs is taken at its word)."""
+    graphs = getattr(executor, "graphs", None)
+    if graphs is not None and graph not in graphs:
+        raise ValueError(f"rtc flavour vjp runs the graph {graph}, which this graph set does not have: build it "
+                         f"with execution.mode: rtc and execution.rtc.guidance: vjp")
+
+
 @dataclass(frozen=True)
 class RTCGuidance:
     """What steers one chunk towards the previous one.
@@ -162,4 +171,4 @@ class RTCGuidance:
 
 
 __all__ = ["FLAVOURS", "SCHEDULES", "RTCGuidance", "guidance_weight", "lerobot_velocity", "prefix_weights",
-           "vjp_velocity"]
+           "require_vjp_graph", "vjp_velocity"]
