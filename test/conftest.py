@@ -208,6 +208,38 @@ def start_node(ros_env, request):
 
 
 @pytest.fixture(scope="session")
+def shipped_graphs(tmp_path_factory, demo_graphs):
+    """``get(name)``: the graph set of the shipped config ``name`` (``vla_pi05.yaml``) shrunk to demo size
+    (checkpoints.demo_size), exported once per session by synflux-build (random weights, seed 0); with a
+    ``+vjp`` suffix the config runs Real-Time Chunking's vjp guidance (its vjp graphs added). The demo configs
+    are ``demo_graphs``'. Tests that write into a set copy it first."""
+    from synflux_ros.buildtool.export import build
+    from synflux_ros.core.config import load_config
+    from synflux_ros.tools import harness as testing
+    from checkpoints import demo_size
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            base, _, extra = name.partition("+")
+            if not extra and base.removesuffix(".yaml") in demo_graphs:
+                built[name] = str(demo_graphs[base.removesuffix(".yaml")])
+                return built[name]
+            with open(testing.config_path(base), encoding="utf-8") as fh:
+                raw = demo_size(yaml.safe_load(fh))
+            if extra == "vjp":
+                raw["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
+            elif extra:
+                raise ValueError(f"shipped_graphs: unknown suffix {extra!r} of {name!r}")
+            d = tmp_path_factory.mktemp(base.removesuffix(".yaml") + (f"-{extra}" if extra else ""))
+            (d / base).write_text(yaml.safe_dump(raw))
+            build(load_config(str(d / base)), str(d / "graphs"))
+            built[name] = str(d / "graphs")
+        return built[name]
+    return get
+
+
+@pytest.fixture(scope="session")
 def demo_graphs(tmp_path_factory):
     """The demo configs exported once by synflux-build (random weights): name -> graph set directory.
     Tests that change a graph set copy it first."""

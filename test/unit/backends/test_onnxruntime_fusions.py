@@ -29,8 +29,6 @@ from synflux_ros.core.kv_cache import KVCachePool  # noqa: E402
 from synflux_ros.model.backbone import LLMBackbone  # noqa: E402
 from synflux_ros.runtimes.base import create_executor  # noqa: E402
 from synflux_ros.runtimes.vla import VLARuntime  # noqa: E402
-from synflux_ros.tools.harness import config_path  # noqa: E402
-from checkpoints import demo_size  # noqa: E402
 
 HAVE_ONNXSCRIPT = True
 try:
@@ -289,18 +287,14 @@ VLA_FUSIONS = ["rms_norm", "skip_rms_norm", "rotary", "padded_keys"]
 
 @needs_onnxscript
 @pytest.mark.parametrize("name", ["vla_pi0.yaml", "vla_pi05.yaml", "vla_smolvla.yaml"])
-def test_flow_matching_chunks_equal_the_portable_graphs(name, tmp_path):
+def test_flow_matching_chunks_equal_the_portable_graphs(name, tmp_path, shipped_graphs):
     """Every rotary embedding of the prefill and the action expert becomes RotaryEmbedding (SmolVLA's
     cross-attention queries too: their cos/sin rows are constants of positions 0 .. T-1), and the chunk is the
     portable graphs' (demo widths, two cameras for SmolVLA, the state in the prompt for pi0.5). Every attention
     reads the keys up to the prefix's length (the instruction is short: most of the bucket is padding), but
     SmolVLA's block-causal prefix."""
-    import yaml
-    with open(config_path(name), encoding="utf-8") as fh:
-        raw = demo_size(yaml.safe_load(fh))
-    (tmp_path / name).write_text(yaml.safe_dump(raw))
-    cfg = load_config(str(tmp_path / name))
-    build_tool.build(cfg, str(tmp_path / "graphs"), seed=5)
+    shutil.copytree(shipped_graphs(name), tmp_path / "graphs")  # the fused set is written beside it
+    cfg = load_config(str(tmp_path / "graphs" / "config.yaml"))
     rng = np.random.default_rng(1)
     side = cfg.vision.resolution
     images = [rng.integers(0, 256, (side[1], side[0], 3), np.uint8) for _ in cfg.vision.cameras or [None]]

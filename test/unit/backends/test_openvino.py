@@ -331,21 +331,19 @@ def test_registry_entry(monkeypatch):
 
 # ------------------------------------------------------------------------------------------ RTC vjp graphs
 @pytest.fixture(scope="module", params=["pi0", "pi05", "groot"])
-def vjp_graphs(request, tmp_path_factory):
+def vjp_graphs(request, tmp_path_factory, shipped_graphs):
     """vla_demo_orin with the vjp guidance of Real-Time Chunking (adds the action_expert_vjp graphs); as π0.5
     (adaptive norms, the state in the prompt) too; GR00T N1.7 at demo size (the dit_vjp graphs)."""
     from synflux_ros.buildtool.export import build
-    from synflux_ros.core.config import from_dict, load_config
+    from synflux_ros.core.config import load_config
     from synflux_ros.model.normalization import PI05_PROMPT
+    if request.param == "groot":
+        out = tmp_path_factory.mktemp("vjp_graphs") / "graphs"
+        shutil.copytree(shipped_graphs("vla_groot_n17.yaml+vjp"), out)
+        return out
     cfg = load_config(str(REPO / "config" / "vla_demo_orin.yaml")).with_overrides(
         execution={"mode": "rtc", "rtc": {"guidance": "vjp"}})
-    if request.param == "groot":
-        import yaml
-        from checkpoints import demo_size
-        raw = demo_size(yaml.safe_load((REPO / "config" / "vla_groot_n17.yaml").read_text()))
-        raw["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
-        cfg = from_dict(raw)
-    elif request.param == "pi05":
+    if request.param == "pi05":
         cfg = cfg.with_overrides(action={"time_conditioning": "adarms", "state_input": "prompt", "state_dim": 8,
                                          "state_joints": [f"j{i}" for i in range(6)]},
                                  tokenizer={"prompt_template": PI05_PROMPT})

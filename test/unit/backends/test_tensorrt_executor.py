@@ -16,7 +16,6 @@ import shutil
 import sys
 
 import pytest
-import yaml
 
 pytest.importorskip("torch", reason="synflux-build needs torch (make test installs it)")
 pytest.importorskip("onnxruntime", reason="the reference backend is onnxruntime")
@@ -32,33 +31,26 @@ from synflux_ros.runtimes.base import create_executor  # noqa: E402
 from synflux_ros.runtimes.vlm import ChatRequest, VLMRuntime  # noqa: E402
 
 import tensorrt_stand_in as stand_in  # noqa: E402
-from checkpoints import demo_size  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "config")
 TAG = plan.device_tag("8.7", None, "fp16")
 
 
-def graph_set_for(tmp_path_factory, name: str):
-    """The graph set of a shipped config at demo size; ``<config>.yaml+vjp`` adds Real-Time Chunking's vjp graphs
-    (the set holds every graph of the plain one too)."""
-    name, _, extra = name.partition("+")
-    d = tmp_path_factory.mktemp(name.replace(".yaml", "") + (f"-{extra}" if extra else ""))
-    with open(os.path.join(CONFIG, name), encoding="utf-8") as fh:
-        raw = demo_size(yaml.safe_load(fh))
-    if extra == "vjp":
-        raw["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
-    (d / name).write_text(yaml.safe_dump(raw))
-    cfg = load_config(str(d / name))
-    out = str(d / "graphs")
-    manifest = build(cfg, out)
-    export_profiled(cfg, out, manifest, None, 0, False, progress=lambda *_: None)
+def graph_set_for(tmp_path_factory, name: str, shipped_graphs) -> str:
+    """A copy of the session's graph set of a shipped config at demo size (``<config>.yaml+vjp``: with Real-Time
+    Chunking's vjp graphs, which holds every graph of the plain set too), with its profiled ONNX."""
+    out = str(tmp_path_factory.mktemp(name.replace(".yaml", "").replace("+", "-")) / "graphs")
+    shutil.copytree(shipped_graphs(name), out)
+    cfg = load_config(os.path.join(out, "config.yaml"))
+    export_profiled(cfg, out, graphset.read_manifest(out), None, 0, False, progress=lambda *_: None)
     return out
 
 
 @pytest.fixture(scope="module")
-def vlm_graphs(tmp_path_factory):
-    """A fresh copy of vlm_demo's graph set (built once for the module) for each caller, to write engines into."""
-    built = graph_set_for(tmp_path_factory, "vlm_demo.yaml")
+def vlm_graphs(tmp_path_factory, shipped_graphs):
+    """A fresh copy of vlm_demo's graph set (with its profiled ONNX, made once for the module) for each caller,
+    to write engines into."""
+    built = graph_set_for(tmp_path_factory, "vlm_demo.yaml", shipped_graphs)
 
     def copy() -> str:
         out = str(tmp_path_factory.mktemp("vlm_demo-copy") / "graphs")
@@ -82,8 +74,8 @@ def fake_device():
 
 @pytest.fixture(scope="module", params=["vla_demo_orin.yaml", "vlm_demo.yaml", "vla_pi0.yaml+vjp", "vla_pi05.yaml",
                                                "vla_smolvla.yaml", "vla_groot_n17.yaml+vjp"])
-def graphs(request, tmp_path_factory):
-    out = graph_set_for(tmp_path_factory, request.param)
+def graphs(request, tmp_path_factory, shipped_graphs):
+    out = graph_set_for(tmp_path_factory, request.param, shipped_graphs)
     stand_in.write_engines(out, TAG)
     return out
 

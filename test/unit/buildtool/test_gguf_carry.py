@@ -235,10 +235,8 @@ def test_fused_kernels_keep_the_carried_weights(sets):
     assert float(np.abs(got - fp).max()) <= 1e-4 * max(scale, 1.0)
 
 
-def all_carried(arch: str) -> dict:
+def all_carried(arch: str, layers: int) -> dict:
     """Every matrix of a tiny ``arch`` file in a carried type, each fused group (q/k/v, gate/up) in one."""
-    from gguf_files import LAYERS, SHAPES
-    layers = SHAPES.get(arch, {}).get("layers", LAYERS)
     groups = ([("attn_qkv",), ("attn_output",), ("ffn_up",), ("ffn_down",)] if arch == "phi3" else
               [("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)])
     kinds = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
@@ -255,7 +253,8 @@ def test_int4_and_int8_sets_of_each_family_compute_what_its_float32_set_does(tmp
     float32 beside the carried blocks of its matrices, Phi-3's fused q/k/v and gate/up blocks are found in the
     split projections: the int4 and int8 sets of a file whose matrices are all Q4_0 / Q4_1 / Q8_0 give the
     float32 set's logits (accuracy level 0), every matrix carried."""
-    path = write_gguf(tmp_path / f"{arch}.gguf", arch, seed=7, types=all_carried(arch), tied=True)
+    # two layers of each (Gemma 3's sixth, global, layer is test_gguf_import's concern, not the blocks')
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, seed=7, types=all_carried(arch, 2), tied=True, layers=2)
     sets = {}
     for weights in ("float32", "int4", "int8"):
         sets[weights] = str(tmp_path / weights)
