@@ -342,14 +342,15 @@ bench-control: install pi0ref-venv sim-venv $(VENV)/.stamp-bench
 	    --plot $(abspath $(BUILD))/bench/control.png $(ARGS)
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.limiter --plot $(abspath $(BUILD))/bench/limiter.png
 
-# The VLA beside a busy chat on one machine (docs/colocation.md): the demo VLA, then a small π0 whose chunk takes
-# tens of ms here, each with the default settings and the recommended ones; ratios of "both" to "alone" in one run.
+# The VLA beside a busy chat on one machine (docs/colocation.md): the demo VLA at 10 Hz, then a small π0 whose
+# chunk takes tens of ms here at 3 Hz (on the one core the split gives it, 10 Hz frames would queue), each with the
+# default settings and the recommended ones; ratios of "both" to "alone" in one run.
 .PHONY: bench-colocation
 bench-colocation: install smollm2 pi0ref-venv
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.colocation --root $(CURDIR) --work $(abspath $(BUILD))/bench \
 	    --vla demo $(ARGS)
 	cd $(BUILD) && $(PY) -m synflux_ros.bench.colocation --root $(CURDIR) --work $(abspath $(BUILD))/bench \
-	    --vla pi0 $(ARGS)
+	    --vla pi0 --camera-hz 3 $(ARGS)
 
 # llama.cpp's Python binding, the reference of the GGUF rows and of check-quality: a source build (CPU,
 # a few minutes, once). Not a dependency of the package. ggml's native detection is off and the host's

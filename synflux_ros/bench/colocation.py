@@ -124,6 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vlm-config", help="default: <root>/engines/smollm2/config.yaml (make smollm2)")
     ap.add_argument("--planner", action="store_true", help="a fourth phase: both, with a second vlm_node (the demo "
                                                            "VLM) planning the VLA's instruction once a second")
+    ap.add_argument("--camera-hz", type=float, default=CAMERA_HZ,
+                    help="the frame rate (a VLA that cannot keep up queues its frames: its latency then measures "
+                         "the queue)")
     ap.add_argument("--json", help="append one JSON line per setting here")
     args = ap.parse_args(argv)
     settings = [s for s in args.settings.split(",") if s]
@@ -137,7 +140,9 @@ def main(argv=None) -> int:
     os.makedirs(args.work, exist_ok=True)
     vla_cfg, joints, state_joints, side = (pi0_vla if args.vla == "pi0" else demo_vla)(args.work, args.root)
     planner_cfg = demo_planner(args.work) if args.planner else None
-    print(f"co-location: {args.vla} VLA at {CAMERA_HZ:g} Hz + SmolLM2 chat, 2 sessions; {os.cpu_count()} cores; "
+    if args.camera_hz <= 0:
+        ap.error("--camera-hz must be positive")
+    print(f"co-location: {args.vla} VLA at {args.camera_hz:g} Hz + SmolLM2 chat, 2 sessions; {os.cpu_count()} cores; "
           f"{args.seconds:g} s a phase")
     ok = True
     for name in settings:
@@ -150,7 +155,8 @@ def main(argv=None) -> int:
         try:
             rows = run_setting(vla_params, vlm_params, vla_cfg, joints, state_joints, side, args.vlm_config,
                                args.seconds, args.warmup, planner_cfg,
-                               {"base/image": "image"} if args.vla == "pi0" else None)  # its camera is "base"
+                               {"base/image": "image"} if args.vla == "pi0" else None,  # its camera is "base"
+                               args.camera_hz)
         finally:
             os.sched_setaffinity(0, everywhere)
         missing = [row["phase"] for row in rows if "chat" not in row["phase"] and not row["chunks"]]
@@ -183,7 +189,8 @@ def main(argv=None) -> int:
                   f"skipped {r['ticks_skipped']} (0)  {'MET' if r['met'] else 'NOT MET'}")
         if args.json:
             with open(args.json, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps({"vla": args.vla, "setting": name, "rows": rows, "ratios": ratios}) + "\n")
+                fh.write(json.dumps({"vla": args.vla, "setting": name, "camera_hz": args.camera_hz, "rows": rows,
+                                     "ratios": ratios}) + "\n")
     return 0 if ok else 1
 
 

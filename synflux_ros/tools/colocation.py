@@ -16,7 +16,7 @@ PROMPTS = ["Describe a robot arm picking up a red block, step by step.",
 class Load:
     """The bench's side of the robot: camera frames, joint states, two chat sessions, and what comes back."""
 
-    def __init__(self, node, joints_state, image_side: int):
+    def __init__(self, node, joints_state, image_side: int, camera_hz: float = CAMERA_HZ):
         from sensor_msgs.msg import Image
         from rclpy.qos import qos_profile_sensor_data
 
@@ -38,7 +38,7 @@ class Load:
         self._chat = node.create_client(Chat, "/coloc/chat")
         self._Chat = Chat
         self._pending = [None, None]
-        node.create_timer(1.0 / CAMERA_HZ, self._frame)
+        node.create_timer(1.0 / camera_hz, self._frame)
         self.states = JointStateStream(node, "/coloc/joint_states", joints_state, STATE_HZ).start()
         for key, name in (("vla", "vla_node"), ("vlm", "vlm_node"), ("planner", "planner")):
             watch_diagnostics(node, f"/coloc/{name}:", lambda v, k=key: self._on_diag(k, v))
@@ -126,11 +126,11 @@ PLANNER_GOAL = "put the red block in the bowl"
 
 def run_setting(vla_params: dict, vlm_params: dict, vla_cfg: str, joints: list[str], state_joints: list[str],
                 side: int, vlm_cfg: str, seconds: float, warmup: float, planner_cfg: str | None = None,
-                vla_remaps: dict | None = None) -> list[dict]:
+                vla_remaps: dict | None = None, camera_hz: float = CAMERA_HZ) -> list[dict]:
     """Both nodes started with their parameters; the figures of the phases VLA alone, chat alone, both, and
     with ``planner_cfg`` (a VLM with vision) both with a second vlm_node planning for the VLA once a second
     (started with the others, given its goal when its phase starts; the chat's settings). ``vla_remaps``: the
-    VLA's topic remaps (a model with named cameras subscribes ``<camera>/image``)."""
+    VLA's topic remaps (a model with named cameras subscribes ``<camera>/image``); ``camera_hz``: the frame rate."""
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
     from std_msgs.msg import String
@@ -154,7 +154,7 @@ def run_setting(vla_params: dict, vlm_params: dict, vla_cfg: str, joints: list[s
         with client_node("bench_colocation", env) as node:
             ex = SingleThreadedExecutor()
             ex.add_node(node)
-            load = Load(node, state_joints, side)
+            load = Load(node, state_joints, side, camera_hz)
             try:
                 enable = node.create_client(SetBool, "/coloc/vla_node/enable")
                 _spin(node, ex, load, 2.0)
