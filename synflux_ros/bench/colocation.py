@@ -133,6 +133,8 @@ def main(argv=None) -> int:
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown:
         ap.error(f"unknown settings {unknown} (have: {', '.join(SETTINGS)})")
+    if args.camera_hz <= 0:
+        ap.error("--camera-hz must be positive")
     args.vlm_config = os.path.abspath(args.vlm_config or os.path.join(args.root, "engines", "smollm2", "config.yaml"))
     if not os.path.isfile(args.vlm_config):
         ap.error(f"no chat model at {args.vlm_config}: make smollm2")
@@ -140,8 +142,6 @@ def main(argv=None) -> int:
     os.makedirs(args.work, exist_ok=True)
     vla_cfg, joints, state_joints, side = (pi0_vla if args.vla == "pi0" else demo_vla)(args.work, args.root)
     planner_cfg = demo_planner(args.work) if args.planner else None
-    if args.camera_hz <= 0:
-        ap.error("--camera-hz must be positive")
     print(f"co-location: {args.vla} VLA at {args.camera_hz:g} Hz + SmolLM2 chat, 2 sessions; {os.cpu_count()} cores; "
           f"{args.seconds:g} s a phase")
     ok = True

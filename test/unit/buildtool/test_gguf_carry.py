@@ -253,8 +253,9 @@ def test_int4_and_int8_sets_of_each_family_compute_what_its_float32_set_does(tmp
     float32 beside the carried blocks of its matrices, Phi-3's fused q/k/v and gate/up blocks are found in the
     split projections: the int4 and int8 sets of a file whose matrices are all Q4_0 / Q4_1 / Q8_0 give the
     float32 set's logits (accuracy level 0), every matrix carried."""
-    # two layers of each (Gemma 3's sixth, global, layer is test_gguf_import's concern, not the blocks')
-    path = write_gguf(tmp_path / f"{arch}.gguf", arch, seed=7, types=all_carried(arch, 2), tied=True, layers=2)
+    layers = 2  # of each family (Gemma 3's sixth, global, layer is test_gguf_import's concern, not the blocks')
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, seed=7, types=all_carried(arch, layers), tied=True,
+                      layers=layers)
     sets = {}
     for weights in ("float32", "int4", "int8"):
         sets[weights] = str(tmp_path / weights)
