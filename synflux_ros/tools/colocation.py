@@ -7,6 +7,9 @@ import time
 
 import numpy as np
 
+from ..core.sharing import parse_scheduling
+from .tick_floor import FloorProbe
+
 CAMERA_HZ = 10.0
 STATE_HZ = 100.0
 PROMPTS = ["Describe a robot arm picking up a red block, step by step.",
@@ -82,11 +85,25 @@ def _spin(node, ex, load: Load, seconds: float, until=None):
     return until() if until is not None else True
 
 
-def phase(node, ex, load: Load, name: str, camera: bool, chat: bool, seconds: float, warmup: float) -> dict:
-    """One phase's figures: the load on for ``warmup`` + ``seconds``, figures from the last ``seconds``."""
+def floor_probe(vla_params: dict) -> FloorProbe:
+    """A bare tick on the command thread's cores at its policy, one real-time priority below it (so that it
+    never delays the command thread it is compared with)."""
+    sched = parse_scheduling(vla_params.get("command_scheduling", "normal"))
+    text = str(sched)
+    if sched.policy in ("fifo", "rr") and sched.priority > 1:
+        text = f"{sched.policy}:{sched.priority - 1}"
+    return FloorProbe(text, str(vla_params.get("command_cpus") or vla_params.get("cpus") or ""))
+
+
+def phase(node, ex, load: Load, name: str, camera: bool, chat: bool, seconds: float, warmup: float,
+          floor: FloorProbe | None = None) -> dict:
+    """One phase's figures: the load on for ``warmup`` + ``seconds``, figures from the last ``seconds``; with
+    ``floor``, that probe's figures over the same seconds (``floor_*``, ``steal_share``)."""
     load.camera_on, load.chat_on = camera, chat
     _spin(node, ex, load, warmup)
     start_diag = dict(load.diag["vla"] or {})
+    if floor is not None:
+        floor.run_for(seconds)
     t0 = time.monotonic()
     _spin(node, ex, load, seconds)
     t1 = time.monotonic()
@@ -115,6 +132,10 @@ def phase(node, ex, load: Load, name: str, camera: bool, chat: bool, seconds: fl
                    vla_cpu_wait_share=float(end_diag.get("cpu_wait_share", "nan")),
                    vla_arbiter_wait_ms=float(end_diag.get("arbiter_wait_ms", 0.0)),
                    vla_warnings=end_diag.get("sharing_warnings", ""))
+    if floor is not None:
+        f = floor.result()
+        out.update(floor_late_p99_ms=f["late_p99_ms"], floor_late_max_ms=f["late_max_ms"],
+                   floor_ticks_skipped=f["ticks_skipped"], steal_share=f["steal_share"], floor_warning=f["warning"])
     if vlm_diag:
         out.update(vlm_cpu_wait_share=float(vlm_diag.get("cpu_wait_share", "nan")),
                    vlm_arbiter_wait_ms=float(vlm_diag.get("arbiter_wait_ms", 0.0)))
@@ -130,7 +151,8 @@ def run_setting(vla_params: dict, vlm_params: dict, vla_cfg: str, joints: list[s
     """Both nodes started with their parameters; the figures of the phases VLA alone, chat alone, both, and
     with ``planner_cfg`` (a VLM with vision) both with a second vlm_node planning for the VLA once a second
     (started with the others, given its goal when its phase starts; the chat's settings). ``vla_remaps``: the
-    VLA's topic remaps (a model with named cameras subscribes ``<camera>/image``); ``camera_hz``: the frame rate."""
+    VLA's topic remaps (a model with named cameras subscribes ``<camera>/image``); ``camera_hz``: the frame rate.
+    A :func:`floor_probe` runs through every phase."""
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
     from std_msgs.msg import String
@@ -169,14 +191,15 @@ def run_setting(vla_params: dict, vlm_params: dict, vla_cfg: str, joints: list[s
                 if not future.done() or not future.result().success:
                     raise RuntimeError(f"enable failed: {future.result().message if future.done() else 'no answer'}")
                 load.camera_on = False
-                rows = [phase(node, ex, load, "vla alone", True, False, seconds, warmup),
-                        phase(node, ex, load, "chat alone", False, True, seconds, warmup),
-                        phase(node, ex, load, "both", True, True, seconds, warmup)]
+                floor = floor_probe(vla_params)
+                rows = [phase(node, ex, load, "vla alone", True, False, seconds, warmup, floor),
+                        phase(node, ex, load, "chat alone", False, True, seconds, warmup, floor),
+                        phase(node, ex, load, "both", True, True, seconds, warmup, floor)]
                 if planner_cfg:
                     goal = node.create_publisher(String, "/coloc/goal", QoSProfile(
                         depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL))
                     goal.publish(String(data=PLANNER_GOAL))
-                    rows.append(phase(node, ex, load, "both+planner", True, True, seconds, warmup))
+                    rows.append(phase(node, ex, load, "both+planner", True, True, seconds, warmup, floor))
                     d = load.diag.get("planner") or {}
                     rows[-1].update(planner_requests=int(d.get("planner_requests", 0)),
                                     planner_published=int(d.get("planner_published", 0)),
