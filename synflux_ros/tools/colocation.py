@@ -4,6 +4,7 @@ vla_node and vlm_node started as processes, and what comes back (chunk latencies
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -89,10 +90,9 @@ def floor_probe(vla_params: dict) -> FloorProbe:
     """A bare tick on the command thread's cores at its policy, one real-time priority below it (so that it
     never delays the command thread it is compared with)."""
     sched = parse_scheduling(vla_params.get("command_scheduling", "normal"))
-    text = str(sched)
     if sched.policy in ("fifo", "rr") and sched.priority > 1:
-        text = f"{sched.policy}:{sched.priority - 1}"
-    return FloorProbe(text, str(vla_params.get("command_cpus") or vla_params.get("cpus") or ""))
+        sched = replace(sched, priority=sched.priority - 1)
+    return FloorProbe(str(sched), str(vla_params.get("command_cpus") or vla_params.get("cpus") or ""))
 
 
 def phase(node, ex, load: Load, name: str, camera: bool, chat: bool, seconds: float, warmup: float,

@@ -110,11 +110,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         sched, cpus = parse_scheduling(args.scheduling), parse_cpus(args.cpus)
-        if args.seconds <= 0 or args.rate <= 0:
-            raise ValueError("--seconds and --rate must be positive")
-    except ValueError as exc:
+        r = measure(args.seconds, args.rate, sched, cpus or frozenset(range(os.cpu_count() or 1)))
+    except ValueError as exc:  # a bad setting, or seconds/rate not positive (refused before the loop starts)
         ap.error(str(exc))
-    r = measure(args.seconds, args.rate, sched, cpus or frozenset(range(os.cpu_count() or 1)))
     if args.json:
         print(json.dumps(r), flush=True)
     else:
