@@ -167,6 +167,7 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
         raise BuildError(f"{type(options).__name__} is not an options type of --backend {backend!r} ({takes})")
     if builder:
         options = builder.prepare(options, weights)  # before exporting anything
+        builder.check_config(resolve_config(cfg, hf_dir))
     check_serves(resolve_config(cfg, hf_dir), hf_dir)
     manifest = _build_onnx(cfg, out, backend, hf_dir, seed, force, threads, weights, block)
     if builder:

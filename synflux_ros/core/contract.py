@@ -165,11 +165,12 @@ def graph_set(cfg: ModelConfig) -> list[GraphMeta]:
     text_head = reads_logits(cfg)
     logits = (TensorSpec("logits", (1, V), F32),) if text_head else ()
     if vis is not None:  # text-only chat models have no vision encoder
-        deepstack_out = (TensorSpec("deepstack_embeds", (K, vis.num_tokens, H), F32),) if K else ()
+        n = cfg.vision_images_per_call
+        deepstack_out = (TensorSpec("deepstack_embeds", (K, n * vis.num_tokens, H), F32),) if K else ()
         graphs.append(GraphMeta(
             "vision_encoder", "vision_encoder",
-            (TensorSpec("pixel_values", (vis.num_tiles, 3, *vis.tile_size), F32),),
-            (TensorSpec("vision_embeds", (vis.num_tokens, H), F32), *deepstack_out),
+            (TensorSpec("pixel_values", (n * vis.num_tiles, 3, *vis.tile_size), F32),),
+            (TensorSpec("vision_embeds", (n * vis.num_tokens, H), F32), *deepstack_out),
             file="vision_encoder.onnx"))
     act = cfg.action
     if cfg.groot_dit:

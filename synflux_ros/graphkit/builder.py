@@ -51,6 +51,10 @@ class Builder:
     def prepare(self, options, weights: str) -> None:
         """Check the options and the toolchain before anything is exported (fail early, not after minutes)."""
 
+    def check_config(self, cfg) -> None:
+        """Refuse (:class:`BuildError`), before anything is exported, a config whose graphs this step cannot
+        compile, naming the setting to change."""
+
     def compile(self, cfg, out: str, manifest: dict, options, *, hf_dir: str | None, seed: int, force: bool,
                 progress) -> None:
         """Compile the portable graph set in ``out`` (its ``manifest``) into this backend's form, beside it."""

@@ -516,8 +516,9 @@ class Preprocessor:
             self._plans.move_to_end((h, w))
         return plan
 
-    def __call__(self, rgb: np.ndarray) -> np.ndarray:
-        """Preprocess one ``HxWx3`` uint8 RGB frame; returns a new float32 array."""
+    def __call__(self, rgb: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Preprocess one ``HxWx3`` uint8 RGB frame into ``out`` (a C-contiguous float32 array of
+        :attr:`output_shape`, e.g. one image's rows of a batch), or a new array; returns it."""
         if not isinstance(rgb, np.ndarray):
             raise ImageError(f"expected a numpy array, got {type(rgb).__name__}")
         if rgb.ndim != 3 or rgb.shape[2] != 3:
@@ -532,8 +533,12 @@ class Preprocessor:
             # The border depends only on the geometry; refresh it on size changes.
             self._canvas.fill(self._spec.pad_value)
             self._active = (h, w)
+        if out is None:
+            out = np.empty(self._out_shape, np.float32)
+        elif out.shape != self._out_shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"out: expected a C-contiguous float32 array of shape {self._out_shape}, got "
+                             f"{out.dtype} {out.shape}")
         plan.run(rgb, self._canvas)
-        out = np.empty(self._out_shape, np.float32)
         tiles = out.reshape(self._tiles_shape)
         np.multiply(self._canvas_tiles, self._scale, out=tiles)
         np.add(tiles, self._bias, out=tiles)

@@ -1,7 +1,8 @@
 """The VLA runtime of GR00T N1.7 (``action.expert_type: dit``), the same three stages as
 :class:`~synflux_ros.runtimes.vla.VLARuntime`:
 
-1. ``vision``    per camera: preprocess, the Qwen3-VL vision encoder (its tokens and DeepStack maps)
+1. ``vision``    preprocess each camera, then the Qwen3-VL vision encoder on all of them in one call (or one
+                 call each without ``vision.batch_cameras``): their tokens and DeepStack maps
 2. ``backbone``  the prompt GR00T's processor builds, one user message of every camera's image and then the
                  instruction rendered with the checkpoint's chat template, image markers expanded to the
                  cameras' tokens at their multimodal rotary positions; ``features_<p>`` gives the cut language
@@ -129,7 +130,7 @@ class GrootVLARuntime(VLARuntime):
         t0 = time.perf_counter()
         images = self.camera_images(frame.image)
         frame.image = None
-        frame.vision_embeds = [self.vision.features(img) for img in images]
+        frame.vision_embeds = self.vision.features_of(images)  # every camera in one call (vision.batch_cameras)
         frame.timings["vision_ms"] = (time.perf_counter() - t0) * 1e3
         return frame
 

@@ -115,10 +115,11 @@ def its_pixels(want, camera: int) -> np.ndarray:
 def from_its_pixels(rt, want, state, seq: int, rtc=None) -> Frame:
     """A frame through the backbone and the head, its vision encoder run on LeRobot's pixel values."""
     from synflux_ros.model.vision import ImageFeatures
-    feats = []
-    for camera in range(len(CAMERAS)):
-        out = rt.executor.run("vision_encoder", {"pixel_values": its_pixels(want, camera)})
-        feats.append(ImageFeatures(out["vision_embeds"].copy(), out["deepstack_embeds"].copy()))
+    pixels = np.concatenate([its_pixels(want, camera) for camera in range(len(CAMERAS))])  # one call, as the node
+    out = rt.executor.run("vision_encoder", {"pixel_values": pixels})
+    n = rt.cfg.vision.num_tokens
+    feats = [ImageFeatures(out["vision_embeds"][c * n:(c + 1) * n].copy(),
+                           out["deepstack_embeds"][:, c * n:(c + 1) * n].copy()) for c in range(len(CAMERAS))]
     padded = np.r_[state, np.zeros(rt.cfg.action.state_dim - len(state), np.float32)]
     frame = Frame(seq, None, state=padded, rtc=rtc)
     frame.vision_embeds = feats

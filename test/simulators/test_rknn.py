@@ -554,7 +554,15 @@ def test_groot_s_rtc_vjp_graph_compiles_and_runs_as_on_onnxruntime(tmp_path):
     raw["llm"]["prefill_buckets"] = raw["llm"]["prefill_buckets"][:1]
     raw["execution"] = {"mode": "rtc", "rtc": {"guidance": "vjp"}}
     bucket = raw["llm"]["prefill_buckets"][0]
+    # the vision encoder that takes both cameras at once is refused before anything is exported
+    with pytest.raises(BuildError, match="takes 2 cameras in one call.*set vision.batch_cameras: false"):
+        build(from_dict(raw), str(tmp_path), backend="rknn", options=RKNNOptions(target=TARGET))
+    assert not list(tmp_path.iterdir())
+    raw["vision"]["batch_cameras"] = False
     build(from_dict(raw), str(tmp_path), backend="rknn", options=RKNNOptions(target=TARGET))
+    graphs = json.loads((tmp_path / "manifest.json").read_text())["graphs"]
+    pixels = next(g for g in graphs if g["name"] == "vision_encoder")["inputs"][0]
+    assert pixels["shape"] == [1, 3, 256, 256]
     assert (tmp_path / "rknn" / TARGET / f"dit_vjp_{bucket}.rknn").is_file()
     rows = {r.check: r for r in validate(str(tmp_path), "rknn", options={"target": TARGET}, precision="reduced")}
     vjp = sorted(c for c in rows if c.startswith("dit_vjp_"))

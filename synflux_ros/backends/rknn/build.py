@@ -559,6 +559,12 @@ class RKNNBuilder(Builder):
             raise RKNNBuildError(f"--backend rknn needs --target (choices: {', '.join(TARGETS)})")
         return options
 
+    def check_config(self, cfg) -> None:
+        if cfg.vision_images_per_call > 1:
+            raise RKNNBuildError(f"--backend rknn: the vision encoder takes {cfg.vision_images_per_call} cameras in "
+                                 f"one call, a graph rknn-toolkit2 2.5.0 did not finish compiling in 15 minutes "
+                                 f"(the one-image graph compiles in seconds): set vision.batch_cameras: false")
+
     def compile(self, cfg, out, manifest, options, *, hf_dir, seed, force, progress) -> None:
         compile_graph_set(out, manifest, options.target, options.quantize, force=force,
                           toolkit_python=options.toolkit_python, calib=options.calib, progress=progress)

@@ -201,9 +201,13 @@ class VisionConfig:
                                      doc="largest width*height of an incoming image (raw, compressed or a chat "
                                          "image), checked before it is decoded", graph=False)
     cameras: tuple[str, ...] = setting(
-        default_factory=tuple, doc="VLA: camera names, in the order their tokens enter the prefix (each image runs "
-                                   "through the vision encoder on its own; vla_node subscribes '<name>/image'); "
+        default_factory=tuple, doc="VLA: camera names, in the order their tokens enter the prefix (each image is "
+                                   "encoded on its own; vla_node subscribes '<name>/image'); "
                                    "empty = one camera on 'image'", graph=False)
+    batch_cameras: bool = setting(
+        True, graph=False, doc="GR00T N1.7 with several cameras: one vision encoder call takes them all (false: a "
+                               "graph of one image, run per camera, as rknn-toolkit2 needs); hashed through "
+                               "ModelConfig.vision_images_per_call")
     camera_max_skew: float = setting(0.05, min=0.0, graph=False,
                                      doc="VLA with several cameras: seconds another camera's image may lie from the "
                                          "first camera's frame (by header stamps)")

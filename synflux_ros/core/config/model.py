@@ -160,6 +160,15 @@ class ModelConfig:
         return self.mode == "vla" and self.action is not None and self.action.expert_type == "dit"
 
     @property
+    def vision_images_per_call(self) -> int:
+        """Images one ``vision_encoder`` call takes: all cameras of a GR00T frame at once (each image attends
+        only within itself, so one call equals one per camera, and the cameras share each operation's fixed
+        cost), else one."""
+        if self.groot_dit and self.vision is not None and self.vision.batch_cameras:
+            return self.vision.num_cameras
+        return 1
+
+    @property
     def prefix_state_dim(self) -> int:
         """Length of the prefill graphs' state input (a VLA with ``action.state_input: prefix``), else 0."""
         return self.action.prefix_state_dim if self.mode == "vla" and self.action is not None else 0
@@ -188,10 +197,13 @@ class ModelConfig:
     def graph_hash(self) -> str:
         """Hash of what shapes and fills the graphs: the fields ``setting`` leaves at ``graph=True`` (mode and
         most of vision, llm and action) and whether the set holds RTC's vjp graphs. A graph set built for one
-        config can be reused by any config with the same graph hash."""
+        config can be reused by any config with the same graph hash. GR00T's vision encoder takes every camera, so
+        there their count is hashed too."""
         keep = graph_values(self)
         if self.rtc_vjp_graphs:  # only then, so that the hash of every set without them stays what it was
             keep["rtc_vjp_graphs"] = True
+        if self.vision_images_per_call > 1:  # likewise: the cameras' count shapes only a GR00T vision encoder
+            keep["vision_images_per_call"] = self.vision_images_per_call
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
     def with_overrides(self, **sections) -> "ModelConfig":

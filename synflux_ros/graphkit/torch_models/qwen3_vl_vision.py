@@ -294,7 +294,10 @@ class Qwen3VLVision(nn.Module):
         x = self.patch_embed(pixel_values, kernel)              # [T, D, gh, gw]
         d, m = self.hidden_dim, self.merge
         gh, gw = self.grid
-        x = x.reshape(-1, d, gh // m, m, gw // m, m).permute(0, 2, 4, 3, 5, 1).reshape(-1, gh * gw, d)
+        # Patches into merge-block order, (tile, block row, block col, row in block, col in block), in tensors of
+        # rank 4 at most (QNN's HTP takes no 6-D transpose once several tiles are batched).
+        x = x.permute(0, 2, 3, 1).reshape(-1, m, gw // m, m * d)    # [T * gh/m, m, gw/m, m * D]
+        x = x.transpose(1, 2).reshape(-1, gh * gw, d)
         x = x + pos
         cos, sin = self.rope_cos, self.rope_sin
         features = []

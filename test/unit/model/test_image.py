@@ -288,6 +288,20 @@ def test_output_shape_dtype_and_uniform_value(interpolation):
         np.testing.assert_allclose(out[:, c], _norm(255, c), rtol=1e-5)
 
 
+def test_out_receives_the_result_and_a_wrong_one_is_refused():
+    spec = PreprocessSpec((64, 64), (32, 32), mean=MEAN, std=STD, interpolation="bicubic")
+    pre = Preprocessor(spec)
+    image = np.random.default_rng(5).integers(0, 256, (48, 80, 3), dtype=np.uint8)
+    batch = np.full((2 * 4, 3, 32, 32), np.nan, np.float32)
+    assert pre(image, out=batch[4:]) is not None
+    np.testing.assert_array_equal(batch[4:], pre(image))
+    assert np.isnan(batch[:4]).all()  # only its own rows are written
+    for bad in (np.empty((4, 3, 32, 32), np.float64), np.empty((3, 3, 32, 32), np.float32),
+                np.empty((4, 3, 32, 64), np.float32)[..., ::2]):
+        with pytest.raises(ValueError, match="out: expected a C-contiguous float32 array of shape"):
+            pre(image, out=bad)
+
+
 def test_normalisation_per_channel_values():
     spec = PreprocessSpec((4, 4), (2, 2), mean=MEAN, std=STD)
     image = np.empty((4, 4, 3), np.uint8)

@@ -205,6 +205,35 @@ def test_onnxruntime_graphs_run_with_random_weights(tmp_path):
     # the clipped min-max un-normalisation: model outputs beyond [-1, 1] publish at the bounds
     assert (a.actions >= -3.0 - 1e-6).all() and (a.actions <= 1.0 + 1e-6).all()
 
+    # One vision call takes both cameras, and each camera's features depend on its own image only.
+    vision = {m.name: m for m in graph_set(cfg)}["vision_encoder"]
+    assert vision.input("pixel_values").shape == (2, 3, 64, 64)
+    assert vision.output("vision_embeds").shape == (8, 64) and vision.output("deepstack_embeds").shape == (2, 8, 64)
+    (a_img, b_img), _ = frame(3, cfg)
+    (c_img, _), _ = frame(4, cfg)
+    ab, cb, ac = (rt.vision.features_of(pair) for pair in ([a_img, b_img], [c_img, b_img], [a_img, c_img]))
+    for one, other in ((ab[0], ac[0]), (ab[1], cb[1])):
+        np.testing.assert_allclose(one.embeds, other.embeds, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(one.deepstack, other.deepstack, rtol=0, atol=1e-5)
+        assert one.embeds.shape == (4, 64) and one.deepstack.shape == (2, 4, 64)
+    assert np.abs(ab[0].embeds - cb[0].embeds).max() > 1e-3  # another image, other features
+
+
+@pytest.mark.parametrize("bad", [0, 1])
+def test_a_bad_image_of_either_camera_is_refused_and_the_next_frame_runs(bad):
+    """The cameras of one vision call are resized side by side; a bad one's error reaches the caller."""
+    from synflux_ros.model.image import ImageError
+    rt = VLARuntime(from_dict(raw()))
+    assert rt.vision.per_call == 2
+    images, state = frame(7, rt.cfg)
+    broken = list(images)
+    broken[bad] = images[bad].astype(np.float32)
+    with pytest.raises(ImageError, match="expected dtype uint8, got float32"):
+        rt.vision.features_of(broken)
+    with pytest.raises(ValueError, match="takes 2 images per call, got 1 images"):
+        rt.vision.features_of(images[:1])
+    assert rt.infer(images, seq=1, state=state).actions.shape == (8, 6)
+
 
 def test_output_horizon_publishes_the_first_steps():
     """LeRobot publishes GR00T's first chunk_size steps of its horizon: action.output_horizon."""
