@@ -159,7 +159,7 @@ def groot_base_config(path: str, args) -> str:
     architecture, a prefill bucket of the prompt's length, the 7 joint names; the import takes the rest."""
     raw = {"name": "groot-bench", "mode": "vla",
            "vision": {"resolution": [256, 256], "tile_size": [256, 256], "tokens_per_tile": tokens_per_camera(args),
-                      "architecture": "qwen3_vl"},
+                      "architecture": "qwen3_vl", "batch_cameras": not args.per_camera},
            "llm": {"num_layers": 1, "hidden_dim": 8, "num_heads": 1, "vocab_size": 512,
                    "prefill_buckets": [GROOT_PREFILL, GROOT_PREFILL + 32], "decode_buckets": [GROOT_PREFILL + 32],
                    "max_seq_len": GROOT_PREFILL + 32},
@@ -173,7 +173,8 @@ def groot_base_config(path: str, args) -> str:
 
 def _stem(args) -> str:
     """The path prefix of this policy's, size's and cameras' files in the work directory."""
-    return os.path.join(args.work, f"{args.policy}-bench-{args.size}-{'-'.join(args.cameras)}")
+    per_camera = "-per-camera" if args.per_camera else ""
+    return os.path.join(args.work, f"{args.policy}-bench-{args.size}-{'-'.join(args.cameras)}{per_camera}")
 
 
 def prepare(args) -> tuple[str, str]:
@@ -257,7 +258,12 @@ def parse_args(argv=None):
     ap.add_argument("--pools", default=",".join(POOLS),
                     help="onnxruntime thread_pool settings to time, in turn (session: a pool per graph, the "
                          "default; shared: one spinning pool for the process)")
+    ap.add_argument("--per-camera", action="store_true",
+                    help="groot: its vision encoder called once per camera (vision.batch_cameras: false, as for "
+                         "rknn) instead of once for both")
     args = ap.parse_args(argv)
+    if args.per_camera and args.policy != "groot":
+        ap.error("--per-camera: for --policy groot only (the other policies' vision runs per camera)")
     if args.size not in POLICY_SIZES[args.policy]:
         ap.error(f"--size: --policy {args.policy} has {', '.join(sorted(POLICY_SIZES[args.policy]))}")
     cameras = args.cameras or ("base,wrist" if args.policy == "groot" else "base")
@@ -301,7 +307,8 @@ def describe(args) -> str:
         return (f"Qwen3-VL vision {d['vision_hidden']}x{d['vision_depth']}, text {d['text_hidden']}x"
                 f"{d['select_layer']}, VL {d['vl_layers']}, DiT {d['dit_heads'] * d['dit_head_dim']}x"
                 f"{d['dit_layers']}, 2 camera(s) of {GROOT_CAMERA[0]}x{GROOT_CAMERA[1]} (64 tokens each), "
-                f"horizon {d['action_horizon']}, {d['num_inference_timesteps']} steps")
+                f"horizon {d['action_horizon']}, {d['num_inference_timesteps']} steps, "
+                f"{'a vision call per camera' if args.per_camera else 'one vision call for both'}")
     model = (f"Llama {d['vlm_width']}x{d['num_vlm_layers']}, expert {int(d['vlm_width'] * 0.75)}"
              if args.policy == "smolvla" else f"Gemma {d['vlm_width']}x{d['depth']}, expert {d['expert_width']}")
     side = d["image_size"]

@@ -16,6 +16,16 @@ def test_groot_defaults_to_its_checkpoints_cameras_and_joints():
     assert pi0.tokens_per_camera(args) == 64
 
 
+def test_groot_per_camera_builds_its_own_set_of_one_image_vision_calls(tmp_path):
+    import yaml
+    argv = ("--ref-script", "lerobot_groot.py", "--policy", "groot", "--work", str(tmp_path))
+    one, per = parse(*argv), parse(*argv, "--per-camera")
+    assert pi0._stem(one) != pi0._stem(per) and "one vision call" in pi0.describe(one)
+    for args, batched in ((one, True), (per, False)):
+        raw = yaml.safe_load(open(pi0.base_config(str(tmp_path / "base.yaml"), args)))
+        assert raw["vision"]["batch_cameras"] is batched
+
+
 def test_pi0_keeps_its_defaults():
     args = parse("--ref-script", "lerobot_pi0.py", "--policy", "pi05")
     assert args.cameras == ["base"] and args.size == "small" and len(pi0.joints(args)) == 8
@@ -28,6 +38,7 @@ def test_pi0_keeps_its_defaults():
     ("--ref-script", "lerobot_pi0.py", "--policy", "pi0", "--size", "wide"),
     ("--ref-script", "lerobot_groot.py", "--policy", "groot", "--cameras", "base"),
     ("--ref-script", "lerobot_pi0.py", "--pools", "none"),
+    ("--ref-script", "lerobot_pi0.py", "--per-camera"),                      # GR00T's option
 ])
 def test_rejects(argv):
     with pytest.raises(SystemExit):
