@@ -73,7 +73,7 @@ def simulator_size(raw: dict) -> dict:
 def built(tmp_path_factory):
     """Each config exported once (demo-sized) per backend flavour, shared by the backends: int64 ids for
     onnxruntime and openvino; simulator size with int32 ids and the qnn options (which the node reads) for
-    qnn; simulator size compiled for rk3588 for rknn."""
+    qnn; simulator size compiled for rk3588 for rknn, each camera in a vision call of its own."""
     cache = {}
 
     def _get(name: str, backend: str):
@@ -90,6 +90,8 @@ def built(tmp_path_factory):
                 raw.setdefault("executor", {})["options"] = dict(QNN_OPTIONS)
             elif flavour == "rknn":
                 kw = {"backend": "rknn", "options": RKNNOptions(target="rk3588")}
+                if raw.get("vision"):  # what the rknn builder asks of a GR00T config (one image per call)
+                    raw["vision"]["batch_cameras"] = False
             d = tmp_path_factory.mktemp(f"{name.replace('.yaml', '')}_{flavour}")
             (d / name).write_text(yaml.safe_dump(raw))
             build(load_config(str(d / name)), str(d / "graphs"), **kw)
