@@ -167,23 +167,24 @@ def build(cfg: ModelConfig, out: str, backend: str = "onnxruntime", hf_dir: str 
         raise BuildError(f"{type(options).__name__} is not an options type of --backend {backend!r} ({takes})")
     if builder:
         options = builder.prepare(options, weights)  # before exporting anything
-        builder.check_config(resolve_config(cfg, hf_dir))
-    check_serves(resolve_config(cfg, hf_dir), hf_dir)
+    cfg = resolve_config(cfg, hf_dir)  # the checkpoint's dimensions, read once
+    if builder:
+        builder.check_config(cfg)
+    check_serves(cfg, hf_dir)
     manifest = _build_onnx(cfg, out, backend, hf_dir, seed, force, threads, weights, block)
     if builder:
-        builder.compile(resolve_config(cfg, hf_dir), out, manifest, options, hf_dir=hf_dir, seed=seed, force=force,
-                        progress=_progress)
+        builder.compile(cfg, out, manifest, options, hf_dir=hf_dir, seed=seed, force=force, progress=_progress)
     return manifest
 
 
 def _build_onnx(cfg: ModelConfig, out: str, backend: str, hf_dir: str | None, seed: int, force: bool,
                 threads: int | None, weight_dtype: str = "float32", block: int = 32) -> dict:
-    """The portable ONNX graph set of ``cfg`` in ``out`` (graphs whose key is unchanged are kept)."""
+    """The portable ONNX graph set of ``cfg`` (resolved against ``hf_dir``: :func:`resolve_config`) in ``out``
+    (graphs whose key is unchanged are kept)."""
     t_start = time.perf_counter()
     import torch
     if threads:
         torch.set_num_threads(threads)
-    cfg = resolve_config(cfg, hf_dir)
     os.makedirs(out, exist_ok=True)
     versions = _versions()
     weights = weights_fingerprint(seed, hf_dir)
